@@ -1,0 +1,314 @@
+"""A readable LLaMA in PyTorch, in the order of the paper ("LLAMA-2 的数学形式", seed 000).
+
+Symbols: n1 vocab, n2 width, n3 sequence length, n5 heads, n6 head width, n7 FFN width, n8 layers.
+Rows are tokens (the paper's row-major convention): Z^j is n3 x n2, and X W^T is a Linear layer.
+Parameter names equal HF's, so an HF state dict loads as is (see weights.py for the full table).
+Beyond the paper: grouped-query attention, a KV cache, ALiBi, Qwen2 biases, Mixtral experts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, rope_inv_freq
+
+KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (K, V): [batch, kv_heads, past, n6]
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # H: [batch, n3, n1]
+    past_key_values: KVCache
+
+
+# --- Section 2: functions ----------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    """rnorm(X): each row divided by its root mean square, then scaled by a learned gain.
+
+    The paper's rnor has no gain; checkpoints do (one vector of n2 per norm).
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Computed in fp32 and cast back before the gain, as Meta and HF do.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cache(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos(i theta_t), sin(i theta_t) for every position i < max_position_embeddings: [max_pos, n6/2], fp32."""
+    inv_freq = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64, device=device)
+    pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float64, device=device)
+    angles = torch.outer(pos, inv_freq)  # [max_pos, n6/2]
+    return angles.cos().float(), angles.sin().float()
+
+
+def rope(x: torch.Tensor, position_ids: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+         interleaved: bool) -> torch.Tensor:
+    """rope(x, i) = x ⊗ ξ1 + x' ⊗ ξ2, row i of every head rotated by the angles of position i.
+
+    x: [batch, heads, n3, n6]; position_ids: [batch, n3]; caches: [max_pos, n6/2] in fp32.
+    interleaved (the paper, Meta): pairs (x0, x1), (x2, x3), ...; x' = (-x1, x0, -x3, x2, ...).
+    half-split (HF rotate_half): x_i pairs with x_{i+n6/2}; x' = (-x_{n6/2..}, x_{..n6/2}).
+    The exporter swaps this function for a single custom ONNX node with the same contract.
+    """
+    cos = cos_cache[position_ids].unsqueeze(1)  # [batch, 1, n3, n6/2]
+    sin = sin_cache[position_ids].unsqueeze(1)
+    xf = x.float()
+    if interleaved:
+        x0, x1 = xf[..., 0::2], xf[..., 1::2]  # [batch, heads, n3, n6/2] each
+        out = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1)  # [..., n6/2, 2]
+        out = out.flatten(-2)  # [batch, heads, n3, n6]
+    else:
+        half = x.shape[-1] // 2
+        x0, x1 = xf[..., :half], xf[..., half:]
+        out = torch.cat((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1)  # [batch, heads, n3, n6]
+    return out.to(x.dtype)
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """ALiBi's per-head slopes m_h (Press et al.), as Baichuan-13B computes them for any head count."""
+    def pow2(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start ** i for i in range(n)]
+    closest = 2 ** math.floor(math.log2(n_heads))
+    slopes = pow2(closest)
+    if closest < n_heads:
+        slopes += pow2(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+# --- Section 5: the mask M ---------------------------------------------------------------------
+
+def attention_bias(cfg: ModelConfig, n3: int, past: int, attention_mask: torch.Tensor | None,
+                   batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """M (+ ALiBi, + padding): [batch, 1 or n5, n3, past + n3], 0 where allowed, dtype's minimum elsewhere.
+
+    The paper's -inf is the dtype's minimum, as it says, so a fully padded row stays finite.
+    """
+    total = past + n3
+    q_pos = torch.arange(past, total, device=device)[:, None]  # [n3, 1]
+    k_pos = torch.arange(total, device=device)[None, :]  # [1, past + n3]
+    allowed = k_pos <= q_pos  # causal: key j visible from query i when j <= i
+    if cfg.sliding_window is not None:
+        allowed = allowed & (q_pos - k_pos < cfg.sliding_window)
+    allowed = allowed[None, None]  # [1, 1, n3, total]
+    if attention_mask is not None:
+        allowed = allowed & attention_mask[:, None, None, :].bool()  # [batch, 1, n3, total]
+    neg = torch.finfo(dtype).min
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill(~allowed, neg)
+    if cfg.position_encoding == "alibi":
+        # -m_h (i - j): a per-head penalty growing with the distance to the key.
+        slopes = alibi_slopes(cfg.num_attention_heads).to(device)[None, :, None, None]  # [1, n5, 1, 1]
+        dist = (q_pos - k_pos).float()[None, None]  # [1, 1, n3, total]
+        bias = torch.where(allowed, bias - slopes * dist, bias)  # [batch, n5, n3, total]
+    return bias.to(dtype)
+
+
+# --- Section 6: the decoder --------------------------------------------------------------------
+
+class Attention(nn.Module):
+    """Self-attention sublayer (6.2) with grouped-query heads and a KV cache."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        n2 = cfg.hidden_size
+        self.q_proj = nn.Linear(n2, cfg.q_size, bias=cfg.qkv_bias)  # W^{j1}: (n5 n6) x n2
+        self.k_proj = nn.Linear(n2, cfg.kv_size, bias=cfg.qkv_bias)  # W^{j2}: (kv_heads n6) x n2
+        self.v_proj = nn.Linear(n2, cfg.kv_size, bias=cfg.qkv_bias)  # W^{j3}: (kv_heads n6) x n2
+        self.o_proj = nn.Linear(cfg.q_size, n2, bias=cfg.o_bias)  # W^{j4}: n2 x (n5 n6)
+        # Replaceable: the ONNX exporter puts a function here that emits one custom RoPE node.
+        self.rope: Callable[..., torch.Tensor] = rope
+
+    def forward(self, zbar: torch.Tensor, bias: torch.Tensor, position_ids: torch.Tensor,
+                rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
+                past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.cfg
+        b, n3, _ = zbar.shape
+        # Q^j = Zbar^j W^{j1 T}, split by columns into n5 blocks Q^{j,i} of n3 x n6.
+        q = self.q_proj(zbar).view(b, n3, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)  # [b, n5, n3, n6]
+        k = self.k_proj(zbar).view(b, n3, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)  # [b, kv, n3, n6]
+        v = self.v_proj(zbar).view(b, n3, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)  # [b, kv, n3, n6]
+        if rope_tables is not None:
+            interleaved = cfg.rope_layout == "interleaved"
+            q = self.rope(q, position_ids, *rope_tables, interleaved)  # Qbar^{j,i} = rope(Q^{j,i})
+            k = self.rope(k, position_ids, *rope_tables, interleaved)  # Kbar^{j,i} = rope(K^{j,i})
+        if past is not None:
+            k = torch.cat((past[0], k), dim=2)  # [b, kv, past + n3, n6]
+            v = torch.cat((past[1], v), dim=2)
+        present = (k, v)
+        # Grouped-query attention: each K/V head serves n_rep consecutive query heads.
+        if cfg.n_rep > 1:
+            k = k.repeat_interleave(cfg.n_rep, dim=1)  # [b, n5, past + n3, n6]
+            v = v.repeat_interleave(cfg.n_rep, dim=1)
+        # U^{j,i} = smax(Qbar Kbar^T / sqrt(n6) + M) V, softmax in fp32 as the references do.
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(cfg.head_dim) + bias  # [b, n5, n3, past + n3]
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        u = probs @ v  # [b, n5, n3, n6]
+        u = u.transpose(1, 2).reshape(b, n3, cfg.q_size)  # U^j = [U^{j,0}, ..., U^{j,n5-1}]: [b, n3, n5 n6]
+        return self.o_proj(u), present  # R^j = U^j W^{j4 T}
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (6.4): (silu(Ybar W^{j5 T}) ⊗ (Ybar W^{j7 T})) W^{j6 T}."""
+
+    def __init__(self, n2: int, n7: int, bias: bool = False, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        self._names = names
+        setattr(self, names[0], nn.Linear(n2, n7, bias=bias))  # W^{j5} gate: n7 x n2
+        setattr(self, names[1], nn.Linear(n2, n7, bias=bias))  # W^{j7} up: n7 x n2
+        setattr(self, names[2], nn.Linear(n7, n2, bias=bias))  # W^{j6} down: n2 x n7
+
+    def forward(self, ybar: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, n) for n in self._names)
+        return down(F.silu(gate(ybar)) * up(ybar))
+
+
+class MixtureOfExperts(nn.Module):
+    """Mixtral's sparse FFN: a router picks k experts per token, their outputs weighted by softmax."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.k = cfg.num_experts_per_tok
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # router: experts x n2
+        expert = lambda: FeedForward(cfg.hidden_size, cfg.moe_intermediate_size, names=("w1", "w3", "w2"))  # noqa: E731
+        self.experts = nn.ModuleList(expert() for _ in range(cfg.num_experts))
+        self.shared_experts = nn.ModuleList(expert() for _ in range(cfg.num_shared_experts))
+
+    def forward(self, ybar: torch.Tensor) -> torch.Tensor:
+        b, n3, n2 = ybar.shape
+        x = ybar.reshape(-1, n2)  # [b n3, n2]
+        weights, chosen = torch.topk(torch.softmax(self.gate(x).float(), dim=-1), self.k, dim=-1)  # [b n3, k]
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            w = (weights * (chosen == e)).sum(-1, keepdim=True)  # [b n3, 1], 0 where e was not chosen
+            out = out + w * expert(x)
+        for expert in self.shared_experts:
+            out = out + expert(x)
+        return out.view(b, n3, n2)
+
+
+class DecoderLayer(nn.Module):
+    """Decoder j: Z^j -> Z^{j+1} (6.1-6.4)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.is_moe:
+            self.block_sparse_moe = MixtureOfExperts(cfg)
+        else:
+            self.mlp = FeedForward(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+
+    def forward(self, z, bias, position_ids, rope_tables, past):
+        zbar = self.input_layernorm(z)  # Zbar^j = rnorm(Z^j)
+        r, present = self.self_attn(zbar, bias, position_ids, rope_tables, past)
+        y = z + r  # Y^j = Z^j + R^j
+        ybar = self.post_attention_layernorm(y)  # Ybar^j = rnorm(Y^j)
+        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return y + ffn(ybar), present  # Z^{j+1} = Y^j + Yhat^j
+
+
+class Backbone(nn.Module):
+    """Embedding D and the n8 decoders plus the final rnorm; named `model` as in HF checkpoints."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # D: n1 x n2
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Llama(nn.Module):
+    """The whole model: token ids -> logits H (section 7), with an optional KV cache."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # W^8: n1 x n2
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # cos/sin tables: plain attributes, not buffers, so that .half() leaves them in fp32.
+        self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.cfg.position_encoding != "rope":
+            return None
+        if self._rope_tables is None or self._rope_tables[0].device != device:
+            self._rope_tables = rope_cache(self.cfg, device)
+        return self._rope_tables
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values: KVCache | None = None) -> CausalLMOutput:
+        """input_ids [batch, n3]; attention_mask [batch, past + n3] (1 keep, 0 pad); past K/V per layer."""
+        b, n3 = input_ids.shape
+        past = past_key_values[0][0].shape[2] if past_key_values else 0
+        if position_ids is None:
+            if attention_mask is not None:
+                # Left padding: positions count real tokens only, so a padded row matches its unpadded run.
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]  # [b, n3]
+            else:
+                position_ids = torch.arange(past, past + n3, device=input_ids.device).expand(b, n3)
+        z = self.model.embed_tokens(input_ids)  # Z^0: [b, n3, n2], row t_i = row \hat t_i of D
+        bias = attention_bias(self.cfg, n3, past, attention_mask, b, z.dtype, z.device)
+        tables = self.rope_tables(z.device)
+        presents = []
+        for j, layer in enumerate(self.model.layers):
+            z, present = layer(z, bias, position_ids, tables, past_key_values[j] if past_key_values else None)
+            presents.append(present)
+        zbar = self.model.norm(z)  # Zbar^{n8} = rnorm(Z^{n8})
+        w = F.normalize(self.lm_head.weight, dim=-1) if self.cfg.norm_head else self.lm_head.weight
+        logits = zbar @ w.T  # H = Zbar^{n8} W^{8 T}: [b, n3, n1]
+        return CausalLMOutput(logits=logits, past_key_values=tuple(presents))
+
+
+# --- Section 8: the fine-tuning loss ------------------------------------------------------------
+
+def lm_loss(logits: torch.Tensor, input_ids_or_labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """L = -sum_{i: tbar_i != -100} log smax(Hbar)_{i, tbar_i}, with tbar the labels shifted by one.
+
+    reduction "sum" is the paper's form; "mean" divides by the number of unmasked labels (HF's).
+    """
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    hbar = logits[:, :-1, :].float()  # drop H's last row: [b, n3 - 1, n1]
+    tbar = input_ids_or_labels[:, 1:]  # tbar_i = \hat t_{i+1}: [b, n3 - 1]
+    return F.cross_entropy(hbar.reshape(-1, hbar.shape[-1]), tbar.reshape(-1), ignore_index=-100, reduction=reduction)
+
+
+# --- Construction -------------------------------------------------------------------------------
+
+def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int = 0, init_std: float = 0.02) -> Llama:
+    """A model with seeded N(0, init_std) weights and unit norm gains (or empty on the meta device), in eval mode."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    if str(device) == "meta":
+        return model.to(dtype).eval()
+    model = model.to_empty(device="cpu")
+    if cfg.tie_word_embeddings:  # to_empty replaces each module's tensor separately: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, init_std, generator=gen)
+    return model.to(device=device, dtype=dtype).eval()
