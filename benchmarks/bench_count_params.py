@@ -19,7 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llama_tools.config import config_to_hf, get_preset
+from llama_tools.config_files import config_to_hf
+from llama_tools.presets import get_preset
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_headers import child_run  # noqa: E402

@@ -20,15 +20,15 @@ import time
 from pathlib import Path
 
 from llama_tools.accounting import count_params
-from llama_tools.config import get_preset
+from llama_tools.presets import get_preset
 
 CHILD = """
 import json, resource, sys, time
 from llama_tools.config import ModelConfig
-from exporters.onnx_export import export_onnx
+from llama_tools.exporters.onnx_export import export_onnx
 cfg = ModelConfig.from_dict(json.loads(sys.argv[1]))
 t = time.perf_counter()
-res = export_onnx(cfg, sys.argv[2], dtype=sys.argv[3], quiet=True)
+res = export_onnx(cfg, sys.argv[2], dtype=sys.argv[3])
 print(json.dumps({"seconds": time.perf_counter() - t, "bytes": res.bytes,
                   "external": str(res.external_data) if res.external_data else None,
                   "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))

@@ -38,10 +38,11 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from exporters.onnx_export import export_onnx
-from exporters.runtime import create_session
+from llama_tools.exporters.onnx_export import export_onnx
+from llama_tools.exporters.runtime import create_session
 from llama_tools.accounting import count_params
-from llama_tools.config import ModelConfig, get_preset
+from llama_tools.config import ModelConfig
+from llama_tools.presets import get_preset
 from llama_tools.model import Llama, build_model
 
 MODELS: dict[str, Callable[[], ModelConfig]] = {
@@ -250,7 +251,7 @@ def bench_model(key: str, args: argparse.Namespace, tmp: Path) -> tuple[list[Row
     for rope_op in ("llama_tools", "contrib"):
         path = tmp / f"{key}_{rope_op}.onnx"
         t0 = time.perf_counter()
-        res = export_onnx(model, path, dtype=args.dtype, rope_op=rope_op, quiet=True, check=False)
+        res = export_onnx(model, path, dtype=args.dtype, rope_op=rope_op, check=False)
         exported[rope_op] = path
         print(f"   exported rope_op={rope_op}: {res.num_nodes} nodes, {res.bytes / 2**20:.0f} MiB, "
               f"{time.perf_counter() - t0:.1f}s", flush=True)
@@ -348,7 +349,7 @@ def print_graphs(graphs: list[Graph]) -> None:
 def runtime_level(tmp: Path) -> str:
     """The graph optimization level exporters.runtime.create_session's session really has."""
     path = tmp / "probe.onnx"
-    export_onnx(get_preset("tiny"), path, quiet=True, check=False)
+    export_onnx(get_preset("tiny"), path, check=False)
     so = create_session(path, "cpu").session.get_session_options()
     return f"{so.graph_optimization_level.name}, intra_op_num_threads={so.intra_op_num_threads} (0: ORT's default)"
 

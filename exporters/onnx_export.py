@@ -1,5 +1,9 @@
 """Export a Llama to ONNX: one graph for prefill and decode with a KV cache, RoPE as one node.
 
+The seam with the model: `ExportModel` subclasses `Llama` (flat inputs/outputs, RoPE tables as named
+buffers passed to `Llama.forward`), and the model's RoPE is already one torch op (`llama_tools::rope`)
+that rope_ops.py translates to one ONNX node; nothing in the model is replaced or written from here.
+
 The graph is traced with fake weights (no data), the real weights are attached afterwards and
 streamed to disk, so peak memory stays near one copy of the weights. The file appears atomically.
 """
@@ -13,36 +17,35 @@ import logging
 import os
 import resource
 import shutil
-import sys
 import tempfile
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import onnx
 import onnx_ir as ir
 import torch
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import llama_tools
+from llama_tools import dtypes
 from llama_tools.config import ModelConfig
-from llama_tools.loading import load_model, resolve_dtype
-from llama_tools.model import Llama, build_model, rope_cache
-from llama_tools.output import progress, show_progress
+from llama_tools.loading import load_model
+from llama_tools.model import Llama, rope_cache, tie_weights
+from llama_tools.progress import Progress, silent
+from llama_tools.source import ModelSource, resolve
 
-from . import rope_op as rope_ops
+from . import rope_ops
+from .graph_io import ATTENTION_MASK, io_names
 
-DEFAULT_OPSET = 20  # torch.onnx's own default; "onnx" RoPE needs ONNX_ROPE_OPSET
+DEFAULT_OPSET = 20  # torch.onnx's own default; a RoPE op may need more (rope_ops.ROPE_OPS)
 # Protobuf caps a file at 2 GiB; above this many bytes of weights they go to OUT.onnx.data.
 EXTERNAL_DATA_THRESHOLD_BYTES = 2 * 2**30 - 64 * 2**20
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Sizes to trace with: >= 2 and distinct, since torch.export specializes dims of size 0 or 1.
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 3, 5
 META = "llama_tools."  # prefix of our metadata_props keys
-WRAPPED = "llama"  # ExportWrapper's attribute holding the Llama: a prefix on names to strip
 
 
 @dataclass
@@ -77,60 +80,57 @@ class ExportMetadata:
 
 # --- The traced module ---------------------------------------------------------------------------------
 
-class ExportWrapper(nn.Module):
-    """Flat ONNX inputs -> Llama.forward -> flat outputs (logits, present.0.key, present.0.value, ...)."""
+class ExportModel(Llama):
+    """The Llama with flat ONNX inputs and outputs, and its RoPE tables as buffers (named initializers).
 
-    def __init__(self, llama: Llama, tables: tuple[torch.Tensor, torch.Tensor] | None):
-        super().__init__()
-        self.llama = llama
-        if tables is not None:  # buffers, so they become named initializers instead of traced arithmetic
+    A subclass, not a wrapper: parameter and module names stay the model's own (model.layers.0...),
+    so initializers and nodes are named by module path with nothing to strip.
+    """
+
+    def __init__(self, cfg: ModelConfig, tables: tuple[torch.Tensor, torch.Tensor] | None):
+        super().__init__(cfg)
+        if tables is not None:
             self.register_buffer("cos_cache", tables[0])
             self.register_buffer("sin_cache", tables[1])
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 past_key_values: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        if hasattr(self, "cos_cache"):
-            self.llama._rope_tables = (self.cos_cache, self.sin_cache)  # read by Llama.rope_tables
+        """(ids, mask, positions, K0, V0, K1, ...) -> (logits, present K0, V0, K1, ...), as io_names lists them."""
+        tables = (self.cos_cache, self.sin_cache) if hasattr(self, "cos_cache") else None
         past = tuple(zip(past_key_values[0::2], past_key_values[1::2]))  # per layer (K, V)
-        out = self.llama(input_ids, attention_mask, position_ids, past)
+        out = super().forward(input_ids, attention_mask, position_ids, past, rope_tables=tables)
         return (out.logits, *(t for kv in out.past_key_values for t in kv))
-
-
-def io_names(num_layers: int) -> tuple[list[str], list[str]]:
-    """Graph input and output names, as Optimum and onnxruntime-genai use them."""
-    kv = [(i, k) for i in range(num_layers) for k in ("key", "value")]
-    inputs = ["input_ids", "attention_mask", "position_ids", *(f"past_key_values.{i}.{k}" for i, k in kv)]
-    return inputs, ["logits", *(f"present.{i}.{k}" for i, k in kv)]
 
 
 def _table_dtype(dtype: torch.dtype, rope_op: str) -> torch.dtype:
     """Our op keeps cos/sin in fp32; ORT's and ONNX's ops want them in the activations' type."""
-    return torch.float32 if rope_op == "llama_tools" else dtype
+    return torch.float32 if rope_ops.get_rope_op(rope_op).fp32_tables else dtype
 
 
-def _fake_wrapper(cfg: ModelConfig, dtype: torch.dtype, rope_op: str, fake: FakeTensorMode) -> ExportWrapper:
+def _fake_model(cfg: ModelConfig, dtype: torch.dtype, rope_op: str, fake: FakeTensorMode) -> ExportModel:
     """The export module with fake weights: shapes and dtypes only, nothing allocated."""
-    llama = build_model(cfg, device="meta", dtype=dtype)
+    with torch.device("meta"):
+        shapes = {name: (t.shape, t.dtype) for name, t in Llama(cfg).to(dtype).state_dict().items()}
     # Fake CPU tensors, not meta ones: a constant made in forward (ALiBi slopes) moved to "meta" loses its data.
-    specs = {name: (t.shape, t.dtype) for name, t in llama.state_dict().items()}
     with fake:
-        state = {name: torch.empty(shape, dtype=dt) for name, (shape, dt) in specs.items()}
+        state = {name: torch.empty(shape, dtype=dt) for name, (shape, dt) in shapes.items()}
         tables = None
         if cfg.position_encoding == "rope":
             shape, dt = (cfg.max_position_embeddings, cfg.head_dim // 2), _table_dtype(dtype, rope_op)
             tables = (torch.empty(shape, dtype=dt), torch.empty(shape, dtype=dt))
-    llama.load_state_dict(state, strict=True, assign=True)
-    if cfg.tie_word_embeddings:  # assign=True replaced the two tied names separately: tie again
-        llama.lm_head.weight = llama.model.embed_tokens.weight
-    for layer in llama.model.layers:
-        layer.self_attn.rope = rope_ops.rope_for_export  # one custom-op call, one ONNX node
-    return ExportWrapper(llama, tables).eval()
+    with torch.device("meta"):
+        model = ExportModel(cfg, None)
+    if tables is not None:
+        model.register_buffer("cos_cache", tables[0])
+        model.register_buffer("sin_cache", tables[1])
+    model.load_state_dict(state, strict=False, assign=True)
+    return tie_weights(model).eval()
 
 
 def _trace(cfg: ModelConfig, dtype: torch.dtype, rope_op: str, opset: int) -> torch.onnx.ONNXProgram:
     """torch.export + translation to ONNX, on fake weights; the graph is left unoptimized."""
     fake = FakeTensorMode()
-    wrapper = _fake_wrapper(cfg, dtype, rope_op, fake)
+    model = _fake_model(cfg, dtype, rope_op, fake)
     b, s, p = TRACE_BATCH, TRACE_SEQ, TRACE_PAST
     kv_shape = (b, cfg.num_key_value_heads, p, cfg.head_dim)  # [batch, kv_heads, past, head_dim]
     with fake:
@@ -145,7 +145,7 @@ def _trace(cfg: ModelConfig, dtype: torch.dtype, rope_op: str, opset: int) -> to
     input_names, output_names = io_names(cfg.num_hidden_layers)
     with _exporter_noise_off():
         program = torch.onnx.export(
-            wrapper, args, dynamo=True, dynamic_shapes=dynamic_shapes, input_names=input_names,
+            model, args, dynamo=True, dynamic_shapes=dynamic_shapes, input_names=input_names,
             output_names=output_names, opset_version=opset, verbose=False,
             custom_translation_table=rope_ops.translation_table(rope_op, cfg.head_dim),
             optimize=False)  # we optimize ourselves: the stock pass would read the fake weights
@@ -185,38 +185,39 @@ def _optimize(model: ir.Model) -> list[ir.Value]:
 
 
 def _module_path(node: ir.Node) -> str:
-    """/model/layers.0/self_attn, from the exporter's record of the module a node came from."""
-    scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")  # e.g. "['', 'llama', 'llama.model', ...]"
+    """/model/layers.0/self_attn, from the exporter's record of the module a node came from.
+
+    torch.onnx records it in each node's metadata (`pkg.torch.onnx.name_scopes`, a list ending with
+    the op itself); it has no public API for it, so this is the one place that reads it.
+    """
+    scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")  # e.g. "['', 'model', 'model.layers.0', ...]"
     parts = ast.literal_eval(scopes) if scopes else []
     module = parts[-2] if len(parts) >= 2 and not parts[-2].startswith("_") else ""  # last: the op itself
     path = ""
-    for part in module.removeprefix(WRAPPED).strip(".").split("."):
+    for part in module.strip(".").split("."):
         path += f".{part}" if part.isdigit() else f"/{part}" if part else ""  # layers.0 stays one level
     return path
 
 
 def _name_nodes(model: ir.Model) -> int:
-    """Names by module hierarchy (RoPE: .../self_attn/rope_q, rope_k); drops torch's per-node metadata."""
+    """Names by module path (RoPE: .../self_attn/q_rope/RotaryEmbedding); drops torch's per-node metadata."""
     taken: dict[str, int] = {}
-    ropes: dict[str, int] = {}
+    ropes = 0
     for node in model.graph:
-        path = _module_path(node)
+        base = f"{_module_path(node)}/{node.op_type}"
         if node.op_type == rope_ops.OP_TYPE:
-            ropes[path] = ropes.get(path, 0) + 1
-            assert ropes[path] <= 2, f"more than two RoPE nodes under {path}"
-            node.name = f"{path}/rope_{'q' if ropes[path] == 1 else 'k'}"  # model.py rotates q first
-        else:
-            base = f"{path}/{node.op_type}"
-            taken[base] = taken.get(base, 0) + 1
-            node.name = base if taken[base] == 1 else f"{base}_{taken[base] - 1}"
+            ropes += 1
+            assert base.endswith(("/q_rope/" + node.op_type, "/k_rope/" + node.op_type)), f"RoPE node under {base}"
+        taken[base] = taken.get(base, 0) + 1
+        node.name = base if taken[base] == 1 else f"{base}_{taken[base] - 1}"
         node.metadata_props.clear()  # stack traces with this machine's paths
-    return sum(ropes.values())
+    return ropes
 
 
 def _name_dims(model: ir.Model) -> None:
     """attention_mask's and present.*'s length: total_sequence_length (torch.export calls it s<N> / a + b)."""
     graph = model.graph
-    assert graph.inputs[1].name == "attention_mask", f"input 1 is {graph.inputs[1].name}"
+    assert graph.inputs[1].name == ATTENTION_MASK, f"input 1 is {graph.inputs[1].name}"
     renames = {str(graph.inputs[1].shape[1]): "total_sequence_length"}
     if len(graph.outputs) > 1:
         renames[str(graph.outputs[1].shape[2])] = "total_sequence_length"
@@ -228,7 +229,7 @@ def _name_dims(model: ir.Model) -> None:
 
 def _attach_rope_function(model: ir.Model, rope_op: str, opset: int) -> None:
     """Our op's body goes in model.functions, so any onnxruntime runs it."""
-    if rope_op != "llama_tools" or not any(n.domain == rope_ops.DOMAIN for n in model.graph):
+    if rope_op != rope_ops.OURS.name or not any(n.domain == rope_ops.DOMAIN for n in model.graph):
         return
     function = ir.serde.deserialize_function(rope_ops.rope_function(opset))
     model.functions[function.identifier()] = function
@@ -248,34 +249,28 @@ class _Weights:
     seed: int | None  # None: from a checkpoint or a given module, no seed reproduces them
 
 
-def _real_weights(source: Any, dtype: torch.dtype, seed: int) -> _Weights:
+def _real_weights(source: ModelSource | ModelConfig | Llama, dtype: torch.dtype, seed: int,
+                  progress: Progress) -> _Weights:
     """One copy of the weights: a checkpoint's (memory-mapped where possible), seeded random, or a module's."""
     if isinstance(source, Llama):
         state = {k: v.detach().to(dtype) for k, v in source.state_dict().items()}  # the caller's module untouched
         params = sum(p.numel() for p in source.parameters())
         return _Weights(state, source.cfg, params, source.cfg.source or source.cfg.name, None)
-    from llama_tools.checkpoints import has_weights
-
-    model = load_model(source, dtype=dtype, seed=seed)  # ValueError for a bad preset / path / checkpoint
-    from_checkpoint = not isinstance(source, ModelConfig) and has_weights(source)
-    label = (source.source or source.name) if isinstance(source, ModelConfig) else str(source)
-    if Path(label).exists():  # a path: absolute, so verify parity finds it from any directory
-        label = str(Path(label).resolve())
+    if isinstance(source, ModelConfig):
+        label, seeded = source.source or source.name, True
+    else:
+        label, seeded = source.label, source.seeded
+    model = load_model(source, dtype=dtype, seed=seed, progress=progress)
     params = sum(p.numel() for p in model.parameters())
-    return _Weights(model.state_dict(), model.cfg, params, label, None if from_checkpoint else seed)
+    return _Weights(model.state_dict(), model.cfg, params, label, seed if seeded else None)
 
 
 def _apply_weights(program: torch.onnx.ONNXProgram, hidden: list[ir.Value], state: dict[str, torch.Tensor]) -> None:
-    """Give each fake initializer its real tensor (no copy), under the module's own name (HF's)."""
-    real = {}
+    """Give each fake initializer its real tensor (no copy); initializers carry the module's own names."""
     for v in hidden:
-        name = v.name.removeprefix(WRAPPED + ".")
-        assert name in state, f"initializer {v.name} has no weight in the state dict"
-        assert tuple(state[name].shape) == tuple(v.shape), f"{name}: weight {list(state[name].shape)} vs {v.shape}"
-        real[v.name] = state[name]
-    program.apply_weights(real)
-    for v in hidden:
-        v.name = v.name.removeprefix(WRAPPED + ".")
+        assert v.name in state, f"initializer {v.name} has no weight in the state dict"
+        assert tuple(state[v.name].shape) == tuple(v.shape), f"{v.name}: weight {list(state[v.name].shape)} vs {v.shape}"
+    program.apply_weights({v.name: state[v.name] for v in hidden})
 
 
 def _set_metadata(model: ir.Model, cfg: ModelConfig, rope_op: str, dtype: str, source: str,
@@ -292,18 +287,17 @@ def _set_metadata(model: ir.Model, cfg: ModelConfig, rope_op: str, dtype: str, s
     })
 
 
-def _save_atomic(model: ir.Model, output: Path, threshold: int, quiet: bool, check: bool) -> Path | None:
+def _save_atomic(model: ir.Model, output: Path, threshold: int, check: bool, progress: Progress) -> Path | None:
     """Write OUT (and OUT.data) in a temp dir beside OUT, then rename: a killed export leaves no OUT."""
     data_name = output.name + ".data"
     weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     external = weight_bytes > threshold
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    total = len(model.graph.initializers)
+    written = iter(range(1, total + 1))
     try:
-        ticks = progress(range(len(model.graph.initializers)), "writing weights", quiet=quiet or not external)
         ir.save(model, tmp / output.name, external_data=data_name if external else None,
-                callback=lambda tensor, info: next(ticks, None))
-        for _ in ticks:  # finish the bar
-            pass
+                callback=lambda tensor, info: progress(next(written, total), total, "weights written"))
         if check:
             onnx.checker.check_model(str(tmp / output.name), full_check=True)
         if external:  # the data first: once OUT exists, its data is beside it
@@ -318,35 +312,33 @@ def _save_atomic(model: ir.Model, output: Path, threshold: int, quiet: bool, che
 
 # --- The entry points ----------------------------------------------------------------------------------------
 
-def _check_args(dtype: Any, rope_op: str, opset: int | None, output: Path) -> tuple[torch.dtype, int]:
+def check_args(dtype: Any, rope_op: str, opset: int | None) -> tuple[dtypes.DType, int]:
     """Bad user input -> one-line ValueError, before anything is loaded; returns (dtype, opset)."""
-    torch_dtype = resolve_dtype(dtype)
-    if torch_dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype {dtype!r} cannot be exported; choose float32, float16 or bfloat16")
-    if rope_op not in rope_ops.ROPE_OPS:
-        raise ValueError(f"unknown rope_op {rope_op!r}; choose one of {', '.join(rope_ops.ROPE_OPS)}")
-    need = rope_ops.ONNX_ROPE_OPSET if rope_op == "onnx" else 18
-    opset = max(DEFAULT_OPSET, need) if opset is None else opset
-    if opset < need:
-        why = "the standard RotaryEmbedding" if rope_op == "onnx" else "the RoPE function body (Split num_outputs)"
-        raise ValueError(f"opset {opset} is too old for {why}; pass opset >= {need}")
-    if output.is_dir():
-        raise ValueError(f"{output}: is a directory; give a file path such as {output / 'model.onnx'}")
-    return torch_dtype, opset
+    dt = dtypes.model_dtype(dtype)
+    op = rope_ops.get_rope_op(rope_op)
+    opset = max(DEFAULT_OPSET, op.min_opset) if opset is None else opset
+    if opset < op.min_opset:
+        raise ValueError(f"opset {opset} is too old for {op.display}; pass opset >= {op.min_opset}")
+    return dt, opset
 
 
-def export_onnx(source: Any, output: str | Path, *, dtype: Any = "float32", rope_op: str = "llama_tools",
-                opset: int | None = None, seed: int = 0, quiet: bool = False, check: bool = True,
-                external_data_threshold_bytes: int = EXTERNAL_DATA_THRESHOLD_BYTES) -> ExportResult:
+def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | Path, *, dtype: Any = "float32",
+                rope_op: str = rope_ops.OURS.name, opset: int | None = None, seed: int = 0, check: bool = True,
+                external_data_threshold_bytes: int = EXTERNAL_DATA_THRESHOLD_BYTES,
+                progress: Progress = silent, say: Callable[[str], None] = lambda msg: None) -> ExportResult:
     """Export a preset, config.json, checkpoint directory, ModelConfig or Llama to one ONNX file (+ .data)."""
     t0 = time.perf_counter()
     output = Path(output)
-    torch_dtype, opset = _check_args(dtype, rope_op, opset, output)
+    dt, opset = check_args(dtype, rope_op, opset)
+    if output.is_dir():
+        raise ValueError(f"{output}: is a directory; give a file path such as {output / 'model.onnx'}")
+    if isinstance(source, (str, Path)):
+        source = resolve(source)
+    torch_dtype = dtypes.to_torch(dt.name)
     output.parent.mkdir(parents=True, exist_ok=True)
-    weights = _real_weights(source, torch_dtype, seed)
+    weights = _real_weights(source, torch_dtype, seed, progress)
     cfg, state = weights.cfg, weights.state
-    say = (lambda msg: print(msg, file=sys.stderr)) if show_progress(quiet) else (lambda msg: None)
-    say(f"tracing {cfg.name} ({cfg.num_hidden_layers} layers, {DTYPE_NAMES[torch_dtype]}, rope_op={rope_op})")
+    say(f"tracing {cfg.name} ({cfg.num_hidden_layers} layers, {dt.name}, rope_op={rope_op})")
     program = _trace(cfg, torch_dtype, rope_op, opset)
     graph = program.model
     hidden = _optimize(graph)
@@ -360,13 +352,13 @@ def export_onnx(source: Any, output: str | Path, *, dtype: Any = "float32", rope
     _name_dims(graph)
     assert rope_nodes == (2 * cfg.num_hidden_layers if cfg.position_encoding == "rope" else 0), (
         f"{rope_nodes} RoPE nodes for {cfg.num_hidden_layers} layers")
-    _set_metadata(graph, cfg, rope_op, DTYPE_NAMES[torch_dtype], weights.source, weights.seed)
+    _set_metadata(graph, cfg, rope_op, dt.name, weights.source, weights.seed)
     say(f"writing {output}")
-    data = _save_atomic(graph, output, external_data_threshold_bytes, quiet, check)
+    data = _save_atomic(graph, output, external_data_threshold_bytes, check, progress)
     size = output.stat().st_size + (data.stat().st_size if data else 0)
     return ExportResult(
         path=output, external_data=data, bytes=size, params=weights.params, num_nodes=len(graph.graph),
-        rope_nodes=rope_nodes, opset=opset, dtype=DTYPE_NAMES[torch_dtype], rope_op=rope_op,
+        rope_nodes=rope_nodes, opset=opset, dtype=dt.name, rope_op=rope_op,
         seconds=time.perf_counter() - t0, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
@@ -375,6 +367,8 @@ def read_metadata(path: str | Path) -> ExportMetadata:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such file; pass the .onnx file export_onnx wrote")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path}: empty file; export it again with `llama-tools export onnx`")
     try:
         props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
     except Exception as e:  # protobuf's DecodeError and friends  # noqa: BLE001

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .config import ModelConfig, get_preset, load_config, preset_names
+from .config import ModelConfig
+from .config_files import load_config
+from .presets import get_preset, preset_names
 
 if TYPE_CHECKING:
     from .model import Llama
@@ -17,7 +19,7 @@ __version__ = "0.1.0"
 __all__ = ["ModelConfig", "get_preset", "load_config", "preset_names", "load_model", "__version__"]
 
 
-def load_model(source: Any, dtype: Any = "float32", device: str = "cpu", seed: int = 0) -> "Llama":
+def load_model(source: Any, dtype: Any = "float32", device: str = "cpu", seed: int = 0) -> "Llama":  # noqa: D401
     """A preset name, a config.json, or a checkpoint directory -> an eval-mode `Llama`."""
     from .loading import load_model as _load
 

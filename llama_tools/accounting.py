@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from .config import ModelConfig, load_config
-from .headers import CheckpointInspection, find_weight_files, inspect_checkpoint
+from . import dtypes
+from .config import ModelConfig
+from .inspection import CheckpointInspection, inspect_checkpoint
+from .source import ModelSource, resolve
 from .weights import COMPONENTS, weight_specs
-
-# Bytes per weight; int4 ignores the per-group scales a real quantization format adds.
-DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0, "int4": 0.5}
 
 
 @dataclass(frozen=True)
@@ -155,8 +153,8 @@ def count_params(cfg: ModelConfig, *, context: int | None = None, batch: int = 1
              f"{cfg.attention_kind}: K, V have {cfg.num_key_value_heads} x {cfg.head_dim} rows, not n2"
              if cfg.kv_size != n2 or cfg.q_size != n2 else "4 n2^2 per decoder, as the formula has it"),
         Item("attention biases", weights_of("attn.bias"), "Qwen2-style q/k/v (and o) biases"),
-        Item("FFN shape", weights_of("mlp.gate", "mlp.up", "mlp.down", "mlp.bias", "moe.router", "moe.experts",
-                                     "moe.shared") - 3 * n8 * n2 * n7,
+        Item("FFN shape", weights_of("mlp.gate", "mlp.up", "mlp.down", "mlp.bias", "moe.router", "moe.experts")
+             - 3 * n8 * n2 * n7,
              f"{cfg.num_experts} experts of {cfg.moe_intermediate_size} + router" if cfg.is_moe
              else ("FFN biases" if cfg.mlp_bias else "3 n2 n7 per decoder, as the formula has it")),
     ]
@@ -171,9 +169,12 @@ def count_params(cfg: ModelConfig, *, context: int | None = None, batch: int = 1
     # A token multiplies through every active matrix except the embedding (a lookup); lm_head even when tied.
     matmul = active - weights_of("embedding", "norm", "final_norm") + (n1 * n2 if cfg.tie_word_embeddings else 0)
     kv_elems_per_token = 2 * n8 * cfg.kv_size
-    memory = [MemoryRow(d, round(total * b), round(kv_elems_per_token * b), round(kv_elems_per_token * b) * context * batch)
-              for d, b in DTYPE_BYTES.items() if d != "int4"]
-    memory.append(MemoryRow("int4", round(total * DTYPE_BYTES["int4"]), 0, 0))
+    # Weight bytes per dtype (int4 without the per-group scales real formats add); no int4 KV cache.
+    memory = []
+    for name in dtypes.MEMORY_DTYPES:
+        b = dtypes.get(name).bytes
+        kv = round(kv_elems_per_token * b) if b >= 1 else 0
+        memory.append(MemoryRow(name, round(total * b), kv, kv * context * batch))
 
     notes = []
     stated = PAPER_FIGURES.get(cfg.name)
@@ -193,12 +194,14 @@ def count_params(cfg: ModelConfig, *, context: int | None = None, batch: int = 1
     )
 
 
-def count_source(source: str, *, context: int | None = None, batch: int = 1) -> ParamCount:
+def count_source(source: ModelSource | str, *, context: int | None = None, batch: int = 1) -> ParamCount:
     """A preset, a config.json, or a checkpoint directory (counted from its headers, no data read)."""
-    if Path(source).is_dir() and find_weight_files(source) is not None:
-        insp = inspect_checkpoint(source)
+    src = resolve(source)
+    if src.weights is not None:
+        assert src.path is not None, "a checkpoint source has a path"
+        insp = inspect_checkpoint(src.path)
         return dataclasses.replace(count_params(insp.cfg, context=context, batch=batch), checkpoint=insp)
-    return count_params(load_config(source), context=context, batch=batch)
+    return count_params(src.cfg, context=context, batch=batch)
 
 
 # --- Flat rows for output.render -------------------------------------------------------------------
@@ -250,7 +253,7 @@ def summary_rows(counts: list[ParamCount]) -> list[dict[str, object]]:
 
 
 def _kv(c: ParamCount) -> MemoryRow:
-    return next(m for m in c.memory if m.dtype == "float16")
+    return next(m for m in c.memory if m.dtype == dtypes.FLOAT16.name)
 
 
 def layer_rows(count: ParamCount) -> list[dict[str, object]]:

@@ -1,9 +1,9 @@
 """Load the weights LLaMA-family checkpoints ship in: HF safetensors/.bin (sharded or not), Meta .pth shards,
-Baichuan's fused W_pack.
+Baichuan's W_pack, InternLM2's wqkv.
 
-Every path goes: find the files -> validate the headers (headers.py) -> read the tensors (memory-mapped)
--> map the stored names to the module's names through weights.py's `checkpoint_tensors` -> fix the
-layout (layouts.py: split W_pack, reorder q/k rows for RoPE) -> assign into a `Llama` built on the
+Every path goes: find the files (weight_files.py) -> validate the headers -> read the tensors (memory-mapped)
+-> map the stored names to the module's names through the format's table (formats.py) -> fix the
+layout (layouts.py: split fused q/k/v, reorder q/k rows for RoPE) -> assign into a `Llama` built on the
 meta device, so no random init is ever materialized.
 """
 
@@ -17,11 +17,10 @@ from typing import Any
 import torch
 
 from .config import ModelConfig
-from .headers import (BENIGN_SUFFIXES, WeightFiles, checkpoint_config, detect_layout, find_weight_files,
-                      merge_meta_shards, read_headers)
+from .formats import BENIGN_SUFFIXES, CheckpointFormat, checkpoint_tensors, detect_format, merge_meta_shards
 from .layouts import permute_rope_rows, split_qkv
-from .output import progress
-from .weights import checkpoint_tensors, weight_specs
+from .progress import Progress, silent
+from .weight_files import NO_WEIGHTS, WeightFiles, checkpoint_config, find_weight_files, read_headers
 
 
 @dataclass
@@ -30,17 +29,8 @@ class LoadedCheckpoint:
 
     cfg: ModelConfig
     state: dict[str, torch.Tensor]
-    layout: str  # the layout the files were in: hf | meta | baichuan | internlm2
+    format: CheckpointFormat  # the format the files were in
     files: WeightFiles
-
-
-def has_weights(directory: str | Path) -> bool:
-    """Whether a directory holds weight files (a config-only directory means random init)."""
-    d = Path(directory)
-    if not d.is_dir():
-        return False
-    return any(d.glob("*.safetensors")) or any(d.glob("pytorch_model*.bin")) or any(d.glob("consolidated.*.pth")) \
-        or (d / "model.safetensors.index.json").is_file() or (d / "pytorch_model.bin.index.json").is_file()
 
 
 def torch_load(path: Path) -> dict[str, torch.Tensor]:
@@ -77,53 +67,44 @@ def _read_file(wf: WeightFiles, path: Path) -> dict[str, torch.Tensor]:
     return torch_load(path)
 
 
-def read_tensors(directory: str | Path, cfg: ModelConfig | None = None) -> tuple[dict[str, torch.Tensor], WeightFiles,
-                                                                                 dict[str, str]]:
-    """All stored tensors by stored name (Meta shards concatenated), plus the file each came from."""
+def read_tensors(directory: str | Path, cfg: ModelConfig, wf: WeightFiles,
+                 progress: Progress = silent) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All stored tensors by stored name (Meta shards joined), plus the file each came from."""
     d = Path(directory)
-    wf = find_weight_files(d)
-    if wf is None:
-        raise ValueError(f"{d}: no weight files (model*.safetensors, pytorch_model*.bin or consolidated.NN.pth)")
-    headers = read_headers(wf)  # validates every header first: truncation, bad offsets, index vs files
-    if wf.kind == "meta":
-        merge_meta_shards(cfg, headers)  # every shard holds the same tensor names
-    files = progress(wf.files, f"reading {len(wf.files)} weight files", quiet=len(wf.files) == 1, length=len(wf.files))
-    per_file = [_read_file(wf, f) for f in files]  # a bar on a terminal, silent when piped
+    read_headers(wf)  # validates every header first: truncation, bad offsets, index vs files
+    per_file = []
+    for k, f in enumerate(wf.files):
+        per_file.append(_read_file(wf, f))
+        progress(k + 1, len(wf.files), f"read {f.name}")
     if wf.kind != "meta" or len(per_file) == 1:
         where = {k: f.name for f, sd in zip(wf.files, per_file) for k in sd}
-        return {k: v for sd in per_file for k, v in sd.items()}, wf, where
-    assert cfg is not None, "merging Meta shards needs the config's shard axes"
-    shard_dim = {s.meta_name: s.meta_shard_dim for s in weight_specs(cfg)}
+        return {k: v for sd in per_file for k, v in sd.items()}, where
     label = f"consolidated.00-{len(per_file) - 1:02d}.pth"
-    merged = {}
-    for name, first in per_file[0].items():
-        parts = []
-        for f, sd in zip(wf.files, per_file):
-            if name not in sd:
-                raise ValueError(f"{f}: shard lacks tensor {name!r} that {wf.files[0].name} holds")
-            parts.append(sd[name])
-        dim = shard_dim.get(name)
+
+    def join(name: str, parts: list[torch.Tensor], axis: int) -> torch.Tensor:
         # Column-parallel (wq, wk, wv, w1, w3, output) split rows, row-parallel (wo, w2, embeddings) columns.
         try:
-            merged[name] = first if dim is None else torch.cat(parts, dim=dim)
+            return torch.cat(parts, dim=axis)
         except RuntimeError:
             shapes = ", ".join(f"{f.name} {list(p.shape)}" for f, p in zip(wf.files, parts))
-            raise ValueError(f"{d}: shards of tensor {name!r} do not join along axis {dim}: {shapes}") from None
-    return merged, wf, {k: label for k in merged}
+            raise ValueError(f"{d}: shards of tensor {name!r} do not join along axis {axis}: {shapes}") from None
+
+    merged = merge_meta_shards(cfg, per_file, join, lambda k: str(wf.files[k]))
+    return merged, {k: label for k in merged}
 
 
-def read_checkpoint(directory: str | Path, rope_layout: str | None = None) -> LoadedCheckpoint:
+def read_checkpoint(directory: str | Path, rope_layout: str | None = None,
+                    progress: Progress = silent) -> LoadedCheckpoint:
     """A checkpoint directory -> config + module-named tensors; rope_layout None keeps the files' own."""
     d = Path(directory)
     wf = find_weight_files(d)
     if wf is None:
-        raise ValueError(f"{d}: no weight files (model*.safetensors, pytorch_model*.bin or consolidated.NN.pth)")
+        raise ValueError(f"{d}: {NO_WEIGHTS}")
     cfg = checkpoint_config(d, wf)
-    stored, wf, where = read_tensors(d, cfg)
-    layout = detect_layout(wf.kind, list(stored))
+    stored, where = read_tensors(d, cfg, wf, progress)
+    fmt = detect_format(wf.kind, list(stored))
     state: dict[str, torch.Tensor] = {}
-    expected = checkpoint_tensors(cfg, layout)
-    for ct in expected:
+    for ct in checkpoint_tensors(cfg, fmt):
         if ct.name not in stored:
             files = ", ".join(f.name for f in wf.files)
             raise ValueError(f"{d}: tensor {ct.name!r} that the config predicts is in none of {files}")
@@ -133,10 +114,11 @@ def read_checkpoint(directory: str | Path, rope_layout: str | None = None) -> Lo
                              f"predicts {list(ct.shape)}; check {Path(cfg.source).name}")
         if len(ct.parts) == 1:
             state[ct.parts[0]] = w
-        else:  # Baichuan's W_pack = cat(q, k, v); InternLM2's wqkv grouped per KV head
-            pieces = split_qkv(w, layout, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, ct.name)
-            for part, piece in zip(ct.parts, pieces):
-                state[part] = piece
+        else:
+            assert fmt.fused_qkv is not None, f"{fmt.name}: a multi-part tensor without a fusion rule"
+            pieces = split_qkv(w, fmt.fused_qkv, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                               ct.name)
+            state.update(zip(ct.parts, pieces))
     for name in list(stored):
         if name.endswith(BENIGN_SUFFIXES):
             stored.pop(name)  # recomputed from the config
@@ -146,12 +128,11 @@ def read_checkpoint(directory: str | Path, rope_layout: str | None = None) -> Lo
         name = next(iter(stored))
         raise ValueError(f"{d / where[name]}: tensor {name!r} is not a weight of the {cfg.family} model that "
                          f"{Path(cfg.source).name} describes")
-    src = "interleaved" if layout == "meta" else "half"
-    cfg = cfg.replace(rope_layout=src)
-    if rope_layout is not None and rope_layout != src and cfg.position_encoding == "rope":
-        state = permute_rope_rows(state, cfg.num_attention_heads, cfg.num_key_value_heads, src, rope_layout)
+    cfg = cfg.replace(rope_layout=fmt.rope_layout)
+    if rope_layout is not None and rope_layout != fmt.rope_layout and cfg.position_encoding == "rope":
+        state = permute_rope_rows(state, cfg.num_attention_heads, cfg.num_key_value_heads, fmt.rope_layout, rope_layout)
         cfg = cfg.replace(rope_layout=rope_layout)
-    return LoadedCheckpoint(cfg, state, layout, wf)
+    return LoadedCheckpoint(cfg, state, fmt, wf)
 
 
 def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -161,7 +142,7 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: to
     consume=True empties `state` while casting, one tensor at a time, so that peak memory stays
     near one copy of the model instead of the stored copy plus the cast one.
     """
-    from .model import build_model
+    from .model import build_model, tie_weights
 
     model = build_model(cfg, device="meta", dtype=dtype)
     source = state if consume else dict(state)
@@ -169,13 +150,12 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: to
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    tie_weights(model)
     return model.to(device).eval()
 
 
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, device: Any = "cpu",
-                    rope_layout: str | None = None) -> Any:
+                    rope_layout: str | None = None, progress: Progress = silent) -> Any:
     """A checkpoint directory -> an eval-mode Llama holding its weights."""
-    ck = read_checkpoint(directory, rope_layout=rope_layout)
+    ck = read_checkpoint(directory, rope_layout=rope_layout, progress=progress)
     return model_from_state(ck.cfg, ck.state, dtype, device, consume=True)

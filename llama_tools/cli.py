@@ -1,18 +1,24 @@
-"""The `llama-tools` command line: parse, call one library function, print.
+"""The `llama-tools` command line, the layer above everything: parse, resolve MODEL once, call one function, print.
 
 Imports stay inside the commands: `count-params` from a preset never loads torch or pandas.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import math
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import click
 
-from . import __version__
+from . import __version__, dtypes
+from .formats import BENIGN_SUFFIXES, WRITABLE
 from .output import FORMATS, render
+from .progress import terminal
 
 
 class Group(click.Group):
@@ -21,9 +27,63 @@ class Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError, KeyError) as e:
-            msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-            raise click.ClickException(str(msg)) from None
+        except click.UsageError as e:  # a bad option value: the one line, without the usage block
+            if isinstance(e, click.NoSuchOption) or e.ctx is None or isinstance(e.ctx.command, click.Group):
+                raise
+            hint = f" (see '{e.ctx.command_path} --help')"
+            raise click.ClickException(e.format_message().splitlines()[0] + hint) from None
+        except (ValueError, OSError) as e:
+            name = getattr(e, "filename", None)
+            msg = f"{name}: {e.strerror}" if isinstance(e, OSError) and name and e.strerror else str(e)
+            raise click.ClickException(msg.splitlines()[0] if msg else type(e).__name__) from None
+
+
+class ModelArg(click.ParamType):
+    """MODEL (a preset, a config.json/params.json, a checkpoint directory), resolved once into a ModelSource."""
+
+    name = "MODEL"
+
+    def __init__(self, weights_required_in_dir: bool = False):
+        self.weights_required_in_dir = weights_required_in_dir
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        from .source import ModelSource, resolve
+
+        if isinstance(value, ModelSource):
+            return value
+        return resolve(value, weights_required_in_dir=self.weights_required_in_dir)  # ValueError: one line
+
+
+class IdsArg(click.ParamType):
+    """'1 450 29871' or '1,450' -> [1, 450, 29871]."""
+
+    name = "IDS"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> list[int]:
+        from .tokenizer import parse_ids
+
+        try:
+            ids = parse_ids(value) if isinstance(value, str) else list(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        if not ids:
+            self.fail("no token ids given", param, ctx)
+        return ids
+
+
+class Finite(click.ParamType):
+    """A float that is a number (no nan, no inf)."""
+
+    name = "NUMBER"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return v
 
 
 def output_options(formats: tuple[str, ...] = FORMATS) -> Callable:
@@ -38,6 +98,15 @@ def output_options(formats: tuple[str, ...] = FORMATS) -> Callable:
     return decorator
 
 
+def say(msg: str) -> None:
+    """A status line on a terminal's stderr; nothing when piped."""
+    if sys.stderr.isatty():
+        click.echo(msg, err=True)
+
+
+DTYPE_CHOICE = click.Choice(dtypes.MODEL_DTYPES)
+
+
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="llama-tools")
 def cli() -> None:
@@ -47,14 +116,14 @@ def cli() -> None:
 # ==== count-params ====================================================================================
 
 @cli.command("count-params")
-@click.argument("models", nargs=-1)
-@click.option("--context", type=int, default=None,
+@click.argument("models", nargs=-1, type=ModelArg())
+@click.option("--context", type=click.IntRange(min=1), default=None,
               help="Tokens of KV cache and attention for the memory and FLOP figures [default: each model's max].")
-@click.option("--batch", type=int, default=1, show_default=True, help="Sequences held in the KV cache.")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Sequences held in the KV cache.")
 @click.option("--per-layer", is_flag=True, help="Also list every decoder layer's count.")
-@click.option("--check", is_flag=True, help="Exit 1 when a checkpoint's tensors differ from its config.")
+@click.option("--check", is_flag=True, help="Exit 1 also when a checkpoint holds tensors its config does not explain.")
 @output_options()
-def count_params(models: tuple[str, ...], context: int | None, batch: int, per_layer: bool, check: bool,
+def count_params(models: tuple[Any, ...], context: int | None, batch: int, per_layer: bool, check: bool,
                  fmt: str) -> None:
     """Exact parameters of MODELS (presets, config.json files or checkpoint directories) beside the paper's formula.
 
@@ -62,8 +131,7 @@ def count_params(models: tuple[str, ...], context: int | None, batch: int, per_l
     directory is counted from its headers alone; no tensor data is read.
     """
     from .accounting import count_source, layer_rows, long_rows, summary_rows
-    from .config import PAPER_MODELS
-    from .headers import render_rows
+    from .presets import PAPER_MODELS
 
     counts = [count_source(m, context=context, batch=batch) for m in (models or PAPER_MODELS)]
     if fmt == "json":
@@ -78,14 +146,56 @@ def count_params(models: tuple[str, ...], context: int | None, batch: int, per_l
             if c.checkpoint is not None:
                 click.echo(f"\n{c.model}: {c.checkpoint.path} ({c.checkpoint.format}, {c.checkpoint.layout} names), "
                            f"read from headers in {c.checkpoint.seconds * 1000:.0f} ms\n"
-                           + render(render_rows(c.checkpoint), fmt))
+                           + render(checkpoint_rows(c.checkpoint), fmt))
             for note in c.notes:
                 click.echo(f"note ({c.model}): {note}")
-    bad = [c.checkpoint.path for c in counts if c.checkpoint is not None and not c.checkpoint.ok]
-    if bad:
-        click.echo(f"warning: tensors differ from the config in {', '.join(bad)}", err=True)
-        if check:
+    # Missing or misshapen tensors always fail (the file cannot be the model its config says); tensors
+    # the config does not explain fail only with --check.
+    for c in counts:
+        insp = c.checkpoint
+        if insp is None:
+            continue
+        for m in insp.mismatched:
+            click.echo(f"error: {insp.path}/{m.file}: tensor {m.name} has shape {list(m.found)}, "
+                       f"its config predicts {list(m.expected)}", err=True)
+        for ct in insp.missing:
+            click.echo(f"error: {insp.path}: tensor {ct.name} {list(ct.shape)} that its config predicts is missing",
+                       err=True)
+        odd = [t for t in insp.unexplained if not t.name.endswith(BENIGN_SUFFIXES)]
+        for t in odd:
+            click.echo(f"{'error' if check else 'warning'}: {insp.path}/{t.file}: tensor {t.name} is no weight "
+                       f"of its config", err=True)
+        if insp.mismatched or insp.missing or (check and odd):
             sys.exit(1)
+
+
+def checkpoint_rows(insp: Any) -> list[dict[str, Any]]:
+    """Flat rows for output.render: per dtype, per component, then every problem, then the total."""
+    rows: list[dict[str, Any]] = []
+
+    def row(section: str, name: str, params: int | str = "", expected: int | str = "", nbytes: int | str = "",
+            note: str = "") -> None:
+        rows.append({"section": section, "name": name, "params": params, "expected": expected, "bytes": nbytes,
+                     "note": note})
+
+    for t in insp.by_dtype:
+        row("dtype", t.dtype, t.params, "", t.bytes, f"{t.tensors} tensors")
+    for c in insp.by_component:
+        note = "" if c.found_params == c.expected_params else ("not in config" if not c.expected_params else "differs")
+        row("component", c.component, c.found_params, c.expected_params, "", note)
+    for t in insp.unexplained:
+        benign = t.name.endswith(BENIGN_SUFFIXES)
+        row("unexplained", t.name, t.numel, 0, t.nbytes,
+            f"{t.file}: " + ("a stored buffer, skipped when loading" if benign else "no weight of the config"))
+    for ct in insp.missing:
+        row("missing", ct.name, 0, math.prod(ct.shape), "", f"expected shape {list(ct.shape)}")
+    for m in insp.mismatched:
+        row("mismatch", m.name, math.prod(m.found), math.prod(m.expected), "",
+            f"{m.file}: shape {list(m.found)}, config predicts {list(m.expected)}")
+    row("total", f"{len(insp.tensors)} tensors in {len(insp.files)} files", insp.total_params, insp.expected_params,
+        insp.total_bytes, "matches config" if insp.ok else "DIFFERS from config")
+    return rows
+
 
 # ==== report ==========================================================================================
 
@@ -95,12 +205,13 @@ def report() -> None:
 
 
 @report.command("shapes")
-@click.argument("model")
-@click.option("--seq-len", "seq_len", type=int, default=128, show_default=True, help="n3: new tokens per sequence.")
-@click.option("--batch", type=int, default=1, show_default=True, help="Sequences per batch.")
-@click.option("--past", type=int, default=0, show_default=True, help="Cached positions before this step (KV cache).")
-@click.option("--dtype", default=None, help="Element type for bytes: float32, float16, bfloat16 "
-                                            "[default: the model's published dtype].")
+@click.argument("model", type=ModelArg())
+@click.option("--seq-len", "seq_len", type=click.IntRange(min=1), default=128, show_default=True,
+              help="n3: new tokens per sequence.")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Sequences per batch.")
+@click.option("--past", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Cached positions before this step (KV cache).")
+@click.option("--dtype", type=DTYPE_CHOICE, default=None, help="Element type for bytes [default: the model's published dtype].")
 @click.option("--layers", type=click.Choice(["all", "first"]), default="all", show_default=True,
               help="Rows of every decoder, or of decoder 0 only.")
 @click.option("--only", type=click.Choice(["all", "weights", "activations"]), default="all", show_default=True,
@@ -108,15 +219,13 @@ def report() -> None:
 @click.option("-o", "--output", default=None, help="Write here (atomically) instead of stdout.")
 @click.option("--format", "fmt", type=click.Choice(["csv", "json", "markdown", "table"]), default=None,
               help="Output format [default: from -o's suffix (.csv, .json, .md), else csv].")
-def report_shapes(model: str, seq_len: int, batch: int, past: int, dtype: str | None, layers: str, only: str,
+def report_shapes(model: Any, seq_len: int, batch: int, past: int, dtype: str | None, layers: str, only: str,
                   output: str | None, fmt: str | None) -> None:
     """Shapes, element counts and bytes of MODEL's weights and activations (preset, config.json or directory)."""
-    from reports.shapes import infer_format, render_report, shape_report, write_report
-
-    from .config import load_config
+    from .reports.shapes import infer_format, render_report, shape_report, write_report
 
     fmt = infer_format(output, fmt)
-    rep = shape_report(load_config(model), seq_len, batch, past, dtype, layers, only)
+    rep = shape_report(model.cfg, seq_len, batch, past, dtype, layers, only)
     if output is None:
         click.echo(render_report(rep, fmt), nl=False)
         return
@@ -129,76 +238,76 @@ def report_shapes(model: str, seq_len: int, batch: int, past: int, dtype: str | 
 @output_options(("table", "json"))
 def report_regenerate(out: str | None, fmt: str) -> None:
     """Rebuild the checked-in reports of the paper's four models (reports/generated/)."""
-    from pathlib import Path
-
-    from reports.regenerate import GENERATED, regenerate
+    from .reports.regenerate import GENERATED, regenerate
 
     rows = [{"file": str(p), "bytes": p.stat().st_size} for p in regenerate(Path(out) if out else GENERATED)]
     click.echo(render(rows, fmt))
 
-# ==== checkpoints: convert, generate ===================================================================
+# ==== checkpoints: convert, tokenize, generate =========================================================
 
 @cli.command()
-@click.argument("src")
-@click.argument("dst")
-@click.option("--to", "to", type=click.Choice(["hf", "meta"]), required=True,
+@click.argument("src", type=ModelArg(weights_required_in_dir=True))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--to", "to", type=click.Choice(WRITABLE), required=True,
               help="hf: config.json + safetensors; meta: params.json + consolidated.NN.pth.")
-@click.option("--shards", type=int, default=1, show_default=True,
+@click.option("--shards", type=click.IntRange(min=1), default=1, show_default=True,
               help="Number of files (HF shards with an index, or Meta model-parallel shards).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random init of a preset or config.json.")
 @output_options(("table", "json"))
-def convert(src: str, dst: str, to: str, shards: int, fmt: str) -> None:
-    """Rewrite checkpoint SRC in another layout at DST (exact: only row orders change)."""
+def convert(src: Any, dst: Path, to: str, shards: int, seed: int, fmt: str) -> None:
+    """Rewrite SRC (a checkpoint, or a preset/config with its seeded weights) in another layout at DST."""
     from .convert import convert as run_convert
 
-    res = run_convert(src, dst, to=to, shards=shards)
+    res = run_convert(src, dst, to=to, shards=shards, seed=seed)
     rows = [{"destination": res.destination, "layout": res.layout, "files": len(res.files),
              "tensors": res.tensors, "params": res.params, "bytes": res.bytes}]
     click.echo(render(rows, fmt, json_payload=res))
 
 
 @cli.command()
-@click.argument("model")
+@click.argument("model", type=ModelArg())
 @click.argument("text", required=False)
-@click.option("--ids", default=None, help="Decode these ids instead of encoding TEXT.")
+@click.option("--ids", type=IdsArg(), default=None, help="Decode these ids instead of encoding TEXT.")
 @click.option("--no-bos", is_flag=True, help="Do not prepend <s>.")
 @output_options()
-def tokenize(model: str, text: str | None, ids: str | None, no_bos: bool, fmt: str) -> None:
+def tokenize(model: Any, text: str | None, ids: list[int] | None, no_bos: bool, fmt: str) -> None:
     """Encode TEXT (or decode --ids) with MODEL's tokenizer.model: one row per token."""
-    from .tokenizer import find_tokenizer, parse_ids
+    from .tokenizer import Tokenizer
 
-    tok = find_tokenizer(model)
-    if tok is None:
-        raise ValueError(f"{model}: no tokenizer.model in this directory")
+    if model.tokenizer is None:
+        raise ValueError(f"{model.spec}: no tokenizer.model there")
     if (text is None) == (ids is None):
         raise ValueError("give exactly one of TEXT or --ids '1 2 3'")
-    token_ids = parse_ids(ids) if ids is not None else tok.encode(text or "", bos=not no_bos)
+    tok = Tokenizer(model.tokenizer)
+    token_ids = ids if ids is not None else tok.encode(text or "", bos=not no_bos)
     rows = [{"position": i, "id": t, "piece": p} for i, (t, p) in enumerate(zip(token_ids, tok.pieces(token_ids)))]
     click.echo(render(rows, fmt, json_payload={"ids": token_ids, "text": tok.decode(token_ids), "tokens": rows}))
 
 
 @cli.command()
-@click.argument("model")
+@click.argument("model", type=ModelArg(weights_required_in_dir=True))
 @click.option("--prompt", default=None, help="Text, encoded with MODEL's tokenizer.model (with <s>).")
 @click.option("--ids", default=None, help="Raw prompt ids, e.g. '1 450 29871'.")
-@click.option("--max-new-tokens", type=int, default=32, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy (7.2's alpha2).")
-@click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="7.1's alpha1.")
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=32, show_default=True)
+@click.option("--temperature", type=Finite(), default=0.0, show_default=True, help="0 is greedy (7.2's alpha2).")
+@click.option("--repetition-penalty", type=Finite(), default=1.0, show_default=True, help="7.1's alpha1.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 keeps every token.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None)
-@click.option("--dtype", default="float32", show_default=True)
+@click.option("--dtype", type=DTYPE_CHOICE, default=dtypes.FLOAT32.name, show_default=True)
 @output_options(("table", "json"))
-def generate(model: str, prompt: str | None, ids: str | None, max_new_tokens: int, temperature: float,
+def generate(model: Any, prompt: str | None, ids: str | None, max_new_tokens: int, temperature: float,
              repetition_penalty: float, top_k: int, top_p: float, seed: int | None, dtype: str, fmt: str) -> None:
     """Continue a prompt with MODEL (section 7 sampling, greedy by default) and print the text."""
-    import json
-
+    from .generation import check_sampling
     from .generation import generate as run_generate
     from .loading import load_model
     from .tokenizer import prompt_ids
 
     token_ids, tok = prompt_ids(model, prompt, ids)
-    llama = load_model(model, dtype=dtype)
+    check_sampling(model.cfg, token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                   repetition_penalty=repetition_penalty, top_k=top_k, top_p=top_p)
+    llama = load_model(model, dtype=dtype, progress=terminal("loading"))
     eos = tok.eos_id if tok is not None and tok.eos_id >= 0 else llama.cfg.eos_token_id
     out = run_generate(llama, token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                        repetition_penalty=repetition_penalty, top_k=top_k, top_p=top_p, seed=seed,
@@ -216,39 +325,49 @@ def generate(model: str, prompt: str | None, ids: str | None, max_new_tokens: in
 
 # ==== export / verify ==================================================================================
 
+def _rope_op_option(help_suffix: str = "") -> Callable:
+    from .exporters.rope_ops import ROPE_OPS, OURS
+
+    lines = "; ".join(f"{op.name}: {op.display}, {op.help}" for op in ROPE_OPS.values())
+    return click.option("--rope-op", type=click.Choice(list(ROPE_OPS)), default=OURS.name, show_default=True,
+                        help=lines + help_suffix)
+
+
 @cli.group(cls=Group)
 def export() -> None:
     """Export a model for deployment."""
 
 
 @export.command("onnx")
-@click.argument("model")
-@click.option("-o", "--output", required=True, help="The .onnx file to write (atomically; weights over 2 GB "
-                                                   "go to OUTPUT.data beside it).")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True)
-@click.option("--rope-op", type=click.Choice(["llama_tools", "contrib", "onnx"]), default="llama_tools",
-              show_default=True, help="llama_tools: our RotaryEmbedding node with its ONNX function body; "
-                                      "contrib: com.microsoft.RotaryEmbedding; onnx: the opset-23 op.")
+@click.argument("model", type=ModelArg(weights_required_in_dir=True))
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
+              help="The .onnx file to write (atomically; weights over 2 GB go to OUTPUT.data beside it).")
+@click.option("--dtype", type=DTYPE_CHOICE, default=dtypes.FLOAT32.name, show_default=True)
+@_rope_op_option()
 @click.option("--seed", type=int, default=0, show_default=True, help="Random init of a preset or config.json.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on the terminal.")
 @output_options(("table", "json"))
-def export_onnx(model: str, output: str, dtype: str, rope_op: str, seed: int, quiet: bool, fmt: str) -> None:
+def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, seed: int, quiet: bool, fmt: str) -> None:
     """Write MODEL (preset, config.json or checkpoint directory) as one ONNX graph for prefill and decode."""
-    from exporters.onnx_export import export_onnx as run_export
+    from .exporters.onnx_export import check_args
+    from .exporters.onnx_export import export_onnx as run_export
+    from .exporters.rope_ops import ROPE_OPS
 
-    res = run_export(model, output, dtype=dtype, rope_op=rope_op, seed=seed, quiet=quiet)
-    click.echo(render(export_rows(res), fmt, json_payload=res))
-
-
-def export_rows(res: Any) -> list[dict[str, Any]]:
+    check_args(dtype, rope_op, None)
+    if output.is_dir():
+        raise ValueError(f"{output}: is a directory; give a file path such as {output / 'model.onnx'}")
+    if model.kind == "config":  # a preset is random by name; a config file gets random weights by asking
+        click.echo(f"note: {model.spec} is a config without weights: exporting seeded random weights (seed {seed})",
+                   err=True)
+    res = run_export(model, output, dtype=dtype, rope_op=rope_op, seed=seed,
+                     progress=terminal("export", quiet=quiet), say=(lambda m: None) if quiet else say)
     mb = lambda n: f"{n / 1e6:,.1f} MB"  # noqa: E731
-    rope = {"llama_tools": "llama_tools.RotaryEmbedding", "contrib": "com.microsoft.RotaryEmbedding",
-            "onnx": "RotaryEmbedding (opset 23)"}[res.rope_op]
-    return [{"field": k, "value": v} for k, v in [
+    rows = [{"field": k, "value": v} for k, v in [
         ("model", str(res.path)), ("weights", str(res.external_data) if res.external_data else "inside the model"),
         ("size", mb(res.bytes)), ("parameters", f"{res.params:,}"), ("dtype", res.dtype), ("opset", res.opset),
-        ("nodes", res.num_nodes), ("RoPE nodes", f"{res.rope_nodes} x {rope}"),
+        ("nodes", res.num_nodes), ("RoPE nodes", f"{res.rope_nodes} x {ROPE_OPS[res.rope_op].display}"),
         ("time", f"{res.seconds:.1f} s"), ("peak RSS", mb(res.peak_rss_bytes))]]
+    click.echo(render(rows, fmt, json_payload=res))
 
 
 @cli.group(cls=Group)
@@ -262,37 +381,71 @@ def verify() -> None:
                                               "[default: the source in the file's metadata].")
 @click.option("--prompt", "prompts", multiple=True, help="Text, encoded with the checkpoint's tokenizer.model; "
                                                         "repeat for a batch.")
-@click.option("--ids", "ids", multiple=True, help="Raw ids, e.g. '1 450 29871'; repeat for a batch.")
-@click.option("--steps", type=int, default=8, show_default=True, help="Greedy decode steps through the KV cache.")
+@click.option("--ids", "ids", multiple=True, type=IdsArg(), help="Raw ids, e.g. '1 450 29871'; repeat for a batch.")
+@click.option("--steps", type=click.IntRange(min=0), default=8, show_default=True,
+              help="Greedy decode steps through the KV cache.")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: CUDA when a session really runs on it, else the CPU.")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32",
-              show_default=True, help="When TARGET is a model exported on the fly.")
-@click.option("--rope-op", type=click.Choice(["llama_tools", "contrib", "onnx"]), default="llama_tools",
-              show_default=True, help="When TARGET is a model exported on the fly.")
+@click.option("--dtype", type=DTYPE_CHOICE, default=dtypes.FLOAT32.name, show_default=True,
+              help="When TARGET is a model exported on the fly.")
+@_rope_op_option(" (when TARGET is a model exported on the fly)")
 @click.option("--all-layers", is_flag=True, help="A row for every present K/V, not only the failing ones.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on the terminal.")
 @output_options(("table", "json"))
-def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ...], ids: tuple[str, ...], steps: int,
-                  provider: str, dtype: str, rope_op: str, all_layers: bool, quiet: bool, fmt: str) -> None:
+def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ...], ids: tuple[list[int], ...],
+                  steps: int, provider: str, dtype: str, rope_op: str, all_layers: bool, quiet: bool, fmt: str) -> None:
     """Run TARGET (an exported .onnx, or a MODEL exported on the fly; default: tiny) on onnxruntime against PyTorch.
 
     Exit 0 only when every check passes.
     """
-    from exporters.parity import check_target, report_rows
+    from .exporters.onnx_export import check_args
+    from .exporters.parity import check_inputs, resolve_target
+    from .exporters.parity import verify_parity as run_parity
+    from .tokenizer import prompt_ids
 
-    rep = check_target(target, source, texts=prompts, ids=ids, dtype=dtype, rope_op=rope_op, provider=provider,
-                       steps=steps, quiet=quiet)
+    check_args(dtype, rope_op, None)
+    tgt = resolve_target(target, source)
+    batch = [prompt_ids(tgt.source, t, None)[0] for t in prompts] + [list(i) for i in ids]
+    check_inputs(batch, steps, tgt.meta.config if tgt.meta else tgt.source.cfg)
+    rep = run_parity(tgt, prompts=batch or None, provider=provider, steps=steps, dtype=dtype, rope_op=rope_op,
+                     progress=terminal("parity", quiet=quiet))
     if fmt == "json":
         click.echo(render([], "json", json_payload=rep.to_dict()))
     else:
         click.echo(f"{rep.onnx_path} ({rep.dtype}) on onnxruntime, {rep.provider_note}; reference "
                    f"{rep.reference} from {rep.source}; prompts of {rep.prompt_lengths} tokens, left-padded")
-        click.echo(render(report_rows(rep, all_layers), "table", numparse=False))
+        click.echo(render(parity_rows(rep, all_layers), "table", numparse=False))
         took = f" (after a {rep.export_seconds:.1f} s export)" if rep.export_seconds is not None else ""
         click.echo(f"{'PASS' if rep.passed else 'FAIL'}: checks ran in {rep.seconds:.1f} s{took}")
     if not rep.passed:
         sys.exit(1)
+
+
+def parity_rows(rep: Any, all_layers: bool = False) -> list[dict[str, Any]]:
+    """The table: logits, the K/V (one summary row, plus each failing or every layer), decode, greedy."""
+    def row(c: Any, name: str | None = None, result: str | None = None) -> dict[str, Any]:
+        verdict = c.verdict
+        return {"check": name or c.name, "max abs": f"{c.max_abs:.3g}", "max rel": f"{c.max_rel:.3g}",
+                "cosine": f"{c.cosine:.7f}", "top-1": "" if c.top1 is None else f"{c.top1:.1%}",
+                "bound": f"{c.bound:.3g}", "result": result or verdict}
+
+    by_name = {c.name: c for c in rep.checks}
+    kv = [c for c in rep.checks if c.name.startswith("present.")]
+    rows = [row(by_name["logits"])]
+    if kv:
+        worst = max(kv, key=lambda c: c.max_abs if math.isfinite(c.max_abs) else math.inf)
+        ok = all(c.passed for c in kv)
+        rows.append(row(dataclasses.replace(worst, cosine=min(c.cosine for c in kv)),
+                        f"present.* ({len(kv)} K/V, worst {worst.name})",
+                        "pass" if ok else f"FAIL from layer {rep.first_bad_layer}"))
+        rows += [row(c) for c in kv if all_layers or not c.passed]
+    if "decode logits" in by_name:
+        rows.append(row(by_name["decode logits"]))
+    d = rep.decode
+    rows.append({"check": f"greedy decode ({d.steps} steps x {len(rep.prompt_lengths)} rows)", "max abs": "",
+                 "max rel": "", "cosine": "", "top-1": f"{d.agreed}/{d.steps} steps agree", "bound": "",
+                 "result": "pass" if d.passed else f"FAIL: {d.divergence}"})
+    return rows
 
 
 def main() -> None:

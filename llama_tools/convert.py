@@ -17,11 +17,14 @@ from typing import Any
 
 import torch
 
-from .config import ModelConfig, config_to_hf, ffn_hidden_size
+from . import dtypes
+from .config import ModelConfig
+from .config_files import config_to_hf, ffn_hidden_size
+from .formats import FORMATS, WRITABLE, checkpoint_tensors, family_format
 from .layouts import fuse_qkv, permute_rope_rows
-from .weights import checkpoint_tensors, default_layout, weight_specs
-
-TARGETS = ("hf", "meta")
+from .source import ModelSource, resolve
+from .weight_files import write_index
+from .weights import weight_specs
 
 
 @dataclass
@@ -75,20 +78,22 @@ def meta_params(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _hf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]]:
-    layout = default_layout(cfg)
+    fmt = family_format(cfg)
     out = {}
-    for ct in checkpoint_tensors(cfg, layout):
+    for ct in checkpoint_tensors(cfg, fmt):
         out[ct.name] = state[ct.parts[0]] if len(ct.parts) == 1 else fuse_qkv(
-            [state[p] for p in ct.parts], layout, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-    return layout, out
+            [state[p] for p in ct.parts], fmt.fused_qkv or "", cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim)
+    return fmt.name, out
 
 
 def _write_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], tmp: Path, shards: int) -> tuple[str, list[str]]:
     from safetensors.torch import save_file
 
-    state = permute_rope_rows(state, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rope_layout, "half") \
+    hf_rows = FORMATS["hf"].rope_layout
+    state = permute_rope_rows(state, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rope_layout, hf_rows) \
         if cfg.position_encoding == "rope" else state
-    layout, tensors = _hf_tensors(cfg.replace(rope_layout="half"), state)
+    layout, tensors = _hf_tensors(cfg.replace(rope_layout=hf_rows), state)
     (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n", encoding="utf-8")
     names = list(tensors)
     if shards <= 1:
@@ -102,15 +107,14 @@ def _write_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], tmp: Path, shard
         save_file({k: _own(tensors[k]) for k in group}, str(tmp / fname), metadata={"format": "pt"})
         files.append(fname)
         weight_map.update({k: fname for k in group})
-    total = sum(v.numel() * v.element_size() for v in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    return layout, ["config.json", "model.safetensors.index.json", *files]
+    index = write_index(tmp, weight_map, sum(v.numel() * v.element_size() for v in tensors.values()))
+    return layout, ["config.json", index.name, *files]
 
 
 def _write_meta(cfg: ModelConfig, state: dict[str, torch.Tensor], tmp: Path, shards: int) -> tuple[str, list[str]]:
     params = meta_params(cfg)
-    state = permute_rope_rows(state, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rope_layout, "interleaved")
+    state = permute_rope_rows(state, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rope_layout,
+                              FORMATS["meta"].rope_layout)
     (tmp / "params.json").write_text(json.dumps(params, indent=2) + "\n", encoding="utf-8")
     specs = weight_specs(cfg)
     files = []
@@ -133,10 +137,7 @@ def _write_meta(cfg: ModelConfig, state: dict[str, torch.Tensor], tmp: Path, sha
 def save_checkpoint(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str | Path, *, to: str = "hf",
                     shards: int = 1, extra_files: tuple[Path, ...] = ()) -> tuple[str, list[str]]:
     """Write module-named tensors (q/k rows in cfg.rope_layout) as a checkpoint directory, atomically."""
-    if to not in TARGETS:
-        raise ValueError(f"unknown target layout {to!r}; choose one of {', '.join(TARGETS)}")
-    if shards < 1:
-        raise ValueError(f"--shards must be >= 1, got {shards}")
+    check_target(to, shards, len(state))
     dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"{dst}: already exists and is not an empty directory; choose a new destination")
@@ -157,20 +158,39 @@ def save_checkpoint(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str |
     return layout, files
 
 
-def convert(src: str | Path, dst: str | Path, to: str = "hf", shards: int = 1) -> ConvertResult:
-    """SRC checkpoint (any layout we read) -> DST in `to` layout; values are copied bit for bit."""
-    from .checkpoints import read_checkpoint
+def check_target(to: str, shards: int, tensors: int) -> None:
+    """Cheap checks of `convert`'s options, before any weight is read."""
+    if to not in WRITABLE:
+        raise ValueError(f"unknown target layout {to!r}; choose one of {', '.join(WRITABLE)}")
+    if shards < 1:
+        raise ValueError(f"--shards must be >= 1, got {shards}")
+    if to == "hf" and shards > tensors:
+        raise ValueError(f"--shards {shards} is more than the {tensors} tensors to write; give at most {tensors}")
 
-    src = Path(src)
-    if to not in TARGETS:
-        raise ValueError(f"unknown target layout {to!r}; choose one of {', '.join(TARGETS)}")
-    ck = read_checkpoint(src)
-    emb = ck.state["model.embed_tokens.weight"]
-    cfg = ck.cfg.replace(torch_dtype=str(emb.dtype).removeprefix("torch."))
-    extra = tuple(src / n for n in ("tokenizer.model",) if (src / n).is_file())
-    layout, files = save_checkpoint(cfg, ck.state, dst, to=to, shards=shards, extra_files=extra)
+
+def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shards: int = 1, seed: int = 0) -> ConvertResult:
+    """SRC (a checkpoint, or a preset/config with seeded weights) -> DST in `to` layout; values copied bit for bit."""
+    source = resolve(src)
+    check_target(to, shards, len(weight_specs(source.cfg)))
+    if source.weights is not None:
+        from .checkpoints import read_checkpoint
+
+        assert source.path is not None, "a checkpoint source has a path"
+        ck = read_checkpoint(source.path)
+        cfg, state = ck.cfg, ck.state
+    else:  # a preset or config: the seeded weights `export onnx` and `generate` would use
+        from .model import build_model
+
+        model = build_model(source.cfg, seed=seed)
+        cfg, state = model.cfg, dict(model.state_dict())
+        if cfg.tie_word_embeddings:
+            state.pop("lm_head.weight")
+    emb = state["model.embed_tokens.weight"]
+    cfg = cfg.replace(torch_dtype=dtypes.get(emb.dtype).name)
+    extra = (source.tokenizer,) if source.tokenizer is not None else ()
+    layout, files = save_checkpoint(cfg, state, dst, to=to, shards=shards, extra_files=extra)
     return ConvertResult(
-        source=str(src), destination=str(dst), to=to, layout=layout, files=files, tensors=len(ck.state),
-        params=sum(v.numel() for v in ck.state.values()),
-        bytes=sum(v.numel() * v.element_size() for v in ck.state.values()),
+        source=source.label, destination=str(dst), to=to, layout=layout, files=files, tensors=len(state),
+        params=sum(v.numel() for v in state.values()),
+        bytes=sum(v.numel() * v.element_size() for v in state.values()),
     )

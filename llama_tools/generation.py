@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import ModelConfig
 from .model import Llama
 
 
@@ -69,15 +70,38 @@ def next_token(phi: torch.Tensor, seen: torch.Tensor, *, temperature: float, rep
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def check_sampling(cfg: ModelConfig, prompt_ids: list[int], *, max_new_tokens: int, temperature: float,
+                   repetition_penalty: float, top_k: int, top_p: float) -> None:
+    """Every sampling option and the prompt checked before any work: one ValueError naming the option."""
+    import math
+
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: give at least one token id (e.g. BOS)")
+    bad = next((t for t in prompt_ids if not 0 <= t < cfg.vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"--ids: token id {bad} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    if max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    if len(prompt_ids) + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens + --max-new-tokens {max_new_tokens} exceeds the "
+                         f"model's context of {cfg.max_position_embeddings} positions")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
+    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
+        raise ValueError(f"--repetition-penalty must be a finite number > 0, got {repetition_penalty}")
+    if top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0 keeps every token), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
+
+
 @torch.no_grad()
 def generate(model: Llama, prompt_ids: list[int], *, max_new_tokens: int, temperature: float = 0.0,
              repetition_penalty: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
              eos_token_id: int | None = None) -> Generation:
     """Append tokens until </s> or max_new_tokens: prefill the prompt once, then one token per step."""
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: give at least one token id (e.g. BOS)")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_sampling(model.cfg, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                   repetition_penalty=repetition_penalty, top_k=top_k, top_p=top_p)
     device = next(model.parameters()).device
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     seq = list(prompt_ids)
@@ -90,6 +114,9 @@ def generate(model: Llama, prompt_ids: list[int], *, max_new_tokens: int, temper
         out = model(step_ids, past_key_values=past)
         past = out.past_key_values
         phi = out.logits[0, -1].cpu()  # the last row of H: the next token's scores
+        if not torch.isfinite(phi).all():
+            raise ValueError(f"the model's logits hold NaN or Inf at generated token {len(new)}: "
+                             f"its weights are broken (check them with count-params --check)")
         tok = next_token(phi, torch.tensor(seq), temperature=temperature, repetition_penalty=repetition_penalty,
                          top_k=top_k, top_p=top_p, generator=generator)
         seq.append(tok)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .rope import HALF, INTERLEAVED
+
 
 def _check_rows(w: torch.Tensor, n_heads: int, what: str) -> int:
     rows = w.shape[0]
@@ -40,8 +42,8 @@ def permute_rope_rows(state: dict[str, torch.Tensor], n_heads: int, n_kv_heads: 
     """Reorder every q/k projection (HF names, weights and biases) from layout `src` to `dst`."""
     if src == dst:
         return state
-    assert {src, dst} == {"half", "interleaved"}, f"unknown RoPE layouts {src!r} -> {dst!r}"
-    fn = interleaved_to_half if dst == "half" else half_to_interleaved
+    assert {src, dst} == {HALF, INTERLEAVED}, f"unknown RoPE layouts {src!r} -> {dst!r}"
+    fn = interleaved_to_half if dst == HALF else half_to_interleaved
     out = dict(state)
     for name, w in state.items():
         if ".self_attn.q_proj." in name:
@@ -51,16 +53,17 @@ def permute_rope_rows(state: dict[str, torch.Tensor], n_heads: int, n_kv_heads: 
     return out
 
 
-def split_qkv(w: torch.Tensor, layout: str, n_heads: int, n_kv_heads: int, head_dim: int,
+def split_qkv(w: torch.Tensor, fused: str, n_heads: int, n_kv_heads: int, head_dim: int,
               name: str) -> list[torch.Tensor]:
-    """A fused q/k/v tensor -> [q, k, v]: Baichuan's W_pack is cat(q, k, v); InternLM2's wqkv is grouped.
+    """A fused q/k/v tensor -> [q, k, v]: "concat" (Baichuan's W_pack) is cat(q, k, v); "grouped" (InternLM2's wqkv):
 
     InternLM2 stores, per KV head g, its n_rep query heads then its k head then its v head:
     rows = [q_{g,0} .. q_{g,n_rep-1}, k_g, v_g] for g = 0 .. kv-1, each block n6 rows.
     """
     q_rows, kv_rows = n_heads * head_dim, n_kv_heads * head_dim
-    if layout != "internlm2":
+    if fused == "concat":
         return split_rows(w, [q_rows, kv_rows, kv_rows], name)
+    assert fused == "grouped", f"unknown q/k/v fusion {fused!r}"
     if w.shape[0] != q_rows + 2 * kv_rows:
         raise ValueError(f"tensor {name}: fused rows {w.shape[0]} != {q_rows} + 2 * {kv_rows} that the config predicts")
     n_rep = n_heads // n_kv_heads
@@ -71,10 +74,11 @@ def split_qkv(w: torch.Tensor, layout: str, n_heads: int, n_kv_heads: int, head_
     return [q, k, v]
 
 
-def fuse_qkv(parts: list[torch.Tensor], layout: str, n_heads: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """[q, k, v] -> the fused tensor of `layout`; the inverse of `split_qkv`."""
-    if layout != "internlm2":
+def fuse_qkv(parts: list[torch.Tensor], fused: str, n_heads: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """[q, k, v] -> one tensor fused as `fused` (formats.FusedQKV); the inverse of `split_qkv`."""
+    if fused == "concat":
         return fuse_rows(parts)
+    assert fused == "grouped", f"unknown q/k/v fusion {fused!r}"
     q, k, v = parts
     n_rep, rest = n_heads // n_kv_heads, q.shape[1:]
     q = q.reshape(n_kv_heads, n_rep, head_dim, *rest)  # [kv, n_rep, n6, n2...]

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig, rope_inv_freq
+from .config import ModelConfig
+from .rope import INTERLEAVED, rope_inv_freq
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (K, V): [batch, kv_heads, past, n6]
 
@@ -49,26 +49,26 @@ class RMSNorm(nn.Module):
 
 
 def rope_cache(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos(i theta_t), sin(i theta_t) for every position i < max_position_embeddings: [max_pos, n6/2], fp32."""
-    inv_freq = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64, device=device)
+    """cos(i θ̄_t), sin(i θ̄_t) for every position i < max_position_embeddings: [max_pos, n6/2], fp32."""
+    inv_freq = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64, device=device)  # θ̄_t, t = 0, 2, ..., n6-2
     pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float64, device=device)
-    angles = torch.outer(pos, inv_freq)  # [max_pos, n6/2]
+    angles = torch.outer(pos, inv_freq)  # [max_pos, n6/2]: i θ̄_t
     return angles.cos().float(), angles.sin().float()
 
 
 def rope(x: torch.Tensor, position_ids: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
          interleaved: bool) -> torch.Tensor:
-    """rope(x, i) = x ⊗ ξ1 + x' ⊗ ξ2, row i of every head rotated by the angles of position i.
+    """rope(x, i) = x ⊗ ξ1 + x' ⊗ ξ2: row i of every head rotated by the angles i θ̄_t, θ̄_t = base^(-t/n6).
 
+    ξ1 = (cos i θ̄_0, cos i θ̄_0, cos i θ̄_2, ...), ξ2 likewise with sin; x' pairs each channel with its
+    partner, negated first: x' = (-x1, x0, -x3, x2, ...) when interleaved (the paper, Meta), or
+    (-x_{n6/2..}, x_{..n6/2}) in HF's half-split layout. Per pair (x0, x1) that is
+    (x0 cos - x1 sin, x1 cos + x0 sin), written once below; the layout only picks the pairs.
     x: [batch, heads, n3, n6]; position_ids: [batch, n3]; caches: [max_pos, n6/2] in fp32.
-    interleaved (the paper, Meta): pairs (x0, x1), (x2, x3), ...; x' = (-x1, x0, -x3, x2, ...).
-    half-split (HF rotate_half): x_i pairs with x_{i+n6/2}; x' = (-x_{n6/2..}, x_{..n6/2}).
-    The exporter swaps this function for a single custom ONNX node with the same contract.
     """
-    cos = cos_cache[position_ids].unsqueeze(1)  # [batch, 1, n3, n6/2]
-    sin = sin_cache[position_ids].unsqueeze(1)
+    cos = cos_cache[position_ids].unsqueeze(1)  # ξ1's distinct values: [batch, 1, n3, n6/2]
+    sin = sin_cache[position_ids].unsqueeze(1)  # ξ2's: [batch, 1, n3, n6/2]
     xf = x.float()
-    # The layout only says which channels pair up; the rotation is the same for both.
     if interleaved:
         x0, x1 = xf[..., 0::2], xf[..., 1::2]  # [batch, heads, n3, n6/2] each
     else:
@@ -79,6 +79,47 @@ def rope(x: torch.Tensor, position_ids: torch.Tensor, cos_cache: torch.Tensor, s
     else:
         out = torch.cat((y0, y1), dim=-1)  # [batch, heads, n3, n6]
     return out.to(x.dtype)
+
+
+# RoPE as one opaque torch op: eager runs `rope`; torch.export keeps it as a single call, which the
+# ONNX exporter translates to one node (exporters/rope_ops.py). Its gradient is the inverse rotation.
+@torch.library.custom_op("llama_tools::rope", mutates_args=())
+def rope_op(x: torch.Tensor, position_ids: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+            interleaved: bool) -> torch.Tensor:
+    """`rope` as a torch custom op."""
+    return rope(x, position_ids, cos_cache, sin_cache, interleaved)
+
+
+@rope_op.register_fake
+def _(x, position_ids, cos_cache, sin_cache, interleaved):
+    return torch.empty_like(x)
+
+
+def _rope_setup(ctx, inputs, output) -> None:
+    _, position_ids, cos_cache, sin_cache, interleaved = inputs
+    ctx.save_for_backward(position_ids, cos_cache, sin_cache)
+    ctx.interleaved = interleaved
+
+
+def _rope_backward(ctx, grad):
+    position_ids, cos_cache, sin_cache = ctx.saved_tensors
+    # A rotation's transpose is the rotation by -θ: same cos, negated sin.
+    return rope(grad, position_ids, cos_cache, -sin_cache, ctx.interleaved), None, None, None, None
+
+
+rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+class RotaryEmbedding(nn.Module):
+    """Qbar = rope(Q) (or Kbar = rope(K)): a module so that its node is named by its path (.../q_rope)."""
+
+    def __init__(self, interleaved: bool):
+        super().__init__()
+        self.interleaved = interleaved
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
+                tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return rope_op(x, position_ids, tables[0], tables[1], self.interleaved)
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
@@ -96,7 +137,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 # --- Section 5: the mask M ---------------------------------------------------------------------
 
 def attention_bias(cfg: ModelConfig, n3: int, past: int, attention_mask: torch.Tensor | None,
-                   batch: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """M (+ ALiBi, + padding): [batch, 1 or n5, n3, past + n3], 0 where allowed, dtype's minimum elsewhere.
 
     The paper's -inf is the dtype's minimum, as it says, so a fully padded row stays finite.
@@ -133,8 +174,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(n2, cfg.kv_size, bias=cfg.qkv_bias)  # W^{j2}: (kv_heads n6) x n2
         self.v_proj = nn.Linear(n2, cfg.kv_size, bias=cfg.qkv_bias)  # W^{j3}: (kv_heads n6) x n2
         self.o_proj = nn.Linear(cfg.q_size, n2, bias=cfg.o_bias)  # W^{j4}: n2 x (n5 n6)
-        # Replaceable: the ONNX exporter puts a function here that emits one custom RoPE node.
-        self.rope: Callable[..., torch.Tensor] = rope
+        interleaved = cfg.rope_layout == INTERLEAVED
+        self.q_rope, self.k_rope = RotaryEmbedding(interleaved), RotaryEmbedding(interleaved)
 
     def forward(self, zbar: torch.Tensor, bias: torch.Tensor, position_ids: torch.Tensor,
                 rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
@@ -146,9 +187,8 @@ class Attention(nn.Module):
         k = self.k_proj(zbar).view(b, n3, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)  # [b, kv, n3, n6]
         v = self.v_proj(zbar).view(b, n3, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)  # [b, kv, n3, n6]
         if rope_tables is not None:
-            interleaved = cfg.rope_layout == "interleaved"
-            q = self.rope(q, position_ids, *rope_tables, interleaved)  # Qbar^{j,i} = rope(Q^{j,i})
-            k = self.rope(k, position_ids, *rope_tables, interleaved)  # Kbar^{j,i} = rope(K^{j,i})
+            q = self.q_rope(q, position_ids, rope_tables)  # Qbar^{j,i} = rope(Q^{j,i})
+            k = self.k_rope(k, position_ids, rope_tables)  # Kbar^{j,i} = rope(K^{j,i})
         if past is not None:
             k = torch.cat((past[0], k), dim=2)  # [b, kv, past + n3, n6]
             v = torch.cat((past[1], v), dim=2)
@@ -166,18 +206,16 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU (6.4): (silu(Ybar W^{j5 T}) ⊗ (Ybar W^{j7 T})) W^{j6 T}."""
+    """SwiGLU (6.4): Yhat = (silu(Ybar W^{j5 T}) ⊗ (Ybar W^{j7 T})) W^{j6 T}."""
 
-    def __init__(self, n2: int, n7: int, bias: bool = False, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+    def __init__(self, n2: int, n7: int, bias: bool = False):
         super().__init__()
-        self._names = names
-        setattr(self, names[0], nn.Linear(n2, n7, bias=bias))  # W^{j5} gate: n7 x n2
-        setattr(self, names[1], nn.Linear(n2, n7, bias=bias))  # W^{j7} up: n7 x n2
-        setattr(self, names[2], nn.Linear(n7, n2, bias=bias))  # W^{j6} down: n2 x n7
+        self.gate_proj = nn.Linear(n2, n7, bias=bias)  # W^{j5}: n7 x n2
+        self.up_proj = nn.Linear(n2, n7, bias=bias)  # W^{j7}: n7 x n2
+        self.down_proj = nn.Linear(n7, n2, bias=bias)  # W^{j6}: n2 x n7
 
     def forward(self, ybar: torch.Tensor) -> torch.Tensor:
-        gate, up, down = (getattr(self, n) for n in self._names)
-        return down(F.silu(gate(ybar)) * up(ybar))
+        return self.down_proj(F.silu(self.gate_proj(ybar)) * self.up_proj(ybar))  # [b, n3, n7] -> [b, n3, n2]
 
 
 class MixtureOfExperts(nn.Module):
@@ -187,9 +225,8 @@ class MixtureOfExperts(nn.Module):
         super().__init__()
         self.k = cfg.num_experts_per_tok
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # router: experts x n2
-        expert = lambda: FeedForward(cfg.hidden_size, cfg.moe_intermediate_size, names=("w1", "w3", "w2"))  # noqa: E731
-        self.experts = nn.ModuleList(expert() for _ in range(cfg.num_experts))
-        self.shared_experts = nn.ModuleList(expert() for _ in range(cfg.num_shared_experts))
+        self.experts = nn.ModuleList(FeedForward(cfg.hidden_size, cfg.moe_intermediate_size)
+                                     for _ in range(cfg.num_experts))
 
     def forward(self, ybar: torch.Tensor) -> torch.Tensor:
         b, n3, n2 = ybar.shape
@@ -200,9 +237,7 @@ class MixtureOfExperts(nn.Module):
         for e, expert in enumerate(self.experts):
             w = (weights * (chosen == e)).sum(-1, keepdim=True)  # [b n3, 1], 0 where e was not chosen
             out = out + w * expert(x)
-        for expert in self.shared_experts:
-            out = out + expert(x)
-        return out.view(b, n3, n2)
+        return out.view(b, n3, n2)  # [b n3, n2] -> [b, n3, n2]
 
 
 class DecoderLayer(nn.Module):
@@ -218,8 +253,10 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = FeedForward(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
-    def forward(self, z, bias, position_ids, rope_tables, past):
-        zbar = self.input_layernorm(z)  # Zbar^j = rnorm(Z^j)
+    def forward(self, z: torch.Tensor, bias: torch.Tensor, position_ids: torch.Tensor,
+                rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
+                past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        zbar = self.input_layernorm(z)  # Zbar^j = rnorm(Z^j): [b, n3, n2]
         r, present = self.self_attn(zbar, bias, position_ids, rope_tables, past)
         y = z + r  # Y^j = Z^j + R^j
         ybar = self.post_attention_layernorm(y)  # Ybar^j = rnorm(Y^j)
@@ -245,12 +282,12 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # W^8: n1 x n2
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        tie_weights(self)
         # cos/sin tables: plain attributes, not buffers, so that .half() leaves them in fp32.
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos/sin of every position (fp32, cached per device); None under ALiBi."""
         if self.cfg.position_encoding != "rope":
             return None
         if self._rope_tables is None or self._rope_tables[0].device != device:
@@ -258,8 +295,12 @@ class Llama(nn.Module):
         return self._rope_tables
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, past_key_values: KVCache | None = None) -> CausalLMOutput:
-        """input_ids [batch, n3]; attention_mask [batch, past + n3] (1 keep, 0 pad); past K/V per layer."""
+                position_ids: torch.Tensor | None = None, past_key_values: KVCache | None = None,
+                rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> CausalLMOutput:
+        """input_ids [batch, n3]; attention_mask [batch, past + n3] (1 keep, 0 pad); past K/V per layer.
+
+        rope_tables: cos/sin caches to use instead of the model's own (the exporter passes them as inputs).
+        """
         b, n3 = input_ids.shape
         past = past_key_values[0][0].shape[2] if past_key_values else 0
         if position_ids is None:
@@ -269,8 +310,8 @@ class Llama(nn.Module):
             else:
                 position_ids = torch.arange(past, past + n3, device=input_ids.device).expand(b, n3)
         z = self.model.embed_tokens(input_ids)  # Z^0: [b, n3, n2], row t_i = row \hat t_i of D
-        bias = attention_bias(self.cfg, n3, past, attention_mask, b, z.dtype, z.device)
-        tables = self.rope_tables(z.device)
+        bias = attention_bias(self.cfg, n3, past, attention_mask, z.dtype, z.device)  # M: [b or 1, 1 or n5, n3, past + n3]
+        tables = rope_tables if rope_tables is not None else self.rope_tables(z.device)
         presents = []
         for j, layer in enumerate(self.model.layers):
             z, present = layer(z, bias, position_ids, tables, past_key_values[j] if past_key_values else None)
@@ -297,6 +338,13 @@ def lm_loss(logits: torch.Tensor, input_ids_or_labels: torch.Tensor, reduction: 
 
 # --- Construction -------------------------------------------------------------------------------
 
+def tie_weights(model: Llama) -> Llama:
+    """W^8 = D when the config ties them (one tensor, as checkpoints store it), after any re-assignment."""
+    if model.cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
 def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 seed: int = 0, init_std: float = 0.02) -> Llama:
     """A model with seeded N(0, init_std) weights and unit norm gains (or empty on the meta device), in eval mode."""
@@ -304,9 +352,7 @@ def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu", dtype: 
         model = Llama(cfg)
     if str(device) == "meta":
         return model.to(dtype).eval()
-    model = model.to_empty(device="cpu")
-    if cfg.tie_word_embeddings:  # to_empty replaces each module's tensor separately: tie again
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model = tie_weights(model.to_empty(device="cpu"))  # to_empty replaces each tensor separately: tie again
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

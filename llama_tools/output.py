@@ -1,4 +1,4 @@
-"""Rendering rows as a terminal table, JSON, CSV or Markdown; atomic file writes; terminal progress."""
+"""Rendering rows as a terminal table, JSON, CSV or Markdown; atomic file writes."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import csv
 import io
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 FORMATS = ("table", "json", "csv", "markdown")
 
@@ -67,18 +66,3 @@ def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
 def write_text_atomic(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
-
-
-def show_progress(quiet: bool = False) -> bool:
-    """Progress bars go to a terminal only: piped or redirected output stays clean."""
-    return not quiet and sys.stderr.isatty()
-
-
-def progress(items: Iterable[Any], label: str, *, quiet: bool = False, length: int | None = None) -> Iterator[Any]:
-    if not show_progress(quiet):
-        yield from items
-        return
-    import click
-
-    with click.progressbar(items, label=label, length=length, file=sys.stderr) as bar:
-        yield from bar

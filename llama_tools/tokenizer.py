@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .source import ModelSource
+
 
 class Tokenizer:
     """A sentencepiece model: encode (optionally with BOS/EOS), decode, pieces."""
@@ -44,40 +46,19 @@ class Tokenizer:
             ids = ids + [self.eos_id]
         return ids
 
-    def decode(self, ids: list[int]) -> str:
+    def check_ids(self, ids: list[int]) -> None:
+        """ValueError naming the first id outside the vocabulary."""
         for i in ids:
             if not 0 <= i < self.vocab_size:
                 raise ValueError(f"token id {i} is outside the vocabulary of {self.path} (0..{self.vocab_size - 1})")
+
+    def decode(self, ids: list[int]) -> str:
+        self.check_ids(ids)
         return self.sp.DecodeIds(list(ids))
 
     def pieces(self, ids: list[int]) -> list[str]:
+        self.check_ids(ids)
         return [self.sp.IdToPiece(i) for i in ids]
-
-
-def find_tokenizer(directory: str | Path) -> Tokenizer | None:
-    """The directory's tokenizer.model, or None."""
-    d = Path(directory)
-    path = d / "tokenizer.model"
-    return Tokenizer(path) if d.is_dir() and path.is_file() else None
-
-
-def train_tiny_tokenizer(texts: list[str], prefix: str | Path, vocab_size: int = 300) -> Path:
-    """Train a small BPE model with byte fallback and LLaMA's special ids (<unk> 0, <s> 1, </s> 2); for tests."""
-    import io
-
-    import sentencepiece as spm
-
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.Train(
-        sentence_iterator=iter(texts), model_writer=model, model_type="bpe", vocab_size=vocab_size,
-        byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        hard_vocab_limit=False, minloglevel=2, split_digits=True,
-        # LLaMA's tokenizer.model: no NFKC, spaces kept as they are, so every text round-trips.
-        normalization_rule_name="identity", remove_extra_whitespaces=False,
-    )
-    path = Path(f"{prefix}.model")
-    path.write_bytes(model.getvalue())
-    return path
 
 
 def parse_ids(text: str) -> list[int]:
@@ -88,13 +69,25 @@ def parse_ids(text: str) -> list[int]:
         raise ValueError(f"--ids must be integers separated by spaces or commas, got {text!r}") from None
 
 
-def prompt_ids(source: object, prompt: str | None, ids: str | None, bos: bool = True) -> tuple[list[int], Tokenizer | None]:
-    """The prompt as ids: --ids raw, or --prompt through MODEL's tokenizer.model; plus that tokenizer."""
+def check_vocab(ids: list[int], vocab_size: int, what: str = "--ids") -> None:
+    """ValueError naming the first id outside 0..vocab_size-1."""
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{what}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def prompt_ids(source: ModelSource, prompt: str | None, ids: str | None, bos: bool = True) -> tuple[list[int], Tokenizer | None]:
+    """The prompt as ids, checked against the vocabulary: --ids raw, or --prompt through MODEL's tokenizer.model."""
     if (prompt is None) == (ids is None):
         raise ValueError("give exactly one of --prompt TEXT or --ids '1 2 3'")
-    tok = find_tokenizer(source) if isinstance(source, (str, Path)) else None
+    tok = Tokenizer(source.tokenizer) if source.tokenizer is not None else None
     if ids is not None:
-        return parse_ids(ids), tok
-    if tok is None:
-        raise ValueError(f"{source}: no tokenizer.model there to encode --prompt; pass --ids instead")
-    return tok.encode(prompt or "", bos=bos), tok
+        out = parse_ids(ids)
+        if not out:
+            raise ValueError("--ids: no token ids given")
+    elif tok is None:
+        raise ValueError(f"{source.spec}: no tokenizer.model there to encode --prompt; pass --ids instead")
+    else:
+        out = tok.encode(prompt or "", bos=bos)
+    check_vocab(out, source.cfg.vocab_size)
+    return out, tok

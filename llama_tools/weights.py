@@ -1,8 +1,8 @@
-"""Every weight of a config: its module (HF) name, Meta name, the paper's symbol, shape and component.
+"""Every weight of a config: its module name, HF and Meta names, the paper's symbol, shape and component.
 
 This table is the one source of truth for weight names and shapes. Counting sums it, the shape
-report prints it, loaders map checkpoint names through it, and tests check that the PyTorch
-module's `named_parameters()` is exactly this list. No torch import here.
+report prints it, checkpoint formats (formats.py) name their tensors from it, and tests check that
+the PyTorch module's `named_parameters()` is exactly this list. No torch import here.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from .config import ModelConfig
 # Components, in the order reports list them.
 COMPONENTS = (
     "embedding", "attn.q", "attn.k", "attn.v", "attn.o", "attn.bias",
-    "mlp.gate", "mlp.up", "mlp.down", "mlp.bias", "moe.router", "moe.experts", "moe.shared",
+    "mlp.gate", "mlp.up", "mlp.down", "mlp.bias", "moe.router", "moe.experts",
     "norm", "final_norm", "lm_head",
 )
 
 
 @dataclass(frozen=True)
 class WeightSpec:
-    name: str  # the module's parameter name, which is also the HF checkpoint name
+    name: str  # the module's parameter name (HF's, except Mixtral's expert w1/w3/w2, see hf_name)
     meta_name: str | None  # Meta consolidated.*.pth name (None: Meta has no such tensor)
     symbol: str  # the paper's symbol, or a name of ours for what the paper leaves out
     shape: tuple[int, ...]
@@ -30,19 +30,15 @@ class WeightSpec:
     layer: int | None  # decoder index j, None outside the decoder stack
     in_paper: bool  # counted by the paper's formula n8(4 n2^2 + 3 n2 n7) + n1 n2
     meta_shard_dim: int | None = None  # axis Meta's model-parallel shards split (None: replicated)
+    hf_name: str = ""  # the HF checkpoint's name when it differs from `name`
+
+    def __post_init__(self) -> None:
+        if not self.hf_name:
+            object.__setattr__(self, "hf_name", self.name)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class CheckpointTensor:
-    """A tensor as a checkpoint stores it; fused tensors (Baichuan W_pack) cover several specs."""
-
-    name: str
-    shape: tuple[int, ...]
-    parts: tuple[str, ...]  # WeightSpec names, concatenated along axis 0 in this order
 
 
 def _layer_specs(cfg: ModelConfig, j: int) -> list[WeightSpec]:
@@ -83,20 +79,18 @@ def _layer_specs(cfg: ModelConfig, j: int) -> list[WeightSpec]:
             out += [s(hf + f"mlp.{p}_proj.bias", None, f"b^{{{j}{i}}}", (size,), "mlp.bias", in_paper=False)
                     for p, i, size in (("gate", 5, n7), ("up", 7, n7), ("down", 6, n2))]
         return out
-    # Mixture of experts (Mixtral names): a router, then per expert w1 gate, w3 up, w2 down.
+    # Mixture of experts: a router, then per expert the same SwiGLU as the dense FFN; Mixtral's files
+    # call gate/up/down w1/w3/w2, so those names live here and nowhere else.
     e7 = cfg.moe_intermediate_size
     moe, mmoe = hf + "block_sparse_moe.", meta + "feed_forward."
     out.append(s(moe + "gate.weight", mmoe + "gate.weight", f"G^{{{j}}}", (cfg.num_experts, n2), "moe.router",
                  in_paper=False))
-    groups = [("experts", "moe.experts", cfg.num_experts), ("shared_experts", "moe.shared", cfg.num_shared_experts)]
-    for group, comp, count in groups:
-        for e in range(count):
-            p, mp = f"{moe}{group}.{e}.", f"{mmoe}{group}.{e}."
-            out += [
-                s(p + "w1.weight", mp + "w1.weight", f"W^{{{j}5}}_{{{e}}}", (e7, n2), comp, in_paper=False),
-                s(p + "w3.weight", mp + "w3.weight", f"W^{{{j}7}}_{{{e}}}", (e7, n2), comp, in_paper=False),
-                s(p + "w2.weight", mp + "w2.weight", f"W^{{{j}6}}_{{{e}}}", (n2, e7), comp, in_paper=False),
-            ]
+    for e in range(cfg.num_experts):
+        p, mp = f"{moe}experts.{e}.", f"{mmoe}experts.{e}."
+        out += [s(p + f"{proj}.weight", mp + f"{w}.weight", f"W^{{{j}{i}}}_{{{e}}}", shape, "moe.experts",
+                  in_paper=False, hf_name=p + f"{w}.weight")
+                for proj, w, i, shape in (("gate_proj", "w1", 5, (e7, n2)), ("up_proj", "w3", 7, (e7, n2)),
+                                          ("down_proj", "w2", 6, (n2, e7)))]
     return out
 
 
@@ -114,56 +108,3 @@ def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
         specs.append(WeightSpec("lm_head.weight", "output.weight", "W^8", (n1, n2), "lm_head", None,
                                 in_paper=True, meta_shard_dim=0))
     return specs
-
-
-def default_layout(cfg: ModelConfig) -> str:
-    """Tensor naming of the family's published checkpoints."""
-    return {"baichuan": "baichuan", "internlm2": "internlm2"}.get(cfg.family, "hf")
-
-
-def checkpoint_tensors(cfg: ModelConfig, layout: str | None = None) -> list[CheckpointTensor]:
-    """The tensors a checkpoint of `cfg` holds in `layout` ("hf", "meta", "baichuan", "internlm2")."""
-    layout = layout or default_layout(cfg)
-    specs = weight_specs(cfg)
-    if layout == "hf":
-        return [CheckpointTensor(s.name, s.shape, (s.name,)) for s in specs]
-    if layout == "meta":
-        missing = [s.name for s in specs if s.meta_name is None]
-        if missing:
-            raise ValueError(f"config {cfg.name!r}: Meta's layout has no name for {missing[0]} "
-                             f"(biases are not part of Meta checkpoints)")
-        return [CheckpointTensor(s.meta_name, s.shape, (s.name,)) for s in specs]  # type: ignore[arg-type]
-    if layout not in ("baichuan", "internlm2"):
-        raise ValueError(f"unknown checkpoint layout {layout!r}; choose hf, meta, baichuan or internlm2")
-    out: list[CheckpointTensor] = []
-    by_name = {s.name: s for s in specs}
-    for s in specs:
-        if s.component in ("attn.k", "attn.v"):
-            continue  # folded into the fused q/k/v tensor emitted with attn.q
-        if s.component == "attn.q":
-            prefix = s.name.rsplit("q_proj", 1)[0]
-            parts = tuple(prefix + f"{p}_proj.weight" for p in "qkv")
-            rows = sum(by_name[p].shape[0] for p in parts)
-            fused = prefix + ("W_pack.weight" if layout == "baichuan" else "wqkv.weight")
-            if layout == "internlm2":
-                fused = fused.replace("self_attn.", "attention.")
-            out.append(CheckpointTensor(fused, (rows, cfg.hidden_size), parts))
-            continue
-        name = s.name
-        if layout == "internlm2":
-            name = _internlm2_name(name)
-        out.append(CheckpointTensor(name, s.shape, (s.name,)))
-    return out
-
-
-_INTERNLM2 = {
-    "model.embed_tokens.": "model.tok_embeddings.", "self_attn.o_proj.": "attention.wo.",
-    "mlp.gate_proj.": "feed_forward.w1.", "mlp.up_proj.": "feed_forward.w3.", "mlp.down_proj.": "feed_forward.w2.",
-    "input_layernorm.": "attention_norm.", "post_attention_layernorm.": "ffn_norm.", "lm_head.": "output.",
-}
-
-
-def _internlm2_name(name: str) -> str:
-    for a, b in _INTERNLM2.items():
-        name = name.replace(a, b)
-    return name

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from llama_tools.config import PAPER_MODELS, get_preset
+from llama_tools import dtypes
+from llama_tools.presets import PAPER_MODELS, get_preset
 from llama_tools.output import render, write_text_atomic
 
 from .shapes import ShapeReport, shape_report, write_report
 
 GENERATED = Path(__file__).resolve().parent / "generated"
-SEQ_LEN, BATCH, PAST, DTYPE = 128, 1, 0, "float16"  # the paper's typical n3; one sequence, a prompt pass
+SEQ_LEN, BATCH, PAST, DTYPE = 128, 1, 0, dtypes.FLOAT16.name  # the paper's typical n3; one sequence, a prompt pass
 SUMMARY = "SUMMARY.md"
 
 

@@ -15,12 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llama_tools import dtypes
 from llama_tools.config import ModelConfig
 from llama_tools.weights import WeightSpec, weight_specs
 
-# Bytes per element of each dtype name the CLI accepts (the names of llama_tools.loading.DTYPES).
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
-_ELEMENT_BYTES = {**DTYPE_BYTES, "int64": 8}
 LAYER_CHOICES = ("all", "first")
 ONLY_CHOICES = ("all", "weights", "activations")
 MAX_DIMS = 4  # no tensor of the forward pass has more axes
@@ -62,7 +60,7 @@ class ShapeReport:
 
     @property
     def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        return int(dtypes.get(self.dtype).bytes)
 
     def records(self) -> list[dict[str, Any]]:
         """Flat rows (one dict per tensor, fixed columns) for CSV, Markdown and pandas."""
@@ -76,7 +74,7 @@ class ShapeReport:
             }
             rec.update({f"d{i}": d for i, d in enumerate(dims)})
             dtype = r.dtype or self.dtype
-            rec.update({"count": r.count, "numel": r.numel, "dtype": dtype, "bytes": r.numel * _ELEMENT_BYTES[dtype]})
+            rec.update({"count": r.count, "numel": r.numel, "dtype": dtype, "bytes": r.numel * int(dtypes.get(dtype).bytes)})
             out.append(rec)
         return out
 
@@ -195,18 +193,13 @@ def _moe_activations(cfg: ModelConfig, j: int, b: int, n3: int) -> list[ShapeRow
         a(f"Ybar^{{{j}}}G^{{{j}T}}", "router logits", p + ".gate", "out", (t, ne)),
         a(f"topk(smax(Ybar^{{{j}}}G^{{{j}T}}))", f"routing weights of the top {k} experts", p, "inside", (t, k)),
     ]
-    groups = [("experts", ne, "routed expert (run densely here; a sparse kernel sees ~k/E of the rows)"),
-              ("shared_experts", cfg.num_shared_experts, "shared expert")]
-    for group, count, what in groups:
-        if not count:
-            continue
-        m = f"{p}.{group}.*"
-        rows += [
-            a(gate, f"{what}: gate projection", m + ".w1", "out", (t, e7), count),
-            a(up, f"{what}: up projection", m + ".w3", "out", (t, e7), count),
-            a(f"silu({gate})⊗{up}", f"{what}: gated product", m + ".w2", "in", (t, e7), count),
-            a(f"Yhat^{{{j}}}_{{e}}", f"{what}: output", m, "out", (t, n2), count),
-        ]
+    what, m = "routed expert (run densely here; a sparse kernel sees ~k/E of the rows)", f"{p}.experts.*"
+    rows += [
+        a(gate, f"{what}: gate projection", m + ".gate_proj", "out", (t, e7), ne),
+        a(up, f"{what}: up projection", m + ".up_proj", "out", (t, e7), ne),
+        a(f"silu({gate})⊗{up}", f"{what}: gated product", m + ".down_proj", "in", (t, e7), ne),
+        a(f"Yhat^{{{j}}}_{{e}}", f"{what}: output", m, "out", (t, n2), ne),
+    ]
     rows.append(a(f"Yhat^{{{j}}}", "weighted sum of the expert outputs", p, "out", (b, n3, n2)))
     return rows
 
@@ -239,12 +232,11 @@ def activation_rows(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 
 def shape_report(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 0, dtype: str | None = None,
                  layers: str = "all", only: str = "all") -> ShapeReport:
     """Weights then activations of `cfg` for a batch of `batch` sequences of `seq_len` new tokens."""
-    dtype = dtype or (cfg.torch_dtype if cfg.torch_dtype in DTYPE_BYTES else "float32")
+    dtype = dtypes.model_dtype(dtype).name if dtype else (
+        cfg.torch_dtype if dtypes.get(cfg.torch_dtype).float else dtypes.FLOAT32.name)
     for name, v, low in (("seq_len", seq_len, 1), ("batch", batch, 1), ("past", past, 0)):
         if not isinstance(v, int) or v < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_BYTES)}")
     if layers not in LAYER_CHOICES:
         raise ValueError(f"layers must be one of {', '.join(LAYER_CHOICES)}, got {layers!r}")
     if only not in ONLY_CHOICES:

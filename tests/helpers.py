@@ -6,9 +6,20 @@ missing mask barely moves the logits; scaling q and k up makes both errors visib
 
 from __future__ import annotations
 
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
 import torch
 
+from llama_tools import dtypes
+from llama_tools.config import ModelConfig
+from llama_tools.config_files import config_to_hf
+from llama_tools.formats import checkpoint_tensors
 from llama_tools.model import Llama, build_model
+from llama_tools.weight_files import write_index
 
 QK_SCALE = 15.0
 
@@ -26,3 +37,54 @@ def sharp(cfg, seed: int = 0, qk_scale: float = QK_SCALE) -> Llama:
 def token_ids(batch: int, n: int, cfg, seed: int = 0) -> torch.Tensor:
     """Seeded ids in [0, vocab): [batch, n]."""
     return torch.randint(0, cfg.vocab_size, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def write_sparse_safetensors(cfg: ModelConfig, directory: str | Path, shards: int, dtype: str = "BF16") -> list[Path]:
+    """A sharded HF checkpoint of cfg whose headers are real and whose data are holes (for benchmarks, tests).
+
+    Each file is its header followed by `truncate` to the full size: no tensor byte is written, so a
+    70B checkpoint takes a few hundred kB of disk.
+    """
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    itemsize = int(dtypes.from_safetensors(dtype).bytes)
+    tensors = checkpoint_tensors(cfg)
+    groups = [tensors[i * len(tensors) // shards:(i + 1) * len(tensors) // shards] for i in range(shards)]
+    files, weight_map = [], {}
+    for i, group in enumerate(groups, start=1):
+        fname = f"model-{i:05d}-of-{shards:05d}.safetensors"
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for ct in group:
+            n = math.prod(ct.shape) * itemsize
+            header[ct.name] = {"dtype": dtype, "shape": list(ct.shape), "data_offsets": [offset, offset + n]}
+            offset += n
+            weight_map[ct.name] = fname
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data start 8-byte aligned, as safetensors writes it
+        with open(d / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.truncate(8 + len(raw) + offset)  # the data: a hole
+        files.append(d / fname)
+    write_index(d, weight_map, sum(math.prod(ct.shape) * itemsize for ct in tensors))
+    (d / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2), encoding="utf-8")
+    return files
+
+
+def train_tiny_tokenizer(texts: list[str], prefix: str | Path, vocab_size: int = 300) -> Path:
+    """Train a small BPE model with byte fallback and LLaMA's special ids (<unk> 0, <s> 1, </s> 2); for tests."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.Train(
+        sentence_iterator=iter(texts), model_writer=model, model_type="bpe", vocab_size=vocab_size,
+        byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        hard_vocab_limit=False, minloglevel=2, split_digits=True,
+        # LLaMA's tokenizer.model: no NFKC, spaces kept as they are, so every text round-trips.
+        normalization_rule_name="identity", remove_extra_whitespaces=False,
+    )
+    path = Path(f"{prefix}.model")
+    path.write_bytes(model.getvalue())
+    return path

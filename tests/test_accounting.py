@@ -14,8 +14,9 @@ from click.testing import CliRunner
 
 from llama_tools.accounting import PAPER_FIGURES, count_params, paper_formula
 from llama_tools.cli import cli
-from llama_tools.config import PAPER_MODELS, PRESETS, config_to_hf, get_preset
-from llama_tools.headers import write_sparse_safetensors
+from llama_tools.config_files import config_to_hf
+from llama_tools.presets import PAPER_MODELS, PRESETS, get_preset
+from helpers import write_sparse_safetensors
 
 # Section 10 of the paper, digits as printed ("66 070 7376", "128 5160 9600", ...).
 PAPER_PRINTED = {"llama-7b": 6_607_077_376, "llama-13b": 12_851_609_600,
@@ -183,8 +184,10 @@ def test_cli_checkpoint_that_differs_from_its_config(tmp_path):
     hf = json.loads((tmp_path / "config.json").read_text())
     hf["intermediate_size"] = 160  # the files hold 176-wide FFNs
     (tmp_path / "config.json").write_text(json.dumps(hf))
+    # Misshapen tensors fail without --check: the file cannot be the model its config describes.
     r = run("count-params", str(tmp_path))
-    assert r.exit_code == 0 and "DIFFERS" in r.output and "mlp.gate_proj" in r.output
+    assert r.exit_code == 1 and "DIFFERS" in r.output and "mlp.gate_proj" in r.output
+    assert "has shape [176, 64], its config predicts [160, 64]" in r.output
     r = run("count-params", str(tmp_path), "--check")
     assert r.exit_code == 1
 
@@ -226,6 +229,10 @@ def test_replace_derives_head_dim_and_kv_heads_again():
     assert (c.head_dim, c.q_size) == (64, 768)
     mha = get_preset("llama-7b").replace(num_attention_heads=16)  # kv heads were n5 by default: follow n5
     assert (mha.head_dim, mha.num_key_value_heads) == (256, 16)
-    explicit = get_preset("llama-7b").replace(head_dim=64, num_attention_heads=64)
-    assert explicit.replace(hidden_size=2048).head_dim == 64  # given, not derived: kept
+    explicit = get_preset("llama-7b").replace(head_dim=32, num_attention_heads=64)
+    assert explicit.replace(hidden_size=2048).head_dim == 32  # not n2 / n5 (64): given, kept
+    # A function of the values alone: equal configs give equal copies, however they were made.
+    assert get_preset("llama-7b").replace(head_dim=128) == get_preset("llama-7b")
+    assert (get_preset("llama-7b").replace(head_dim=128).replace(hidden_size=2048)
+            == get_preset("llama-7b").replace(hidden_size=2048))
     assert count_params(c).component("attn.q") == 2 * 768 * 768

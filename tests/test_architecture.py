@@ -1,50 +1,111 @@
-"""The folders show the architecture: arrows point one way (cli -> exporters/reports -> core)."""
+"""The folders show the architecture: arrows point one way (CLI -> exporters/reports -> core), one package."""
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
+import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# The repository's folders and the packages they install as.
+PACKAGES = {"llama_tools": ROOT / "llama_tools", "llama_tools.exporters": ROOT / "exporters",
+            "llama_tools.reports": ROOT / "reports"}
+CLI = "llama_tools.cli"
 
 
-def imported_modules(path: Path) -> set[str]:
+def imported_modules(path: Path, package: str) -> set[str]:
+    """Every module a file imports, relative imports resolved against `package`."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: resolve against the file's package
-                pkg = path.parent.name
-                found.add(f"{pkg}.{node.module}" if node.module else pkg)
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                found.add(f"{base}.{node.module}" if node.module else base)
+                found.update(f"{base}.{a.name}" for a in node.names if not node.module)
             elif node.module:
                 found.add(node.module)
     return found
 
 
-def top(names: set[str]) -> set[str]:
-    return {n.split(".")[0] for n in names}
+def modules() -> dict[str, set[str]]:
+    """Module name -> what it imports, for every module of the installed package."""
+    out = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.glob("*.py"):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            out[name] = imported_modules(path, package)
+    return out
 
 
-def test_core_never_imports_exporters_or_reports():
-    for path in (ROOT / "llama_tools").glob("*.py"):
-        if path.name == "cli.py":
-            continue
-        bad = top(imported_modules(path)) & {"exporters", "reports"}
-        assert not bad, f"{path.name} imports {bad}: the core must not depend on them"
+def layer(name: str) -> str:
+    if name == CLI:
+        return "cli"
+    if name.startswith(("llama_tools.exporters", "llama_tools.reports")):
+        return name.split(".")[1]
+    return "core"
 
 
-def test_exporters_and_reports_do_not_import_each_other_or_the_cli():
-    for pkg, other in (("exporters", "reports"), ("reports", "exporters")):
-        for path in (ROOT / pkg).rglob("*.py"):
-            mods = imported_modules(path)
-            assert other not in top(mods), f"{pkg}/{path.name} imports {other}"
-            assert "llama_tools.cli" not in mods, f"{pkg}/{path.name} imports the CLI"
+def violations(mods: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for name, imports in mods.items():
+        for imp in imports:
+            if imp.split(".")[0] in ("exporters", "reports"):
+                bad.append(f"{name} imports {imp}: installed as llama_tools.{imp}")
+            if imp == "click" and layer(name) != "cli":
+                bad.append(f"{name} imports click: only the CLI layer may")
+            if imp.startswith("llama_tools") and imp != "llama_tools":
+                me, them = layer(name), layer(imp)
+                if them == "cli" and me != "cli":
+                    bad.append(f"{name} imports the CLI")
+                if me == "core" and them != "core":
+                    bad.append(f"{name} (core) imports {imp}")
+                if {me, them} == {"exporters", "reports"}:
+                    bad.append(f"{name} imports {imp}: exporters and reports are siblings")
+    return bad
+
+
+def test_arrows_point_one_way():
+    mods = modules()
+    assert CLI in mods and "llama_tools.exporters.parity" in mods and "llama_tools.reports.shapes" in mods
+    assert violations(mods) == []
 
 
 def test_the_check_sees_a_violation(tmp_path):
-    bad = tmp_path / "llama_tools" / "bad.py"
-    bad.parent.mkdir()
-    bad.write_text("from exporters.onnx_export import export\nimport reports.shapes\n")
-    assert top(imported_modules(bad)) >= {"exporters", "reports"}
+    bad = tmp_path / "bad.py"
+    bad.write_text("import click\nfrom .exporters.onnx_export import export_onnx\nimport reports.shapes\n")
+    found = violations({"llama_tools.bad": imported_modules(bad, "llama_tools")})
+    assert len(found) == 3, found
+
+
+def test_one_installed_package_built_from_the_folders():
+    """The wheel's only top-level package is llama_tools; exporters/ and reports/ map under it."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert {p.split(".")[0] for p in cfg["packages"]} == {"llama_tools"}
+    assert {k: ROOT / v for k, v in cfg["package-dir"].items()} == PACKAGES
+    import llama_tools.exporters
+    import llama_tools.reports
+
+    assert Path(llama_tools.exporters.__file__).parent == ROOT / "exporters"
+    assert Path(llama_tools.reports.__file__).parent == ROOT / "reports"
+
+
+def test_every_third_party_import_is_declared():
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~; \[]", d, maxsplit=1)[0].lower().replace("_", "-") for d in declared}
+    dists = importlib.metadata.packages_distributions()
+    undeclared = []
+    for name, imports in modules().items():
+        for imp in imports:
+            root = imp.split(".")[0]
+            if root in sys.stdlib_module_names or root in ("llama_tools", "__future__"):
+                continue
+            owners = {d.lower().replace("_", "-") for d in dists.get(root, [root])}
+            if not owners & names:
+                undeclared.append(f"{name}: {root} (from {sorted(owners)})")
+    assert undeclared == []

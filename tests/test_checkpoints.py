@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from llama_tools import load_model
 from llama_tools.checkpoints import load_checkpoint, read_checkpoint, torch_load
 from llama_tools.cli import cli
-from llama_tools.config import config_from_meta, config_to_hf, get_preset
+from llama_tools.config_files import config_from_meta, config_to_hf
+from llama_tools.presets import get_preset
 from llama_tools.convert import save_checkpoint
 from llama_tools.layouts import half_to_interleaved, interleaved_to_half
 from llama_tools.model import build_model

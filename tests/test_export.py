@@ -15,11 +15,12 @@ import pytest
 import torch
 
 import helpers
-from exporters import onnx_export
+from llama_tools.exporters import onnx_export
 from helpers import sharp
-from exporters.onnx_export import ExportResult, export_onnx, io_names, read_metadata
-from exporters.rope_op import DOMAIN, OP_TYPE, rope_function
-from llama_tools.config import get_preset
+from llama_tools.exporters.graph_io import io_names
+from llama_tools.exporters.onnx_export import ExportResult, export_onnx, read_metadata
+from llama_tools.exporters.rope_ops import DOMAIN, OP_TYPE, rope_function
+from llama_tools.presets import get_preset
 from llama_tools.convert import save_checkpoint
 from llama_tools.loading import load_model
 from llama_tools.model import Llama, build_model, rope
@@ -85,7 +86,7 @@ def half_model():
 
 @pytest.fixture(scope="module")
 def half_export(half_model, tmp_path_factory) -> ExportResult:
-    return export_onnx(half_model, tmp_path_factory.mktemp("half") / "tiny.onnx", quiet=True)
+    return export_onnx(half_model, tmp_path_factory.mktemp("half") / "tiny.onnx")
 
 
 @pytest.fixture(scope="module")
@@ -97,17 +98,16 @@ def half_session(half_export):
 
 @pytest.mark.parametrize("interleaved", [0, 1])
 @pytest.mark.parametrize("dtype, tol", [(np.float32, 1e-6), (np.float16, 2e-3)])  # fp16: one ulp
-@pytest.mark.parametrize("rotary_dim", [16, 8])  # 8: partial rotary, the last 8 channels pass through
-def test_function_body_is_model_rope(interleaved, dtype, tol, rotary_dim):
+def test_function_body_is_model_rope(interleaved, dtype, tol):
     """One llama_tools.RotaryEmbedding node, run through its FunctionProto, against llama_tools.model.rope."""
     h, f32, i64 = onnx.helper, onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
     elem = h.np_dtype_to_tensor_dtype(np.dtype(dtype))
     node = h.make_node(OP_TYPE, ["x", "pos", "cos", "sin"], ["y"], domain=DOMAIN, interleaved=interleaved,
-                       rotary_dim=rotary_dim)
+                       )
     inputs = [h.make_tensor_value_info("x", elem, ["b", "h", "s", 16]),
               h.make_tensor_value_info("pos", i64, ["b", "s"]),
-              h.make_tensor_value_info("cos", f32, ["m", rotary_dim // 2]),
-              h.make_tensor_value_info("sin", f32, ["m", rotary_dim // 2])]
+              h.make_tensor_value_info("cos", f32, ["m", 8]),
+              h.make_tensor_value_info("sin", f32, ["m", 8])]
     graph = h.make_graph([node], "rope", inputs, [h.make_tensor_value_info("y", elem, ["b", "h", "s", 16])])
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 20), h.make_opsetid(DOMAIN, 1)],
                          functions=[rope_function(20)], ir_version=10)  # ir 10: what torch.onnx writes
@@ -115,12 +115,11 @@ def test_function_body_is_model_rope(interleaved, dtype, tol, rotary_dim):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 5, 16, generator=gen).to(torch.float16 if dtype == np.float16 else torch.float32)
     pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 30, 31]])
-    angles = torch.rand(32, rotary_dim // 2, generator=gen) * 40  # any table: the op only looks rows up
+    angles = torch.rand(32, 8, generator=gen) * 40  # any table: the op only looks rows up
     cos, sin = angles.cos(), angles.sin()
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     y = sess.run(None, {"x": x.numpy(), "pos": pos.numpy(), "cos": cos.numpy(), "sin": sin.numpy()})[0]
-    r = rotary_dim
-    ref = torch.cat((rope(x[..., :r], pos, cos, sin, bool(interleaved)), x[..., r:]), dim=-1)
+    ref = rope(x, pos, cos, sin, bool(interleaved))
     assert y.shape == tuple(ref.shape) and y.dtype == dtype
     np.testing.assert_allclose(y.astype(np.float32), ref.float().numpy(), rtol=tol, atol=tol)
 
@@ -132,10 +131,11 @@ def test_graph_has_one_custom_rope_node_per_q_and_k(half_export):
     ropes = [n for n in m.graph.node if n.op_type == OP_TYPE]
     assert len(ropes) == 2 * TINY.num_hidden_layers == half_export.rope_nodes
     assert {n.domain for n in ropes} == {DOMAIN}
-    assert [n.name for n in ropes] == [f"/model/layers.{j}/self_attn/rope_{w}"
+    # Named by module path (the model's q_rope / k_rope modules), not by the order of the calls.
+    assert [n.name for n in ropes] == [f"/model/layers.{j}/self_attn/{w}_rope/RotaryEmbedding"
                                        for j in range(TINY.num_hidden_layers) for w in "qk"]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in ropes[0].attribute}
-    assert attrs == {"interleaved": 0, "rotary_dim": TINY.head_dim}
+    assert attrs == {"interleaved": 0}
     assert [(f.domain, f.name) for f in m.functions] == [(DOMAIN, OP_TYPE)]  # its body travels with the model
     opsets = {o.domain: o.version for o in m.opset_import}
     assert opsets[DOMAIN] == 1 and opsets[""] == half_export.opset == {i.domain: i.version for i in
@@ -206,7 +206,7 @@ def test_left_padded_batch_gives_each_row_its_own_logits(half_session):
 def interleaved(tmp_path_factory):
     """The half-layout model's weights read as Meta's interleaved layout: a different, equally valid model."""
     model = sharp(TINY.replace(rope_layout="interleaved"))
-    return model, export_onnx(model, tmp_path_factory.mktemp("inter") / "inter.onnx", quiet=True)
+    return model, export_onnx(model, tmp_path_factory.mktemp("inter") / "inter.onnx")
 
 
 def test_interleaved_layout_matches_torch(interleaved):
@@ -229,7 +229,7 @@ def test_wrong_rope_layout_is_caught(interleaved, half_model):
 
 @pytest.mark.parametrize("rope_op, domain", [("contrib", "com.microsoft"), ("onnx", "")])
 def test_the_three_rope_ops_agree(half_model, half_session, rope_op, domain, tmp_path):
-    res = export_onnx(half_model, tmp_path / f"{rope_op}.onnx", rope_op=rope_op, quiet=True)
+    res = export_onnx(half_model, tmp_path / f"{rope_op}.onnx", rope_op=rope_op)
     m = onnx.load(str(res.path))
     ropes = [n for n in m.graph.node if n.op_type == OP_TYPE]
     assert len(ropes) == 2 * TINY.num_hidden_layers and {n.domain for n in ropes} == {domain}
@@ -245,7 +245,7 @@ def test_the_three_rope_ops_agree(half_model, half_session, rope_op, domain, tmp
 def test_alibi_has_no_rope_node_and_matches_torch(tmp_path):
     cfg = TINY.replace(family="baichuan", position_encoding="alibi", num_key_value_heads=4)
     model = sharp(cfg)
-    res = export_onnx(model, tmp_path / "alibi.onnx", quiet=True)
+    res = export_onnx(model, tmp_path / "alibi.onnx")
     m = onnx.load(str(res.path))
     assert res.rope_nodes == 0 and not any(n.op_type == OP_TYPE for n in m.graph.node) and not m.functions
     _, err = cached_decode_vs_torch(session(res.path), model, token_ids(2, 8, seed=6), prefill=5)
@@ -256,7 +256,7 @@ def test_tied_embeddings_biases_and_sliding_window(tmp_path):
     # Qwen2's tied embeddings and q/k/v biases, Mistral's window (4 < 9 tokens, so it masks something).
     cfg = TINY.replace(family="qwen2", tie_word_embeddings=True, qkv_bias=True, sliding_window=4)
     model = sharp(cfg)
-    res = export_onnx(model, tmp_path / "qwen.onnx", quiet=True)
+    res = export_onnx(model, tmp_path / "qwen.onnx")
     names = {t.name for t in onnx.load(str(res.path)).graph.initializer}
     assert len(names & {"lm_head.weight", "model.embed_tokens.weight"}) == 1  # one matrix, stored once
     _, err = cached_decode_vs_torch(session(res.path), model, token_ids(2, 9, seed=12), prefill=6)
@@ -264,7 +264,7 @@ def test_tied_embeddings_biases_and_sliding_window(tmp_path):
 
 
 def test_fp16_export_runs_close_to_fp32_torch(half_model, tmp_path):
-    res = export_onnx(half_model, tmp_path / "fp16.onnx", dtype="float16", quiet=True)
+    res = export_onnx(half_model, tmp_path / "fp16.onnx", dtype="float16")
     sess = session(res.path)
     types = {i.name: i.type for i in [*sess.get_inputs(), *sess.get_outputs()]}
     assert types["past_key_values.0.key"] == types["present.1.value"] == types["logits"] == "tensor(float16)"
@@ -290,7 +290,7 @@ def test_metadata_round_trips_the_config(half_export):
 
 def test_preset_export_records_its_seed(tmp_path):
     (tmp_path / "preset.onnx.data").write_bytes(b"a previous export's weights")
-    res = export_onnx("tiny", tmp_path / "preset.onnx", seed=3, quiet=True)
+    res = export_onnx("tiny", tmp_path / "preset.onnx", seed=3)
     assert res.external_data is None and os.listdir(tmp_path) == ["preset.onnx"]  # the stale .data went
     meta = read_metadata(res.path)
     assert meta.seed == 3 and meta.source == "tiny"
@@ -303,7 +303,7 @@ def test_preset_export_records_its_seed(tmp_path):
 
 def test_external_data_beside_the_model(half_model, half_session, tmp_path):
     out = tmp_path / "ext.onnx"
-    res = export_onnx(half_model, out, external_data_threshold_bytes=0, quiet=True)
+    res = export_onnx(half_model, out, external_data_threshold_bytes=0)
     assert res.external_data == tmp_path / "ext.onnx.data" and res.external_data.stat().st_size > 0
     assert sorted(os.listdir(tmp_path)) == ["ext.onnx", "ext.onnx.data"]  # no temp dir left behind
     m = onnx.load(str(out), load_external_data=False)
@@ -321,7 +321,7 @@ def test_a_failing_export_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(onnx_export.onnx.checker, "check_model", broken)  # fails after both files are written
     with pytest.raises(RuntimeError, match="disk full"):
-        export_onnx(TINY, tmp_path / "out.onnx", external_data_threshold_bytes=0, quiet=True)  # a ModelConfig
+        export_onnx(TINY, tmp_path / "out.onnx", external_data_threshold_bytes=0)  # a ModelConfig
     assert os.listdir(tmp_path) == []
 
 
@@ -332,7 +332,7 @@ def test_baichuan_w_pack_checkpoint(tmp_path):
     cfg = TINY.replace(family="baichuan", num_key_value_heads=4)
     state = {k: v.clone() for k, v in sharp(cfg).state_dict().items()}
     save_checkpoint(cfg, state, tmp_path / "ckpt")
-    res = export_onnx(str(tmp_path / "ckpt"), tmp_path / "baichuan.onnx", quiet=True)
+    res = export_onnx(str(tmp_path / "ckpt"), tmp_path / "baichuan.onnx")
     meta = read_metadata(res.path)
     assert meta.config.family == "baichuan" and meta.seed is None and meta.source == str(tmp_path / "ckpt")
     ids = token_ids(2, 7, seed=10)
@@ -344,16 +344,16 @@ def test_baichuan_w_pack_checkpoint(tmp_path):
 def test_mixture_of_experts_exports_and_matches_torch(tmp_path):
     cfg = TINY.replace(family="mixtral", num_experts=4, num_experts_per_tok=2, intermediate_size=64)
     model = sharp(cfg)
-    res = export_onnx(model, tmp_path / "moe.onnx", quiet=True)
+    res = export_onnx(model, tmp_path / "moe.onnx")
     ids = token_ids(2, 7, seed=11)
     logits, _ = run(session(res.path), cfg, ids)
     assert max_abs(logits, torch_run(model, ids)[0]) < ATOL
 
 
 def test_bf16_exports_but_the_cpu_provider_refuses_it_in_one_line(tmp_path):
-    from exporters.runtime import create_session
+    from llama_tools.exporters.runtime import create_session
 
-    res = export_onnx("tiny", tmp_path / "bf16.onnx", dtype="bfloat16", quiet=True)  # checked with full_check
+    res = export_onnx("tiny", tmp_path / "bf16.onnx", dtype="bfloat16")  # checked with full_check
     model = onnx.load(str(res.path))
     weight = next(i for i in model.graph.initializer if i.name == "model.layers.0.self_attn.q_proj.weight")
     assert weight.data_type == onnx.TensorProto.BFLOAT16
@@ -366,20 +366,20 @@ def test_bf16_exports_but_the_cpu_provider_refuses_it_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"rope_op": "fused"}, "unknown rope_op 'fused'"),
-    ({"dtype": "int8"}, "unknown dtype"),
+    ({"dtype": "int8"}, "dtype 'int8' is not one a model runs in"),
     ({"opset": 17}, "opset 17 is too old"),
     ({"rope_op": "onnx", "opset": 20}, "pass opset >= 23"),
 ])
 def test_bad_arguments_raise_one_line(kwargs, match, tmp_path):
     with pytest.raises(ValueError, match=match) as e:
-        export_onnx("tiny", tmp_path / "x.onnx", quiet=True, **kwargs)
+        export_onnx("tiny", tmp_path / "x.onnx", **kwargs)
     assert "\n" not in str(e.value)
     assert not (tmp_path / "x.onnx").exists()
 
 
 def test_output_directory_and_foreign_files_are_refused(tmp_path):
     with pytest.raises(ValueError, match="is a directory"):
-        export_onnx("tiny", tmp_path, quiet=True)
+        export_onnx("tiny", tmp_path)
     plain = tmp_path / "plain.onnx"
     graph = onnx.helper.make_graph([], "g", [], [])
     onnx.save(onnx.helper.make_model(graph), str(plain))

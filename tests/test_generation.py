@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llama_tools.config import get_preset
+from llama_tools.presets import get_preset
 from llama_tools.generation import apply_repetition_penalty, filter_top_k_top_p, generate, next_token
 from llama_tools.model import build_model
 

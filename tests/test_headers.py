@@ -10,10 +10,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from llama_tools.config import config_to_hf, get_preset
+from llama_tools.config_files import config_to_hf
+from llama_tools.presets import get_preset
 from llama_tools.convert import save_checkpoint
-from llama_tools.headers import (inspect_checkpoint, read_safetensors_header, read_torch_header, render_rows,
-                                 write_sparse_safetensors)
+from helpers import write_sparse_safetensors
+from llama_tools.cli import checkpoint_rows as render_rows
+from llama_tools.header_readers import read_safetensors_header, read_torch_header
+from llama_tools.inspection import inspect_checkpoint
 from llama_tools.model import build_model
 from llama_tools.weights import weight_specs
 

@@ -14,10 +14,12 @@ import torch
 from click.testing import CliRunner
 
 import exporters.runtime as runtime
-from exporters.onnx_export import export_onnx
-from exporters.parity import TOLERANCES, Tolerance, compare, left_pad, positions, verify_parity
+from llama_tools.exporters.onnx_export import export_onnx
+from llama_tools.exporters.compare import TOLERANCES, Tolerance, compare
+from llama_tools.exporters.parity import resolve_target, verify_parity
+from llama_tools.exporters.prompts import left_pad, positions
 from llama_tools.cli import cli
-from llama_tools.config import get_preset
+from llama_tools.presets import get_preset
 from llama_tools.convert import save_checkpoint
 from helpers import sharp
 
@@ -40,7 +42,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def exported(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("onnx") / "tiny.onnx"
-    export_onnx(str(checkpoint), str(out), quiet=True)
+    export_onnx(str(checkpoint), str(out))
     return out
 
 
@@ -125,7 +127,7 @@ def test_left_padding_and_positions():
 # --- whole runs -----------------------------------------------------------------------------------------
 
 def test_fp32_parity_passes_on_a_padded_batch(exported, checkpoint):
-    rep = verify_parity(exported, str(checkpoint), prompts=PROMPTS, steps=6, quiet=True)
+    rep = verify_parity(resolve_target(str(exported), str(checkpoint)), prompts=PROMPTS, steps=6)
     assert rep.provider == "cpu" and rep.tolerance == FP32
     assert rep.prompt_lengths == [10, 5]
     names = [c.name for c in rep.checks]
@@ -142,7 +144,7 @@ def test_perturbed_weight_fails(exported, checkpoint, tmp_path):
     state = sharp_state()
     state["model.layers.1.self_attn.v_proj.weight"][3, 5] += 0.5
     save_checkpoint(TINY, state, tmp_path / "other", to="hf")
-    rep = verify_parity(exported, str(tmp_path / "other"), prompts=PROMPTS, steps=2, quiet=True)
+    rep = verify_parity(resolve_target(str(exported), str(tmp_path / "other")), prompts=PROMPTS, steps=2)
     assert not rep.passed
     assert rep.first_bad_layer == 1  # layer 0 still agrees: the report points at the right layer
     assert not rep.checks[0].passed
@@ -155,8 +157,8 @@ def test_wrong_rope_layout_fails(checkpoint, tmp_path):
     model.cfg = model.cfg.replace(rope_layout="interleaved")  # weights are in the half-split layout
     for layer in model.model.layers:
         layer.self_attn.cfg = model.cfg
-    export_onnx(model, str(tmp_path / "wrong.onnx"), quiet=True)
-    rep = verify_parity(tmp_path / "wrong.onnx", str(checkpoint), prompts=PROMPTS, steps=2, quiet=True)
+    export_onnx(model, str(tmp_path / "wrong.onnx"))
+    rep = verify_parity(resolve_target(str(tmp_path / "wrong.onnx"), str(checkpoint)), prompts=PROMPTS, steps=2)
     assert not rep.passed and rep.first_bad_layer == 0
     assert rep.checks[0].max_abs > 100 * FP32.atol
 
@@ -166,22 +168,22 @@ def test_missing_causal_mask_fails(checkpoint, tmp_path, monkeypatch):
 
     causal = model_module.attention_bias
 
-    def no_causal(cfg, n3, past, attention_mask, batch, dtype, device):
-        full = causal(cfg, n3, past, attention_mask, batch, dtype, device)
+    def no_causal(cfg, n3, past, attention_mask, dtype, device):
+        full = causal(cfg, n3, past, attention_mask, dtype, device)
         return torch.zeros_like(full)  # every key visible, the future included
 
     monkeypatch.setattr(model_module, "attention_bias", no_causal)
-    export_onnx(str(checkpoint), str(tmp_path / "nomask.onnx"), quiet=True)
+    export_onnx(str(checkpoint), str(tmp_path / "nomask.onnx"))
     monkeypatch.undo()
-    rep = verify_parity(tmp_path / "nomask.onnx", str(checkpoint), prompts=PROMPTS, steps=2, quiet=True)
+    rep = verify_parity(resolve_target(str(tmp_path / "nomask.onnx"), str(checkpoint)), prompts=PROMPTS, steps=2)
     # Layer 0's K/V come before any attention, so they agree; layer 1's inputs already saw the future.
     assert not rep.passed and rep.first_bad_layer == 1
     assert rep.checks[1].passed and not rep.checks[0].passed
 
 
 def test_fp16_graph_against_the_fp32_reference(checkpoint, tmp_path):
-    export_onnx(str(checkpoint), str(tmp_path / "fp16.onnx"), dtype="float16", quiet=True)
-    rep = verify_parity(tmp_path / "fp16.onnx", str(checkpoint), prompts=PROMPTS, steps=4, quiet=True)
+    export_onnx(str(checkpoint), str(tmp_path / "fp16.onnx"), dtype="float16")
+    rep = verify_parity(resolve_target(str(tmp_path / "fp16.onnx"), str(checkpoint)), prompts=PROMPTS, steps=4)
     assert rep.dtype == "float16" and rep.tolerance == TOLERANCES[("float16", "cpu")]
     assert rep.passed, [c for c in rep.checks if not c.passed]
     assert 0 < rep.checks[0].max_abs  # fp16 rounding is visible, and within bounds

@@ -1,7 +1,7 @@
 """The shape report against the tensors a real forward pass produces, captured with hooks.
 
 Truth here is what `Llama` actually computes: forward hooks on its modules, a wrapper around the
-replaceable `attn.rope`, and a TorchFunctionMode that sees the softmax, matmuls, repeats and cats
+hooks on the q_rope / k_rope modules, and a TorchFunctionMode that sees the softmax, matmuls, repeats and cats
 inside attention and the FFN. Each capture is filed under the paper's symbol; the report must list
 exactly those activations with exactly those shapes (per-head tensors as one block times a count).
 """
@@ -23,10 +23,11 @@ from click.testing import CliRunner
 from torch.overrides import TorchFunctionMode
 
 from llama_tools.cli import cli
-from llama_tools.config import PAPER_MODELS, get_preset
+from llama_tools.presets import PAPER_MODELS, get_preset
 from llama_tools.model import build_model
-from reports.regenerate import GENERATED, generated_names, regenerate
-from reports.shapes import DTYPE_BYTES, shape_report, to_frame
+from llama_tools.reports.regenerate import GENERATED, generated_names, regenerate
+from llama_tools import dtypes
+from llama_tools.reports.shapes import shape_report, to_frame
 
 GQA = get_preset("tiny")  # 4 query heads over 2 KV heads
 MHA = GQA.replace(name="tiny-mha", num_key_value_heads=4)
@@ -75,7 +76,6 @@ def capture(model, input_ids: torch.Tensor, past=None) -> Captured:
     rec = CallRecorder()
     handles = []
     rope_io: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
-    originals = []  # (attention module, its rope function), restored after the pass
     experts: dict[int, dict[str, list[tuple[int, ...]]]] = defaultdict(lambda: defaultdict(list))
 
     def put(layer, symbol, value):
@@ -112,14 +112,14 @@ def capture(model, input_ids: torch.Tensor, past=None) -> Captured:
         hook(layer.post_attention_layernorm, lambda m, a, o, j=j: put(j, f"Ybar^{{{j}}}", shape(o)))
         label(attn, (j, "attn"))
 
-        def rope_spy(x, *args, j=j, inner=attn.rope):
-            rec.where = None  # rope's own cat/stack is not attention's: record only its input and output
-            out = inner(x, *args)
+        def rope_done(m, a, o, j=j):
             rec.where = (j, "attn")
-            rope_io[j].append((x, out))
-            return out
-        originals.append((attn, attn.rope))
-        attn.rope = rope_spy
+            rope_io[j].append((a[0], o))
+
+        for rope_module in (attn.q_rope, attn.k_rope):
+            # rope's own cat/stack is not attention's: record only its input and output
+            hook(rope_module, lambda m, a: setattr(rec, "where", None), pre=True)
+            hook(rope_module, rope_done)
         if cfg.is_moe:
             moe = layer.block_sparse_moe
             label(moe, (j, "ffn"))
@@ -128,9 +128,9 @@ def capture(model, input_ids: torch.Tensor, past=None) -> Captured:
             per_expert = experts[j]
             g, u = f"Ybar^{{{j}}}W^{{{j}5T}}_{{e}}", f"Ybar^{{{j}}}W^{{{j}7T}}_{{e}}"
             for ex in moe.experts:
-                hook(ex.w1, lambda m, a, o, d=per_expert, g=g: d[g].append(tuple(o.shape)))
-                hook(ex.w3, lambda m, a, o, d=per_expert, u=u: d[u].append(tuple(o.shape)))
-                hook(ex.w2, lambda m, a, d=per_expert, k=f"silu({g})⊗{u}": d[k].append(tuple(a[0].shape)), pre=True)
+                hook(ex.gate_proj, lambda m, a, o, d=per_expert, g=g: d[g].append(tuple(o.shape)))
+                hook(ex.up_proj, lambda m, a, o, d=per_expert, u=u: d[u].append(tuple(o.shape)))
+                hook(ex.down_proj, lambda m, a, d=per_expert, k=f"silu({g})⊗{u}": d[k].append(tuple(a[0].shape)), pre=True)
                 hook(ex, lambda m, a, o, d=per_expert, k=f"Yhat^{{{j}}}_{{e}}": d[k].append(tuple(o.shape)))
         else:
             mlp = layer.mlp
@@ -146,8 +146,6 @@ def capture(model, input_ids: torch.Tensor, past=None) -> Captured:
     finally:
         for h in handles:
             h.remove()
-        for attn, fn in originals:
-            attn.rope = fn
     put(None, "t^", shape(input_ids))
     put(None, "H", shape(out.logits))
 
@@ -321,7 +319,7 @@ def test_bytes_follow_dtype_and_ids_stay_int64():
             assert a["bytes"] == b["bytes"] == 8 * a["numel"]
         else:
             assert (a["bytes"], b["bytes"]) == (4 * a["numel"], 2 * a["numel"])
-    assert set(DTYPE_BYTES) >= {"float32", "float16", "bfloat16"}
+    assert set(dtypes.MODEL_DTYPES) >= {"float32", "float16", "bfloat16"}
 
 
 def test_paper_typical_sizes_for_llama_7b():
@@ -336,7 +334,7 @@ def test_paper_typical_sizes_for_llama_7b():
 
 
 def test_row_builder_needs_neither_torch_nor_pandas():
-    code = ("import sys; from reports.shapes import shape_report; from llama_tools.config import get_preset; "
+    code = ("import sys; from llama_tools.reports.shapes import shape_report; from llama_tools.presets import get_preset; "
             "shape_report(get_preset('llama-13b'), 128).records(); "
             "print(sorted(m for m in ('torch', 'pandas') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -387,8 +385,8 @@ def test_cli_stdout_formats():
 
 @pytest.mark.parametrize("args, message", [
     (["shapes", "tiny", "-o", "report.txt"], "cannot tell the format"),
-    (["shapes", "tiny", "--dtype", "int4"], "unknown dtype 'int4'"),
-    (["shapes", "tiny", "--batch", "0"], "batch must be an integer >= 1"),
+    (["shapes", "tiny", "--dtype", "int4"], "'--dtype': 'int4' is not one of"),
+    (["shapes", "tiny", "--batch", "0"], "'--batch': 0 is not in the range x>=1"),
     (["shapes", "tiny", "--seq-len", "300"], "exceeds max_position_embeddings 256"),
     (["shapes", "no-such-model"], "unknown model 'no-such-model'"),
 ])

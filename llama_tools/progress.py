@@ -1,0 +1,33 @@
+"""Progress of long work as a callback: the library reports (done, total, what), the caller decides how to show it.
+
+`terminal(label)` draws one line on stderr when it is a terminal and stays silent when piped.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable
+
+Progress = Callable[[int, int, str], None]  # (steps done, steps in all, what was just done)
+
+
+def silent(done: int, total: int, what: str) -> None:
+    """The default: nothing shown."""
+
+
+def terminal(label: str, *, quiet: bool = False, stream=None) -> Progress:
+    """A one-line bar on a terminal (stderr), erased when the work ends; `silent` when piped or quiet."""
+    stream = stream or sys.stderr
+    if quiet or not stream.isatty():
+        return silent
+    start = time.perf_counter()
+
+    def show(done: int, total: int, what: str) -> None:
+        width = 24
+        filled = width * done // max(total, 1)
+        line = f"{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what} ({time.perf_counter() - start:.1f} s)"
+        end = "\n" if done >= total else ""
+        stream.write("\r\033[K" + line[:160] + end)
+        stream.flush()
+    return show

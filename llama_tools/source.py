@@ -1,0 +1,63 @@
+"""The MODEL argument, resolved once at the edge into one typed value that every command passes down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from .config import ModelConfig
+from .config_files import load_config, looks_like_path
+from .weight_files import NO_WEIGHTS, WeightFiles, checkpoint_config, find_weight_files
+
+SourceKind = Literal["preset", "config", "checkpoint"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A preset name, a config file, or a checkpoint directory: what it is, its config, weights and tokenizer."""
+
+    spec: str  # as the user typed it
+    kind: SourceKind
+    cfg: ModelConfig
+    path: Path | None  # absolute; None for a preset
+    weights: WeightFiles | None  # a checkpoint's files; None means seeded random weights
+    tokenizer: Path | None  # tokenizer.model beside the config or weights
+
+    @property
+    def label(self) -> str:
+        """What export metadata records: the preset's name or the absolute path, found again from anywhere."""
+        return str(self.path) if self.path is not None else self.cfg.name
+
+    @property
+    def seeded(self) -> bool:
+        """Random weights from a seed (a preset or config), not a checkpoint's."""
+        return self.weights is None
+
+
+def resolve(spec: str | Path, *, weights_required_in_dir: bool = False) -> ModelSource:
+    """MODEL -> ModelSource; one ValueError line for anything that is not a model.
+
+    weights_required_in_dir: a directory with a config but no weight files is refused (commands that
+    would otherwise run seeded random weights without being asked to; a config.json *file* asks).
+    """
+    if isinstance(spec, ModelSource):
+        return spec
+    text = str(spec)
+    p = Path(text)
+    if p.is_dir():
+        path = p.resolve()
+        tok = path / "tokenizer.model"
+        wf = find_weight_files(path)
+        if wf is not None:
+            return ModelSource(text, "checkpoint", checkpoint_config(p, wf), path, wf, tok if tok.is_file() else None)
+        cfg = load_config(p)  # a config-only directory: "neither config.json nor params.json" when neither
+        if weights_required_in_dir:
+            raise ValueError(f"{p}: {NO_WEIGHTS}; to run seeded random weights, pass its config file "
+                             f"({p / Path(cfg.source).name}) instead")
+        return ModelSource(text, "config", cfg, path, None, tok if tok.is_file() else None)
+    if looks_like_path(text):
+        cfg = load_config(p)
+        tok = p.resolve().parent / "tokenizer.model"
+        return ModelSource(text, "config", cfg, p.resolve(), None, tok if tok.is_file() else None)
+    return ModelSource(text, "preset", load_config(text), None, None, None)

@@ -1,0 +1,129 @@
+"""A checkpoint directory's weight files: which they are, that the set is whole, their headers, its config."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ModelConfig
+from .config_files import config_from_hf, config_from_meta, read_json
+from .header_readers import TensorInfo, read_safetensors_header, read_torch_header
+
+# What a directory may hold, in the order looked for. HF's model*.safetensors before any *.safetensors:
+# Mistral repos also ship the same weights as consolidated.safetensors.
+INDEX_FILES = (("model.safetensors.index.json", "safetensors"), ("pytorch_model.bin.index.json", "bin"))
+FILE_PATTERNS = ((("model*.safetensors", "*.safetensors"), "safetensors"), (("pytorch_model*.bin",), "bin"),
+                 (("consolidated.*.pth",), "meta"))
+NO_WEIGHTS = "no weight files (model*.safetensors, pytorch_model*.bin or consolidated.NN.pth)"
+
+
+@dataclass(frozen=True)
+class WeightFiles:
+    """The weight files of a checkpoint directory, in load order."""
+
+    kind: str  # "safetensors", "bin" (pytorch_model*.bin) or "meta" (consolidated.NN.pth)
+    files: tuple[Path, ...]
+    index: Path | None = None  # model.safetensors.index.json / pytorch_model.bin.index.json
+    weight_map: dict[str, str] | None = None  # tensor name -> file name, from the index
+
+
+# --- Finding the files ----------------------------------------------------------------------------
+
+_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.(safetensors|bin)$")
+
+
+def _check_shard_set(directory: Path, files: list[Path]) -> None:
+    """model-0000x-of-0000y files without an index: all y must be there."""
+    totals = {int(m.group(2)) for f in files if (m := _SHARD.search(f.name))}
+    for total in totals:
+        have = {int(m.group(1)) for f in files if (m := _SHARD.search(f.name)) and int(m.group(2)) == total}
+        gone = sorted(set(range(1, total + 1)) - have)
+        if gone:
+            example = _SHARD.sub(f"-{gone[0]:05d}-of-{total:05d}.\\3", files[0].name)
+            raise ValueError(f"{directory / example}: missing shard {gone[0]} of {total}")
+
+
+def find_weight_files(directory: str | Path) -> WeightFiles | None:
+    """Which weight files a directory holds (None: none, i.e. a config-only directory)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return None
+    for index_name, kind in INDEX_FILES:
+        index = d / index_name
+        if index.is_file():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"{index}: no 'weight_map' object naming the shard of each tensor")
+            names = list(dict.fromkeys(str(v) for v in weight_map.values()))
+            for n in names:
+                if not (d / n).is_file():
+                    raise ValueError(f"{index}: names shard {n!r}, which is not in {d}")
+            return WeightFiles(kind, tuple(d / n for n in names), index, {str(k): str(v) for k, v in weight_map.items()})
+    for patterns, kind in FILE_PATTERNS:
+        files = next((found for p in patterns if (found := sorted(d.glob(p)))), [])
+        if files and kind == "meta":
+            return WeightFiles(kind, _check_meta_shards(d, files))
+        if files:
+            _check_shard_set(d, files)
+            return WeightFiles(kind, tuple(files))
+    return None
+
+
+def has_weights(directory: str | Path) -> bool:
+    """Whether a directory holds weight files (a config-only directory means random init)."""
+    return find_weight_files(directory) is not None
+
+
+def _check_meta_shards(d: Path, shards: list[Path]) -> tuple[Path, ...]:
+    """consolidated.00.pth .. consolidated.NN.pth, none missing, in shard order."""
+    numbers = []
+    for f in shards:
+        m = re.fullmatch(r"consolidated\.(\d+)\.pth", f.name)
+        if not m:
+            raise ValueError(f"{f}: unexpected shard name; Meta shards are consolidated.00.pth, consolidated.01.pth, ...")
+        numbers.append(int(m.group(1)))
+    gone = sorted(set(range(max(numbers) + 1)) - set(numbers))
+    if gone:
+        raise ValueError(f"{d / f'consolidated.{gone[0]:02d}.pth'}: missing model-parallel shard {gone[0]} "
+                         f"of {max(numbers) + 1}")
+    return tuple(sorted(shards, key=lambda f: int(f.name.split(".")[1])))
+
+
+def write_index(directory: Path, weight_map: dict[str, str], total_size: int) -> Path:
+    """model.safetensors.index.json, as HF writes it beside sharded files."""
+    path = directory / INDEX_FILES[0][0]
+    path.write_text(json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2) + "\n",
+                    encoding="utf-8")
+    return path
+
+
+def read_headers(wf: WeightFiles) -> list[list[TensorInfo]]:
+    """Per file, its tensors; an index must agree with the files it names."""
+    per_file = [read_safetensors_header(f) if wf.kind == "safetensors" else read_torch_header(f) for f in wf.files]
+    if wf.weight_map is not None:
+        where = {t.name: t.file for infos in per_file for t in infos}
+        for name, fname in wf.weight_map.items():
+            if where.get(name) != fname:
+                raise ValueError(f"{wf.index}: says {name!r} is in {fname}, but "
+                                 + (f"it is in {where[name]}" if name in where else "no shard holds it"))
+    return per_file
+
+
+def checkpoint_config(directory: str | Path, wf: WeightFiles | None = None,
+                      headers: list[list[TensorInfo]] | None = None) -> ModelConfig:
+    """config.json or params.json; Meta's vocab_size -1 is read from tok_embeddings' stored shape."""
+    d = Path(directory)
+    if (d / "config.json").is_file():
+        return config_from_hf(read_json(d / "config.json"), d / "config.json")
+    if not (d / "params.json").is_file():
+        raise ValueError(f"{d}: checkpoint directory has neither config.json nor params.json")
+    data = read_json(d / "params.json")
+    vocab = None
+    if not isinstance(data.get("vocab_size"), int) or data["vocab_size"] <= 0:
+        if headers is None and wf is not None:
+            headers = read_headers(wf)
+        emb = next((t for infos in (headers or []) for t in infos if t.name == "tok_embeddings.weight"), None)
+        vocab = emb.shape[0] if emb else None
+    return config_from_meta(data, d / "params.json", vocab_size=vocab)
