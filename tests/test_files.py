@@ -362,3 +362,30 @@ def test_the_stale_note_goes_to_stderr_by_default(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{files.TEMP_PREFIX}r.csv.{pid}.00000000" in err and err.startswith("note: removed")
     assert ours(tmp_path) == []
+
+
+# --- the CLI paths already written through files.py (report shapes -o) ---------------------------------------
+
+def test_report_shapes_writes_through_dev_null_and_a_fifo_and_refuses_a_directory(tmp_path):
+    from click.testing import CliRunner
+
+    from llama_tools.cli import cli
+
+    run = lambda *a: CliRunner().invoke(cli, ["report", "shapes", "tiny", "--format", "csv", *a])  # noqa: E731
+    before = os.stat("/dev/null")
+    r = run("-o", "/dev/null")
+    assert r.exit_code == 0, r.output
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode) and os.stat("/dev/null").st_ino == before.st_ino
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    assert run("-o", str(fifo)).exit_code == 0
+    reader.join(timeout=10)
+    assert got[0].startswith("order,kind,section,layer") and stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+    r = run("-o", str(tmp_path))
+    assert r.exit_code == 1 and f"{tmp_path}: is a directory" in r.output and len(r.output.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
