@@ -95,7 +95,8 @@ def bounded(cli: list[str], repeat: int) -> None:
         at_limit = (MAX_ROWS - 10) // 34  # llama-7b: 34 rows per decoder, 10 outside the stack
         assert row_count(get_preset("llama-7b").replace(num_hidden_layers=at_limit), 128) <= MAX_ROWS
         cases = [
-            ("count-params 10^6 decoders --per-layer", cli + ["count-params", config(10**6, "m.json"), "--per-layer"], 0),
+            ("count-params 10^6 decoders --per-layer", cli + ["count-params", config(10**6, "m.json"),
+                                                             "--per-layer"], 0),
             ("count-params 10^6 decoders --format json", cli + ["count-params", config(10**6, "m.json"), "--format",
                                                               "json"], 0),
             ("report shapes 10^5 decoders (refused)", cli + ["report", "shapes", config(10**5, "k.json")], 1),

@@ -211,7 +211,8 @@ def _exit_on(signum: int) -> None:
     for w in writes:
         w.cleanup()
     _LIVE.clear()
-    print(f"\ninterrupted by {signal.Signals(signum).name}: removed the partial output", file=sys.stderr)
+    removed = ": removed the partial output" if writes else ""
+    print(f"\ninterrupted by {signal.Signals(signum).name}{removed}", file=sys.stderr)
     raise SignalExit(signum)
 
 
@@ -219,6 +220,8 @@ def _exit_on(signum: int) -> None:
 def cleanup_on_signals() -> Iterator[None]:
     """For the block: SIGTERM / SIGINT remove every write under way and exit 128 + sig (nests; main thread only).
 
+    Every atomic write enters it; wrapping a whole command in it also makes a SIGTERM run the command's
+    finally-blocks (TemporaryDirectory and the like) instead of killing the process outright.
     A signal the process ignores (SIG_IGN, as for a shell's background job) stays ignored.
     """
     if threading.current_thread() is not threading.main_thread():
@@ -340,8 +343,7 @@ def atomic_file(path: str | Path, *, report: Report | None = _stderr, fsync: boo
     """
     dest = check_output_path(path)
     if _write_through(dest):
-        with cleanup_on_signals():
-            yield dest
+        yield dest  # nothing of ours to clean up: what went through is gone
         return
     with _guarded([dest], report) as write:
         tmp = _new_temp(dest, write, directory=False)
@@ -362,7 +364,8 @@ def atomic_files(paths: Sequence[str | Path], *, report: Report | None = _stderr
     """A temp dir in which to write files named like `paths` (one directory); they replace `paths` together.
 
     Renamed in the order given (put a data file before the file that refers to it); a name the block did
-    not write is left alone. The temp dir is named after the last path; stale temps of every path are removed. A destination that is a device or FIFO gets the bytes written through it.
+    not write is left alone; a device or FIFO gets the bytes written through it. The temp dir is named
+    after the last path, and stale temps of every path are removed.
     """
     dests = [check_output_path(p) for p in paths]
     if not dests:
