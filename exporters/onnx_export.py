@@ -14,10 +14,7 @@ import ast
 import contextlib
 import json
 import logging
-import os
 import resource
-import shutil
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -30,7 +27,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import llama_tools
-from llama_tools import dtypes
+from llama_tools import dtypes, files
 from llama_tools.config import ModelConfig
 from llama_tools.loading import load_model
 from llama_tools.model import Llama, rope_cache, tie_weights
@@ -292,21 +289,19 @@ def _save_atomic(model: ir.Model, output: Path, threshold: int, check: bool, pro
     data_name = output.name + ".data"
     weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     external = weight_bytes > threshold
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    if external and output.exists() and not output.is_file():
+        raise ValueError(f"{output}: not a regular file, and the weights ({weight_bytes:,} bytes) need an "
+                         f"external-data file beside it; give a file path")
     total = len(model.graph.initializers)
     written = iter(range(1, total + 1))
-    try:
+    # Both files appear together (the data first), or neither; a kill leaves none of ours behind.
+    with files.atomic_files([output.parent / data_name, output]) as tmp:
         ir.save(model, tmp / output.name, external_data=data_name if external else None,
                 callback=lambda tensor, info: progress(next(written, total), total, "weights written"))
         if check:
             onnx.checker.check_model(str(tmp / output.name), full_check=True)
-        if external:  # the data first: once OUT exists, its data is beside it
-            os.replace(tmp / data_name, output.parent / data_name)
-        os.replace(tmp / output.name, output)
-        if not external and (output.parent / data_name).exists():
-            (output.parent / data_name).unlink()  # a previous export's weights, now stale
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not external and (output.parent / data_name).is_file():
+        (output.parent / data_name).unlink()  # a previous export's weights, now stale
     return output.parent / data_name if external else None
 
 
@@ -330,12 +325,11 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     t0 = time.perf_counter()
     output = Path(output)
     dt, opset = check_args(dtype, rope_op, opset)
-    if output.is_dir():
-        raise ValueError(f"{output}: is a directory; give a file path such as {output / 'model.onnx'}")
+    files.check_output_path(output)
+    files.check_output_path(output.parent / (output.name + ".data"))
     if isinstance(source, (str, Path)):
         source = resolve(source)
     torch_dtype = dtypes.to_torch(dt.name)
-    output.parent.mkdir(parents=True, exist_ok=True)
     weights = _real_weights(source, torch_dtype, seed, progress)
     cfg, state = weights.cfg, weights.state
     say(f"tracing {cfg.name} ({cfg.num_hidden_layers} layers, {dt.name}, rope_op={rope_op})")

@@ -2,6 +2,9 @@
 
 Everything is summed from `weights.weight_specs`, the one table of the model's tensors, so the
 count is exactly what `Llama(cfg)` holds (tests check it against `numel` on the meta device).
+Every decoder has the same shapes, so the stack is counted as decoder 0 times n8: time and memory
+do not grow with the layer count (10^6 layers count as fast as 2), and the per-layer list is
+built only when asked for (`ParamCount.layers`).
 The paper (section 10) counts n8(4 n2^2 + 3 n2 n7) + n1 n2: the trainable W^{j1}..W^{j7} and one
 n1 x n2 matrix. What it leaves out (norm gains, the second n1 x n2 matrix, GQA's narrower K/V,
 biases, experts) is itemized so that formula + left-out == exact, always.
@@ -12,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from . import dtypes
 from .config import ModelConfig
 from .inspection import CheckpointInspection, inspect_checkpoint
 from .source import ModelSource, resolve
-from .weights import COMPONENTS, weight_specs
+from .weights import COMPONENTS, WeightSpec, weight_specs
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,26 @@ class LayerCount:
 
 
 @dataclass(frozen=True)
+class LayerGroup:
+    """Decoders first..last, all of one shape: each holds `total` parameters."""
+
+    first: int
+    last: int
+    attention: int  # per decoder, as in LayerCount
+    ffn: int
+    norms: int
+    total: int
+
+    @property
+    def count(self) -> int:
+        return self.last - self.first + 1
+
+    @property
+    def label(self) -> str:
+        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+
+
+@dataclass(frozen=True)
 class MemoryRow:
     dtype: str
     weight_bytes: int
@@ -94,7 +118,7 @@ class ParamCount:
     attention: str  # MHA | GQA | MQA
     total: int
     components: list[Item]
-    layers: list[LayerCount]
+    layer_groups: list[LayerGroup]  # runs of identical decoders (one run for every config we know)
     paper_formula: int  # the formula on this config's constants
     left_out: list[Item]  # formula + sum(left_out) == total
     paper_stated: PaperFigure | None  # the paper's printed figure, for its four models
@@ -118,9 +142,30 @@ class ParamCount:
     def component(self, name: str) -> int:
         return next((c.params for c in self.components if c.name == name), 0)
 
+    def iter_layers(self) -> Iterator[LayerCount]:
+        """Every decoder's count, one at a time (n8 of them: iterate, do not list, for huge stacks)."""
+        for g in self.layer_groups:
+            for j in range(g.first, g.last + 1):
+                yield LayerCount(j, g.attention, g.ffn, g.norms, g.total)
+
+    @property
+    def layers(self) -> list[LayerCount]:
+        """Every decoder's count as a list: O(n8) memory, built only when asked."""
+        return list(self.iter_layers())
+
 
 def _sum(specs, pred) -> int:
     return sum(s.numel for s in specs if pred(s))
+
+
+def stack_specs(cfg: ModelConfig) -> tuple[list[WeightSpec], list[WeightSpec]]:
+    """(weights outside the decoder stack, weights of decoder 0), in constant time whatever n8 is.
+
+    Every decoder has decoder 0's shapes (weights.py builds each from the same fields), so the
+    full table is outside + n8 copies of decoder 0 up to names; tests check this on every preset.
+    """
+    specs = weight_specs(cfg.replace(num_hidden_layers=1))
+    return [s for s in specs if s.layer is None], [s for s in specs if s.layer == 0]
 
 
 def count_params(cfg: ModelConfig, *, context: int | None = None, batch: int = 1) -> ParamCount:
@@ -128,22 +173,21 @@ def count_params(cfg: ModelConfig, *, context: int | None = None, batch: int = 1
     context = cfg.max_position_embeddings if context is None else context
     if context <= 0 or batch <= 0:
         raise ValueError(f"--context and --batch must be positive, got context={context}, batch={batch}")
-    specs = weight_specs(cfg)
-    total = sum(s.numel for s in specs)
-    components = [Item(c, _sum(specs, lambda s, c=c: s.component == c)) for c in COMPONENTS]
-    components = [c for c in components if c.params]
-
-    layers = []
-    for j in range(cfg.num_hidden_layers):
-        mine = [s for s in specs if s.layer == j]
-        attn = _sum(mine, lambda s: s.component.startswith("attn."))
-        norms = _sum(mine, lambda s: s.component == "norm")
-        ffn = _sum(mine, lambda s: s.component.startswith(("mlp.", "moe.")))
-        layers.append(LayerCount(j, attn, ffn, norms, attn + norms + ffn))
-
     n1, n2, n7, n8 = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    outside, decoder = stack_specs(cfg)
+    # Parameters of each component over the whole model: outside the stack once, decoder 0's n8 times.
+    of = lambda specs, c: _sum(specs, lambda s: s.component == c)  # noqa: E731
+    by_component = {c: of(outside, c) + n8 * of(decoder, c) for c in COMPONENTS}
+    total = sum(by_component.values())
+    components = [Item(c, p) for c, p in by_component.items() if p]
+
+    attn = _sum(decoder, lambda s: s.component.startswith("attn."))
+    norms = _sum(decoder, lambda s: s.component == "norm")
+    ffn = _sum(decoder, lambda s: s.component.startswith(("mlp.", "moe.")))
+    layer_groups = [LayerGroup(0, n8 - 1, attn, ffn, norms, attn + ffn + norms)]
+
     formula = paper_formula(n1, n2, n7, n8)
-    weights_of = lambda *comps: _sum(specs, lambda s: s.component in comps)  # noqa: E731
+    weights_of = lambda *comps: sum(by_component[c] for c in comps)  # noqa: E731
     left_out = [
         Item("second n1 x n2 matrix", 0 if cfg.tie_word_embeddings else n1 * n2,
              "the formula counts one of embedding D and lm_head W^8" if not cfg.tie_word_embeddings
@@ -188,7 +232,7 @@ def count_params(cfg: ModelConfig, *, context: int | None = None, batch: int = 1
     return ParamCount(
         model=cfg.name, source=cfg.source, n1=n1, n2=n2, n5=cfg.num_attention_heads, n6=cfg.head_dim, n7=n7, n8=n8,
         num_key_value_heads=cfg.num_key_value_heads, attention=cfg.attention_kind, total=total,
-        components=components, layers=layers, paper_formula=formula, left_out=left_out, paper_stated=stated,
+        components=components, layer_groups=layer_groups, paper_formula=formula, left_out=left_out, paper_stated=stated,
         active_per_token=active, context=context, batch=batch, memory=memory, flops_per_token=2 * matmul,
         attention_flops_per_token=4 * n8 * cfg.q_size * context, notes=notes,
     )
@@ -258,19 +302,15 @@ def _kv(c: ParamCount) -> MemoryRow:
 
 def layer_rows(count: ParamCount) -> list[dict[str, object]]:
     """Per decoder, runs of identical layers folded into one row ("0-31")."""
-    rows: list[dict[str, object]] = []
-    for lay in count.layers:
-        key = (lay.attention, lay.ffn, lay.norms)
-        if rows and rows[-1]["_key"] == key:
-            rows[-1]["layers"] = f"{str(rows[-1]['layers']).split('-')[0]}-{lay.layer}"
-            continue
-        rows.append({"_key": key, "model": count.model, "layers": str(lay.layer), "attention": lay.attention,
-                     "ffn": lay.ffn, "norms": lay.norms, "each": lay.total})
-    return [{k: v for k, v in r.items() if k != "_key"} for r in rows]
+    return [{"model": count.model, "layers": g.label, "attention": g.attention, "ffn": g.ffn, "norms": g.norms,
+             "each": g.total} for g in count.layer_groups]
 
 
 def long_rows(counts: list[ParamCount]) -> list[dict[str, object]]:
-    """One number per row (model, section, item, value): for CSV, easy to load into a frame."""
+    """One number per row (model, section, item, value): for CSV, easy to load into a frame.
+
+    Section "layer" has one row per run of identical decoders: item "0-31", value the count of each.
+    """
     rows: list[dict[str, object]] = []
     for c in counts:
         add = lambda section, item, value, c=c: rows.append(  # noqa: E731
@@ -290,6 +330,6 @@ def long_rows(counts: list[ParamCount]) -> list[dict[str, object]]:
         add("kv_bytes_context", f"float16 x {c.context} x {c.batch}", _kv(c).kv_bytes_context)
         add("flops", "forward_per_token", c.flops_per_token)
         add("flops", f"attention_per_token_at_{c.context}", c.attention_flops_per_token)
-        for lay in c.layers:
-            add("layer", f"{lay.layer}", lay.total)
+        for g in c.layer_groups:
+            add("layer", g.label, g.total)
     return rows

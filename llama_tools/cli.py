@@ -16,6 +16,7 @@ from typing import Any, Callable
 import click
 
 from . import __version__, dtypes
+from .files import check_output_path, cleanup_on_signals
 from .formats import BENIGN_SUFFIXES, WRITABLE
 from .output import FORMATS, render
 from .progress import terminal
@@ -225,6 +226,8 @@ def report_shapes(model: Any, seq_len: int, batch: int, past: int, dtype: str | 
     from .reports.shapes import infer_format, render_report, shape_report, write_report
 
     fmt = infer_format(output, fmt)
+    if output is not None:
+        check_output_path(output)
     rep = shape_report(model.cfg, seq_len, batch, past, dtype, layers, only)
     if output is None:
         click.echo(render_report(rep, fmt), nl=False)
@@ -234,13 +237,13 @@ def report_shapes(model: Any, seq_len: int, batch: int, past: int, dtype: str | 
 
 
 @report.command("regenerate")
-@click.option("--out", default=None, help="Directory to write [default: reports/generated].")
+@click.option("--out", default=None, help="Directory to write [default: the current directory].")
 @output_options(("table", "json"))
 def report_regenerate(out: str | None, fmt: str) -> None:
-    """Rebuild the checked-in reports of the paper's four models (reports/generated/)."""
-    from .reports.regenerate import GENERATED, regenerate
+    """Rebuild the reports of the paper's four models (the repository keeps them in reports/generated/)."""
+    from .reports.regenerate import regenerate
 
-    rows = [{"file": str(p), "bytes": p.stat().st_size} for p in regenerate(Path(out) if out else GENERATED)]
+    rows = [{"file": str(p), "bytes": p.stat().st_size} for p in regenerate(out)]
     click.echo(render(rows, fmt))
 
 # ==== checkpoints: convert, tokenize, generate =========================================================
@@ -354,8 +357,8 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, seed: int, q
     from .exporters.rope_ops import ROPE_OPS
 
     check_args(dtype, rope_op, None)
-    if output.is_dir():
-        raise ValueError(f"{output}: is a directory; give a file path such as {output / 'model.onnx'}")
+    check_output_path(output)
+    check_output_path(output.parent / (output.name + ".data"))
     if model.kind == "config":  # a preset is random by name; a config file gets random weights by asking
         click.echo(f"note: {model.spec} is a config without weights: exporting seeded random weights (seed {seed})",
                    err=True)
@@ -449,7 +452,8 @@ def parity_rows(rep: Any, all_layers: bool = False) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    cli(prog_name="llama-tools")
+    with cleanup_on_signals():  # SIGTERM / SIGINT anywhere: finally blocks run, temp files go
+        cli(prog_name="llama-tools")
 
 
 if __name__ == "__main__":

@@ -8,16 +8,14 @@ temporary directory beside DST, which is renamed onto DST only when everything i
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from . import dtypes
+from . import dtypes, files
 from .config import ModelConfig
 from .config_files import config_to_hf, ffn_hidden_size
 from .formats import FORMATS, WRITABLE, checkpoint_tensors, family_format
@@ -138,24 +136,13 @@ def save_checkpoint(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str |
                     shards: int = 1, extra_files: tuple[Path, ...] = ()) -> tuple[str, list[str]]:
     """Write module-named tensors (q/k rows in cfg.rope_layout) as a checkpoint directory, atomically."""
     check_target(to, shards, len(state))
-    dst = Path(dst)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise ValueError(f"{dst}: already exists and is not an empty directory; choose a new destination")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
+    with files.atomic_dir(dst) as tmp:  # all files appear at once, or none; a kill leaves nothing
         writer = _write_hf if to == "hf" else _write_meta
-        layout, files = writer(cfg, state, tmp, shards)
+        layout, written = writer(cfg, state, tmp, shards)
         for f in extra_files:
             shutil.copyfile(f, tmp / f.name)
-            files.append(f.name)
-        if dst.exists():
-            dst.rmdir()  # empty, checked above
-        os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return layout, files
+            written.append(f.name)
+    return layout, written
 
 
 def check_target(to: str, shards: int, tensors: int) -> None:
@@ -172,6 +159,7 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
     """SRC (a checkpoint, or a preset/config with seeded weights) -> DST in `to` layout; values copied bit for bit."""
     source = resolve(src)
     check_target(to, shards, len(weight_specs(source.cfg)))
+    files.check_output_path(dst, directory=True)
     if source.weights is not None:
         from .checkpoints import read_checkpoint
 
@@ -188,9 +176,9 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
     emb = state["model.embed_tokens.weight"]
     cfg = cfg.replace(torch_dtype=dtypes.get(emb.dtype).name)
     extra = (source.tokenizer,) if source.tokenizer is not None else ()
-    layout, files = save_checkpoint(cfg, state, dst, to=to, shards=shards, extra_files=extra)
+    layout, written = save_checkpoint(cfg, state, dst, to=to, shards=shards, extra_files=extra)
     return ConvertResult(
-        source=source.label, destination=str(dst), to=to, layout=layout, files=files, tensors=len(state),
+        source=source.label, destination=str(dst), to=to, layout=layout, files=written, tensors=len(state),
         params=sum(v.numel() for v in state.values()),
         bytes=sum(v.numel() * v.element_size() for v in state.values()),
     )

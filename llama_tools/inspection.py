@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,8 @@ from .formats import BENIGN_SUFFIXES, CheckpointTensor, checkpoint_tensors, dete
 from .header_readers import TensorInfo
 from .weight_files import NO_WEIGHTS, checkpoint_config, find_weight_files, read_headers
 from .weights import weight_specs
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInspection:
     cfg = checkpoint_config(d, wf, per_file)
     tensors = merged_infos(cfg, per_file, wf.files) if wf.kind == "meta" else [t for infos in per_file for t in infos]
     fmt = detect_format(wf.kind, [t.name for t in tensors])
+    _check_layer_count(d, cfg, tensors)  # before building n8 layers' worth of expected names
     expected = checkpoint_tensors(cfg, fmt)
     exp_by_name = {ct.name: ct for ct in expected}
     spec_by_name = {s.name: s for s in weight_specs(cfg)}
@@ -129,6 +133,15 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInspection:
         expected_params=sum(s.numel for s in spec_by_name.values()),
         seconds=time.perf_counter() - start,
     )
+
+
+def _check_layer_count(d: Path, cfg: ModelConfig, tensors: list[TensorInfo]) -> None:
+    """One line when the files hold another number of decoders than the config says (n8 may be any number)."""
+    found = {int(m.group(1)) for t in tensors if (m := _LAYER.search(t.name))}
+    held = max(found) + 1 if found else 0
+    if held != cfg.num_hidden_layers:
+        raise ValueError(f"{d}: {Path(cfg.source).name} says {cfg.num_hidden_layers} decoder layers, the weight "
+                         f"files hold {held}; fix num_hidden_layers or the files")
 
 
 def merged_infos(cfg: ModelConfig, per_file: list[list[TensorInfo]], files: tuple[Path, ...]) -> list[TensorInfo]:

@@ -1,15 +1,12 @@
-"""Rendering rows as a terminal table, JSON, CSV or Markdown; atomic file writes."""
+"""Rendering rows as a terminal table, JSON, CSV or Markdown (files are written by files.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
-import os
-import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 FORMATS = ("table", "json", "csv", "markdown")
 
@@ -45,24 +42,3 @@ def _jsonable(o: Any) -> Any:
     if isinstance(o, Path):
         return str(o)
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | Path, suffix: str = "") -> Iterator[Path]:
-    """A temp path beside `path`, renamed onto it only if the block succeeds (nothing half-written)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix or ".tmp", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        yield tmp_path
-        os.replace(tmp_path, path)
-    finally:
-        if tmp_path.exists():
-            tmp_path.unlink()
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")

@@ -1,7 +1,10 @@
 """Rebuild reports/generated/: the shape report of each of the paper's four models, plus a Markdown summary.
 
-    python -m reports.regenerate            # rewrite the checked-in files
-    python -m reports.regenerate --out DIR  # write elsewhere (the test compares DIR with the checked-in files)
+    python -m reports.regenerate --out reports/generated  # rewrite the checked-in files (from a checkout)
+    python -m reports.regenerate [--out DIR]               # write into DIR (default: the current directory)
+
+It writes where it is told, never into an installed package (site-packages), and the files of one run
+appear together (llama_tools.files.atomic_files).
 
 Everything written is a function of the presets and the settings below: no dates, no versions.
 """
@@ -9,15 +12,17 @@ Everything written is a function of the presets and the settings below: no dates
 from __future__ import annotations
 
 import argparse
+import sysconfig
 from pathlib import Path
 
 from llama_tools import dtypes
+from llama_tools.files import atomic_files, check_output_path
+from llama_tools.output import render
 from llama_tools.presets import PAPER_MODELS, get_preset
-from llama_tools.output import render, write_text_atomic
 
-from .shapes import ShapeReport, shape_report, write_report
+from .shapes import ShapeReport, render_report, shape_report
 
-GENERATED = Path(__file__).resolve().parent / "generated"
+GENERATED = Path(__file__).resolve().parent / "generated"  # the checked-in copies (read by the staleness test)
 SEQ_LEN, BATCH, PAST, DTYPE = 128, 1, 0, dtypes.FLOAT16.name  # the paper's typical n3; one sequence, a prompt pass
 SUMMARY = "SUMMARY.md"
 
@@ -27,16 +32,29 @@ def generated_names() -> list[str]:
     return [f"{m}.csv" for m in PAPER_MODELS] + [SUMMARY]
 
 
-def regenerate(out: Path = GENERATED) -> list[Path]:
-    """Write one CSV per paper model and SUMMARY.md into `out`; returns the paths written."""
+def _installed_root(path: Path) -> Path | None:
+    """The site-packages (or dist-packages) directory `path` lies in, if any."""
+    roots = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
+    roots |= {p for p in path.parents if p.name in ("site-packages", "dist-packages")}
+    return next((r for r in roots if path == r or r in path.parents), None)
+
+
+def regenerate(out: str | Path | None = None) -> list[Path]:
+    """Write one CSV per paper model and SUMMARY.md into `out` (default: the current directory); their paths."""
+    out = Path.cwd() if out is None else Path(out)
+    root = _installed_root(out.resolve())
+    if root is not None:
+        raise ValueError(f"{out}: inside the installed packages ({root}); pass --out DIR outside them "
+                         "(default: the current directory)")
+    paths = [out / name for name in generated_names()]
+    for p in paths:
+        check_output_path(p)
     reports = [shape_report(get_preset(m), SEQ_LEN, BATCH, PAST, DTYPE) for m in PAPER_MODELS]
-    written = []
-    for rep in reports:
-        path = out / f"{rep.model}.csv"
-        write_report(rep, path, "csv")
-        written.append(path)
-    write_text_atomic(out / SUMMARY, summary(reports))
-    return written + [out / SUMMARY]
+    texts = [render_report(rep, "csv") for rep in reports] + [summary(reports)]
+    with atomic_files(paths) as tmp:
+        for path, text in zip(paths, texts):
+            (tmp / path.name).write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+    return paths
 
 
 def summary(reports: list[ShapeReport]) -> str:
@@ -75,7 +93,7 @@ def summary(reports: list[ShapeReport]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=GENERATED, help="directory to write (default: reports/generated)")
+    parser.add_argument("--out", type=Path, default=None, help="directory to write (default: the current directory)")
     args = parser.parse_args(argv)
     for path in regenerate(args.out):
         print(path)

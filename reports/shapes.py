@@ -6,10 +6,13 @@ U, R, Y, the SwiGLU intermediates, Z^{j+1}, the final rnorm and the logits H), w
 axis in front and the shapes of `llama_tools.model.Llama`'s tensors. A per-head row
 (Q^{j,i}, scores, ...) has the shape of one block and `count` blocks; numel and bytes cover all of them.
 No torch and no pandas here: `to_frame` imports pandas when asked.
+Every decoder has decoder 0's shapes, so `--layers first` costs the same for any depth; `--layers all`
+is refused past MAX_ROWS rows (counted from decoder 0 before anything is built) instead of building GBs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +25,10 @@ from llama_tools.weights import WeightSpec, weight_specs
 LAYER_CHOICES = ("all", "first")
 ONLY_CHOICES = ("all", "weights", "activations")
 MAX_DIMS = 4  # no tensor of the forward pass has more axes
+# Rows of one report, at most. llama-3.1-405b (126 decoders) has ~4,300 and a 256-expert MoE of 61 decoders
+# ~48,000; 50,000 rows take ~300 MB and seconds to render (benchmarks/bench_count_params.py measures it),
+# while 10^5 decoders would take GBs. Deeper stacks: --layers first.
+MAX_ROWS = 50_000
 
 
 @dataclass(frozen=True)
@@ -99,10 +106,20 @@ def _weight_section(spec: WeightSpec) -> str:
     return "6.2" if spec.component.startswith("attn") else "6.4"
 
 
-def weight_rows(cfg: ModelConfig) -> list[ShapeRow]:
+def _first_decoder_specs(cfg: ModelConfig) -> list[WeightSpec]:
+    """weight_specs(cfg) without decoders 1..n8-1, built from a one-decoder copy (constant time in n8)."""
+    n8 = cfg.num_hidden_layers
+    specs = weight_specs(cfg.replace(num_hidden_layers=1))
+    # The one symbol outside the stack that names n8: the final norm's gain γ^{n8}.
+    return [dataclasses.replace(s, symbol=f"γ^{{{n8}}}") if s.component == "final_norm" and s.symbol == "γ^{1}"
+            else s for s in specs]
+
+
+def weight_rows(cfg: ModelConfig, layers: str = "all") -> list[ShapeRow]:
     """One row per parameter, straight from weight_specs (a tied lm_head appears once, as D)."""
+    specs = weight_specs(cfg) if layers == "all" else _first_decoder_specs(cfg)
     return [ShapeRow("weight", _weight_section(s), s.layer, s.symbol, f"weight ({s.component})", s.name, "param",
-                     s.shape, meta_name=s.meta_name) for s in weight_specs(cfg)]
+                     s.shape, meta_name=s.meta_name) for s in specs]
 
 
 # --- activations ----------------------------------------------------------------------------------
@@ -245,12 +262,24 @@ def shape_report(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 0, 
         # The rope tables stop there; ALiBi has no table to run out of.
         raise ValueError(f"past + seq_len = {past + seq_len} exceeds max_position_embeddings "
                          f"{cfg.max_position_embeddings} of {cfg.name!r}; use a shorter --seq-len or --past")
-    weights = weight_rows(cfg)
-    if layers == "first":
-        weights = [w for w in weights if w.layer in (None, 0)]
+    n = row_count(cfg, seq_len, batch, past, layers, only)
+    if n > MAX_ROWS:
+        raise ValueError(f"{cfg.name}: --layers all gives {n:,} rows for {cfg.num_hidden_layers:,} decoders, over the "
+                         f"limit of {MAX_ROWS:,}; pass --layers first (every decoder has decoder 0's shapes)")
+    weights = weight_rows(cfg, layers)
     rows = ([] if only == "activations" else weights) + (
         [] if only == "weights" else activation_rows(cfg, seq_len, batch, past, layers))
     return ShapeReport(cfg.name, seq_len, batch, past, dtype, layers, tuple(rows))
+
+
+def row_count(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 0, layers: str = "all",
+              only: str = "all") -> int:
+    """len(shape_report(...).rows), from decoder 0 alone: constant time and memory in n8."""
+    one = cfg.replace(num_hidden_layers=1)
+    rows = ([] if only == "activations" else weight_rows(one, "first")) + (
+        [] if only == "weights" else activation_rows(one, seq_len, batch, past, "first"))
+    per_decoder = sum(r.layer == 0 for r in rows)
+    return len(rows) + per_decoder * ((cfg.num_hidden_layers if layers == "all" else 1) - 1)
 
 
 def to_frame(report: ShapeReport) -> Any:
@@ -291,9 +320,8 @@ def render_report(report: ShapeReport, fmt: str) -> str:
 
 
 def write_report(report: ShapeReport, path: str | Path, fmt: str) -> None:
-    """Write atomically: a reader never sees half a report."""
-    from llama_tools.output import atomic_path
+    """Write atomically (a reader never sees half a report); a device or FIFO is written through."""
+    from llama_tools.files import check_output_path, write_chunks
 
-    text = render_report(report, fmt)
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+    check_output_path(path)  # a directory or /proc path is refused before rendering
+    write_chunks(path, [render_report(report, fmt)])

@@ -1,0 +1,428 @@
+"""Every file llama-tools writes goes through here: atomic, with the umask's modes, never replacing a device,
+nothing of ours left behind after a failure, a SIGTERM/SIGINT, or (on the next run) a SIGKILL.
+
+    dest = check_output_path("out/model.onnx")      # cheap, before any expensive work: one-line ValueError
+    write_text(dest, text)                          # one file: temp beside it, fsync, rename
+    with atomic_file(dest) as tmp: save(tmp)        # ... when a library wants a path to write
+    with atomic_files([data, onnx]) as d: save(d)   # several files beside each other appear together
+    with atomic_dir(dst) as d: save(d)              # a whole directory appears at once
+
+    out/                                             temp names are ours and name their destination:
+      .llama-tools-tmp.model.onnx.<pid>.<hex>        a later write to model.onnx removes the ones whose
+      model.onnx                                     <pid> no longer runs (a SIGKILLed run), and says so
+
+A destination that is a character device or a FIFO (`-o /dev/null`, `-o >(gzip > x)`) is written through,
+never replaced; a socket, block device or directory is refused in one line. New files get 0666 & ~umask and
+new directories 0777 & ~umask (not mkstemp's 0600 / 0700); replacing a regular file keeps its permission bits.
+While a write is under way, SIGTERM and SIGINT remove what it made and exit 128 + the signal's number.
+No click, no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import signal
+import stat
+import sys
+import threading
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+TEMP_PREFIX = ".llama-tools-tmp."
+_FORBIDDEN_ROOTS = ("/proc", "/sys")
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+Report = Callable[[str], None]  # where notes such as "removed stale temp ..." go
+
+
+def _stderr(msg: str) -> None:
+    print(f"note: {msg}", file=sys.stderr)
+
+
+# --- names and checks -----------------------------------------------------------------------------------------
+
+def temp_path(dest: str | Path) -> Path:
+    """A fresh temp path beside `dest`: .llama-tools-tmp.<dest name>.<pid>.<8 hex>."""
+    dest = Path(dest)
+    return dest.parent / f"{TEMP_PREFIX}{dest.name}.{os.getpid()}.{secrets.token_hex(4)}"
+
+
+def _kind(mode: int) -> str | None:
+    """What a non-regular, non-directory file is, in words (None for a regular file or directory)."""
+    for test, name in ((stat.S_ISCHR, "character device"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else "special file"
+
+
+def _write_through(dest: Path) -> bool:
+    """True for a destination we write into rather than replace (a character device or FIFO)."""
+    try:
+        mode = os.stat(dest).st_mode  # follows a symlink: a link to /dev/null is /dev/null
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
+
+
+def check_output_path(path: str | Path, *, directory: bool = False) -> Path:
+    """Cheap checks before any work: ValueError naming `path` unless we could write it (nothing is created).
+
+    A file destination may be missing, a regular file, a character device or a FIFO; a directory
+    destination (`directory=True`) may be missing or an empty directory. The nearest existing parent
+    must be a writable directory, and nothing goes under /proc or /sys.
+    """
+    path = Path(path)
+    if str(path) == "" or path.name in ("", ".", ".."):
+        raise ValueError(f"{str(path)!r}: not a file name; give a path such as out/model.onnx")
+    real = os.path.realpath(path)
+    for root in _FORBIDDEN_ROOTS:
+        if real == root or real.startswith(root + "/"):
+            raise ValueError(f"{path}: is under {root}, the kernel's interface, not a place for files; "
+                             "choose another output path")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except NotADirectoryError:
+        raise ValueError(f"{path}: a parent of this path is a file, not a directory") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be checked ({e.strerror})") from None
+    if st is not None:
+        kind = _kind(st.st_mode)
+        if directory:
+            if kind or stat.S_ISREG(st.st_mode):
+                raise ValueError(f"{path}: is a {kind or 'file'}, not a directory; choose a new destination")
+            if any(os.scandir(path)):
+                raise ValueError(f"{path}: already exists and is not an empty directory; choose a new destination")
+        elif stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"{path}: is a directory; give a file path inside it, such as {path / 'out'}")
+        elif kind and kind not in ("character device", "FIFO"):
+            raise ValueError(f"{path}: is a {kind}; refusing to write to it")
+        elif kind:  # written through, so it must be writable itself
+            if not os.access(path, os.W_OK):
+                raise ValueError(f"{path}: {kind} is not writable")
+            return path
+    parent = path.parent
+    while not parent.exists():
+        if parent.is_symlink():
+            raise ValueError(f"{path}: parent {parent} is a dangling symlink")
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{path}: directory {parent} is not writable")
+    return path
+
+
+# --- stale temp paths of killed runs --------------------------------------------------------------------------
+
+def _pid_running(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # ours would be in _LIVE; this one is from an earlier process that had our pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def _size(path: Path) -> int:
+    if path.is_symlink() or not path.is_dir():
+        return path.lstat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def remove_stale(dest: str | Path, report: Report | None = _stderr) -> list[Path]:
+    """Remove temp paths for `dest` that earlier runs left (their pid no longer runs); report each one."""
+    dest = Path(dest)
+    pattern = re.compile(re.escape(TEMP_PREFIX + dest.name) + r"\.(\d+)\.[0-9a-f]{8}")
+    try:
+        entries = list(os.scandir(dest.parent))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for entry in entries:
+        m = pattern.fullmatch(entry.name)
+        path = Path(entry.path)
+        if not m or path in _LIVE or _pid_running(int(m.group(1))):
+            continue
+        try:
+            size = _size(path)
+            shutil.rmtree(path) if entry.is_dir(follow_symlinks=False) else path.unlink()
+        except FileNotFoundError:
+            continue  # another run cleaned it first
+        removed.append(path)
+        if report is not None:
+            report(f"removed {path} ({size:,} bytes), left by process {m.group(1)} which was killed "
+                   f"while writing {dest}")
+    return removed
+
+
+# --- cleanup on SIGTERM / SIGINT ------------------------------------------------------------------------------
+
+class SignalExit(SystemExit):
+    """Raised by the handler: finally-blocks run, and the process exits 128 + the signal number."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+class _Write:
+    """Paths one write made (temp file or dir, parents it created), removed on failure or a signal."""
+
+    def __init__(self) -> None:
+        self.registered: list[Path] = []  # every temp path, to forget them in _LIVE at the end
+        self.temps: list[Path] = []  # those not yet renamed onto their destination
+        self.made_dirs: list[Path] = []  # outermost first
+
+    def cleanup(self) -> None:
+        for p in self.temps:
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        for d in reversed(self.made_dirs):
+            with contextlib.suppress(OSError):  # not empty (someone else wrote there): keep it
+                d.rmdir()
+        self.temps, self.made_dirs = [], []
+
+
+_LIVE: dict[Path, _Write] = {}  # temp path -> its write, for every write under way in this process
+_state = {"depth": 0, "defer": 0}
+_saved: dict[int, object] = {}
+_pending: list[int] = []
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    if _state["defer"]:
+        _pending.append(signum)  # a rename is under way: finish it, then exit
+        return
+    _exit_on(signum)
+
+
+def _exit_on(signum: int) -> None:
+    writes = list(dict.fromkeys(_LIVE.values()))
+    for w in writes:
+        w.cleanup()
+    _LIVE.clear()
+    removed = ": removed the partial output" if writes else ""
+    print(f"\ninterrupted by {signal.Signals(signum).name}{removed}", file=sys.stderr)
+    raise SignalExit(signum)
+
+
+@contextlib.contextmanager
+def cleanup_on_signals() -> Iterator[None]:
+    """For the block: SIGTERM / SIGINT remove every write under way and exit 128 + sig (nests; main thread only).
+
+    Every atomic write enters it; wrapping a whole command in it also makes a SIGTERM run the command's
+    finally-blocks (TemporaryDirectory and the like) instead of killing the process outright.
+    A signal the process ignores (SIG_IGN, as for a shell's background job) stays ignored.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # handlers can only be set from the main thread; the main thread's own guard still cleans
+        return
+    if _state["depth"] == 0:
+        for sig in _SIGNALS:
+            prev = signal.getsignal(sig)
+            if prev is not signal.SIG_IGN:
+                _saved[sig] = signal.signal(sig, _on_signal)
+    _state["depth"] += 1
+    try:
+        yield
+    finally:
+        _state["depth"] -= 1
+        if _state["depth"] == 0:
+            for sig, prev in _saved.items():
+                signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+            _saved.clear()
+
+
+@contextlib.contextmanager
+def _no_interrupt() -> Iterator[None]:
+    """Defer SIGTERM / SIGINT across the renames, so the destination is either old or complete."""
+    _state["defer"] += 1
+    try:
+        yield
+    finally:
+        _state["defer"] -= 1
+        if not _state["defer"] and _pending:
+            signum = _pending[0]
+            _pending.clear()
+            _exit_on(signum)
+
+
+# --- the writers ----------------------------------------------------------------------------------------------
+
+def _make_parents(directory: Path, write: _Write) -> None:
+    """mkdir -p with the umask's mode, remembering what we created (removed again if the write fails)."""
+    missing = []
+    d = directory
+    while not d.exists():
+        missing.append(d)
+        d = d.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:
+            continue
+        write.made_dirs.append(d)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    if path.is_dir():
+        for f in path.rglob("*"):
+            if f.is_file() and not f.is_symlink():
+                _fsync_path(f)
+    else:
+        _fsync_path(path)
+
+
+def _keep_mode(tmp: Path, dest: Path) -> None:
+    """Replacing a regular file keeps its permission bits (as `>` and editors do)."""
+    with contextlib.suppress(FileNotFoundError):
+        st = os.stat(dest)
+        if stat.S_ISREG(st.st_mode):
+            os.chmod(tmp, stat.S_IMODE(st.st_mode))
+
+
+@contextlib.contextmanager
+def _guarded(dests: Sequence[Path], report: Report | None) -> Iterator[_Write]:
+    """Signals handled, stale temps of `dests` removed, parents made; everything undone unless the block succeeds."""
+    write = _Write()
+    with cleanup_on_signals():
+        try:
+            for dest in dests:
+                remove_stale(dest, report)
+            _make_parents(dests[0].parent, write)
+            yield write
+        except BaseException:
+            write.cleanup()
+            raise
+        finally:
+            for p in write.registered:
+                _LIVE.pop(p, None)
+
+
+def _new_temp(dest: Path, write: _Write, *, directory: bool) -> Path:
+    tmp = temp_path(dest)
+    _LIVE[tmp] = write
+    write.registered.append(tmp)
+    write.temps.append(tmp)
+    if directory:
+        tmp.mkdir(0o777)  # the umask applies
+    else:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666))
+    return tmp
+
+
+def _copy_into(src: Path, dest: Path) -> None:
+    """Write `src`'s bytes through `dest` (a device or FIFO): open and write, no rename."""
+    with open(src, "rb") as f, open(dest, "wb") as out:
+        shutil.copyfileobj(f, out, 1 << 20)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, *, report: Report | None = _stderr, fsync: bool = True) -> Iterator[Path]:
+    """A path to write `path` through: a temp beside it renamed onto it if the block succeeds.
+
+    For a character device or FIFO the path itself is yielded (written through, never replaced).
+    """
+    dest = check_output_path(path)
+    if _write_through(dest):
+        yield dest  # nothing of ours to clean up: what went through is gone
+        return
+    with _guarded([dest], report) as write:
+        tmp = _new_temp(dest, write, directory=False)
+        yield tmp
+        if fsync:
+            _fsync_path(tmp)
+        _keep_mode(tmp, dest)
+        with _no_interrupt():
+            os.replace(tmp, dest)
+            write.temps.remove(tmp)
+        if fsync:
+            _fsync_path(dest.parent)
+
+
+@contextlib.contextmanager
+def atomic_files(paths: Sequence[str | Path], *, report: Report | None = _stderr,
+                 fsync: bool = True) -> Iterator[Path]:
+    """A temp dir in which to write files named like `paths` (one directory); they replace `paths` together.
+
+    Renamed in the order given (put a data file before the file that refers to it); a name the block did
+    not write is left alone; a device or FIFO gets the bytes written through it. The temp dir is named
+    after the last path, and stale temps of every path are removed.
+    """
+    dests = [check_output_path(p) for p in paths]
+    if not dests:
+        raise ValueError("atomic_files: no paths given")
+    if len({d.parent for d in dests}) != 1 or len({d.name for d in dests}) != len(dests):
+        raise ValueError(f"atomic_files: {', '.join(map(str, dests))} must be distinct names in one directory")
+    with _guarded(dests, report) as write:
+        tmp = _new_temp(dests[-1], write, directory=True)  # named after the main file, written last
+        yield tmp
+        done = [(tmp / d.name, d) for d in dests if (tmp / d.name).exists()]
+        if fsync:
+            for src, _ in done:
+                _fsync_path(src)
+        for src, dest in done:
+            _keep_mode(src, dest)
+        with _no_interrupt():
+            for src, dest in done:
+                _copy_into(src, dest) if _write_through(dest) else os.replace(src, dest)
+        shutil.rmtree(tmp, ignore_errors=True)
+        write.temps.remove(tmp)
+        if fsync:
+            _fsync_path(dests[0].parent)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path, *, report: Report | None = _stderr, fsync: bool = True) -> Iterator[Path]:
+    """A temp dir beside `path` (missing or an empty directory), renamed onto it if the block succeeds."""
+    dest = check_output_path(path, directory=True)
+    with _guarded([dest], report) as write:
+        tmp = _new_temp(dest, write, directory=True)
+        yield tmp
+        if fsync:
+            _fsync_tree(tmp)
+        with _no_interrupt():
+            if dest.is_dir():
+                dest.rmdir()  # empty, checked above; if someone filled it meanwhile, rmdir fails and we stop
+            os.replace(tmp, dest)
+            write.temps.remove(tmp)
+        if fsync:
+            _fsync_path(dest.parent)
+
+
+def write_chunks(path: str | Path, chunks: Iterable[bytes | str], *, report: Report | None = _stderr,
+                 fsync: bool = True) -> Path:
+    """Write an iterable of bytes (or UTF-8 text) to `path` atomically, one chunk in memory at a time."""
+    path = Path(path)
+    with atomic_file(path, report=report, fsync=fsync) as tmp, open(tmp, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk.encode("utf-8") if isinstance(chunk, str) else chunk)
+    return path
+
+
+def write_text(path: str | Path, text: str, *, report: Report | None = _stderr, fsync: bool = True) -> Path:
+    """Write `text` (UTF-8, newline-terminated) to `path` atomically."""
+    return write_chunks(path, [text if text.endswith("\n") else text + "\n"], report=report, fsync=fsync)
+
+
+def write_bytes(path: str | Path, data: bytes, *, report: Report | None = _stderr, fsync: bool = True) -> Path:
+    """Write `data` to `path` atomically."""
+    return write_chunks(path, [data], report=report, fsync=fsync)
