@@ -366,11 +366,9 @@ class StaticKVSession:
         self.buffers = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype))
                         for _ in range(2 * cfg.num_hidden_layers)]
         self.binding = session.io_binding()
-        in_names, out_names = io_names(cfg.num_hidden_layers)
-        for buf, past, present in zip(self.buffers, in_names[3:], out_names[1:]):
+        self._names = io_names(cfg.num_hidden_layers)
+        for buf, past in zip(self.buffers, self._names[0][3:]):
             self.binding.bind_ortvalue_input(past, buf)
-            self.binding.bind_ortvalue_output(present, buf)  # the same memory: GQA writes in place
-        self.binding.bind_output("logits")
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """logits [batch, seq, vocab] for input_ids [batch, seq]; the cache advances in place."""
@@ -379,6 +377,12 @@ class StaticKVSession:
                              f"holds {self.max_length}; export with a larger static_kv")
         for name, x in (("input_ids", input_ids), ("attention_mask", attention_mask), ("position_ids", position_ids)):
             self.binding.bind_cpu_input(name, np.ascontiguousarray(x, dtype=np.int64))
+        # Rebound every step: logits change shape (a bound output keeps its first shape); outputs come back in
+        # binding order, logits first.
+        self.binding.clear_binding_outputs()
+        self.binding.bind_output("logits")
+        for buf, present in zip(self.buffers, self._names[1][1:]):
+            self.binding.bind_ortvalue_output(present, buf)  # the same memory as the past: GQA writes in place
         self.sess.run_with_iobinding(self.binding)
         return self.binding.get_outputs()[0].numpy()
 
