@@ -118,13 +118,16 @@ class _Graph:
         return self.weight(name, torch.tensor(data, dtype=dtype))
 
     def op(self, path: str, op_type: str, inputs: list[ir.Value | None], attributes: dict | None = None, *,
-           domain: str = "", outputs: int | list[str] = 1, name: str | None = None) -> Any:
-        """Add one node; returns its output (or the list of them when outputs > 1 or names are given)."""
+           domain: str = "", outputs: int | list[str | None] = 1, name: str | None = None) -> Any:
+        """Add one node; returns its output, or the list of them when outputs > 1 or is a list.
+
+        outputs as a list: None names the output after the node (`.../output_i`), "" omits it, a string names it.
+        """
         node_name = f"{path}/{name or op_type}"
         assert node_name not in self._names, f"two nodes named {node_name}"
         self._names.add(node_name)
-        names = outputs if isinstance(outputs, list) else [f"{node_name}/output_{i}" for i in range(outputs)]
-        values = [ir.Value(name=n) if n else ir.Value(name="") for n in names]
+        names = outputs if isinstance(outputs, list) else [None] * outputs
+        values = [ir.Value(name=f"{node_name}/output_{i}" if n is None else n) for i, n in enumerate(names)]
         node = ir.Node(domain, op_type, inputs, ir.convenience.convert_attributes(attributes or {}),
                        outputs=values, name=node_name)
         self.nodes.append(node)
@@ -154,27 +157,28 @@ def build_graph(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     # --- What every layer's attention shares: GQA's lengths and the padding bias (see the module docstring) ---
     #
     #   attention_mask [b, t] ──Shape──► [b, t] ──Gather 1──► t ──Cast int32──► total_sequence_length []
-    #                                           └─Gather 0──► b            t - 1 ──Cast int32──Expand [b]──► seqlens_k [b]
-    #   attention_mask ──Cast bool──Where(0, min)──Unsqueeze [1, 2]──► [b, 1, 1, t] ──Expand [b, 1, s, t]──► attention_bias
+    #                                           └─Gather 0──► b
+    #   t - 1 ──Cast int32──Expand [b]──► seqlens_k [b]      (every row: keys end at the last slot)
+    #   attention_mask ──Cast bool──Where(0, min)──Unsqueeze [1, 2]──► [b, 1, 1, t]
+    #                  ──Expand [b, 1, s, t]──► attention_bias  (one row per query, as GQA wants)
     p = "/model/attn_mask"
     i64 = torch.int64
     mask_shape = g.op(p, "Shape", [mask], name="Shape_mask")
-    batch = g.op(p, "Gather", [mask_shape, g.const("/model/attn_mask/zero", 0, i64)], {"axis": 0}, name="Gather_batch")
-    total = g.op(p, "Gather", [mask_shape, g.const("/model/attn_mask/one", 1, i64)], {"axis": 0}, name="Gather_total")
+    batch = g.op(p, "Gather", [mask_shape, g.const(f"{p}/zero", 0, i64)], {"axis": 0}, name="Gather_batch")
+    total = g.op(p, "Gather", [mask_shape, g.const(f"{p}/one", 1, i64)], {"axis": 0}, name="Gather_total")
     total_i32 = g.op(p, "Cast", [total], {"to": ir.DataType.INT32}, name="Cast_total")  # total_sequence_length
-    last = g.op(p, "Sub", [total, g.const("/model/attn_mask/one_", 1, i64)], name="Sub_last")  # t - 1
+    last = g.op(p, "Sub", [total, g.const(f"{p}/one_", 1, i64)], name="Sub_last")  # t - 1
     last_i32 = g.op(p, "Cast", [last], {"to": ir.DataType.INT32}, name="Cast_last")
-    batch_1d = g.op(p, "Unsqueeze", [batch, g.const("/model/attn_mask/axis0", [0], i64)], name="Unsqueeze_batch")
+    batch_1d = g.op(p, "Unsqueeze", [batch, g.const(f"{p}/axis0", [0], i64)], name="Unsqueeze_batch")  # [1]
     seqlens_k = g.op(p, "Expand", [last_i32, batch_1d], name="Expand_seqlens_k")  # [b] int32, all t - 1
     keep = g.op(p, "Cast", [mask], {"to": ir.DataType.BOOL}, name="Cast_keep")
-    bias_2d = g.op(p, "Where", [keep, g.const("/model/attn_mask/zero_bias", 0.0, dtype),
-                                g.const("/model/attn_mask/min_bias", torch.finfo(dtype).min, dtype)])  # [b, t]
-    bias_4d = g.op(p, "Unsqueeze", [bias_2d, g.const("/model/attn_mask/axes12", [1, 2], i64)])  # [b, 1, 1, t]
+    bias_2d = g.op(p, "Where", [keep, g.const(f"{p}/zero_bias", 0.0, dtype),
+                                g.const(f"{p}/min_bias", torch.finfo(dtype).min, dtype)])  # [b, t]
+    bias_4d = g.op(p, "Unsqueeze", [bias_2d, g.const(f"{p}/axes12", [1, 2], i64)])  # [b, t] -> [b, 1, 1, t]
     ids_shape = g.op(p, "Shape", [input_ids], name="Shape_ids")  # [b, s]
-    seq = g.op(p, "Slice", [ids_shape, g.const("/model/attn_mask/s0", [1], i64), g.const("/model/attn_mask/s1", [2], i64)])
-    bias_shape = g.op(p, "Concat", [batch_1d, g.const("/model/attn_mask/heads1", [1], i64), seq,
-                                   g.op(p, "Unsqueeze", [total, g.const("/model/attn_mask/axis0_", [0], i64)],
-                                        name="Unsqueeze_total")], {"axis": 0})  # [b, 1, s, t]
+    seq = g.op(p, "Slice", [ids_shape, g.const(f"{p}/from1", [1], i64), g.const(f"{p}/to2", [2], i64)])  # [s]
+    total_1d = g.op(p, "Unsqueeze", [total, g.const(f"{p}/axis0_", [0], i64)], name="Unsqueeze_total")  # [t]
+    bias_shape = g.op(p, "Concat", [batch_1d, g.const(f"{p}/heads1", [1], i64), seq, total_1d], {"axis": 0})
     attention_bias = g.op(p, "Expand", [bias_4d, bias_shape], name="Expand_bias")  # [b, 1, s, t]
 
     # RoPE tables: fp32 for our op (it rotates in fp32), the activations' type for ORT's.
@@ -183,12 +187,11 @@ def build_graph(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     cos_cache, sin_cache = g.weight("cos_cache", cos.to(table_dtype)), g.weight("sin_cache", sin.to(table_dtype))
 
     # --- Embedding, then the layers ----------------------------------------------------------------------------
-    z = g.op("/model/embed_tokens", "Gather", [g.weight("model.embed_tokens.weight", state["model.embed_tokens.weight"]),
-                                               input_ids])  # [b, s, n2]
-    eps = float(cfg.rms_norm_eps)
-    zbar = g.op("/model/layers.0/input_layernorm", "SimplifiedLayerNormalization",
-                [z, g.weight("model.layers.0.input_layernorm.weight", state.pop("model.layers.0.input_layernorm.weight"))],
-                {"axis": -1, "epsilon": eps, "stash_type": 1})
+    embed = g.weight("model.embed_tokens.weight", state["model.embed_tokens.weight"])  # [n1, n2]
+    z = g.op("/model/embed_tokens", "Gather", [embed, input_ids])  # Z^0: [b, s, n2]
+    norm = "model.layers.0.input_layernorm.weight"
+    zbar = g.op("/model/layers.0/input_layernorm", "SimplifiedLayerNormalization", [z, g.weight(norm, state.pop(norm))],
+                {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})  # fp32 inside, as RMSNorm
     presents = []
     for j in range(n_layers):
         zbar, z, present = _layer(g, cfg, state, j, zbar, z, position_ids, cos_cache, sin_cache, rope_op,
@@ -270,14 +273,14 @@ def _layer(g: _Graph, cfg: ModelConfig, state: dict[str, torch.Tensor], j: int, 
         attn, "GroupQueryAttention",
         [*rotated, v, past_k, past_v, seqlens_k, total, None, None, None, attention_bias],
         {"num_heads": nq, "kv_num_heads": nkv, "do_rotary": 0}, domain="com.microsoft",
-        outputs=[f"{attn}/GroupQueryAttention/output_0", out_names[1 + 2 * j], out_names[2 + 2 * j]])
+        outputs=[None, out_names[1 + 2 * j], out_names[2 + 2 * j]])
     w, b = linear("self_attn", ["o_proj"], cfg.o_bias)
     r = matmul("self_attn/o_proj", u, w, b)  # [b, s, n2]
+    norm = f"{pre}.post_attention_layernorm.weight"
     ybar, _, _, y = g.op(
-        f"{path}/post_attention_layernorm", "SkipSimplifiedLayerNormalization",
-        [r, z, g.weight(f"{pre}.post_attention_layernorm.weight", state.pop(f"{pre}.post_attention_layernorm.weight"))],
+        f"{path}/post_attention_layernorm", "SkipSimplifiedLayerNormalization", [r, z, g.weight(norm, state.pop(norm))],
         {"epsilon": float(cfg.rms_norm_eps)}, domain="com.microsoft",
-        outputs=[f"{path}/post_attention_layernorm/output_0", "", "", f"{path}/post_attention_layernorm/output_3"])
+        outputs=[None, "", "", None])  # (normalized, -, -, the sum z + r)
 
     # --- SwiGLU ---
     mlp = f"{path}/mlp"
@@ -297,7 +300,7 @@ def _layer(g: _Graph, cfg: ModelConfig, state: dict[str, torch.Tensor], j: int, 
     zbar_next, _, _, z_next = g.op(
         norm_path, "SkipSimplifiedLayerNormalization", [d, y, g.weight(norm_name, state.pop(norm_name))],
         {"epsilon": float(cfg.rms_norm_eps)}, domain="com.microsoft",
-        outputs=[f"{norm_path}/output_0", "", "", f"{norm_path}/output_3"])
+        outputs=[None, "", "", None])
     return zbar_next, z_next, [present_k, present_v]
 
 

@@ -78,7 +78,8 @@ ORT_SCHEMA = _schema(
 # Subgraph outputs need a declared shape; the dim names there are labels only.
 _FUNCTION_TEXT = """
 <domain: "llama_tools", opset_import: ["": {opset}]>
-RotaryEmbedding <interleaved, rotary_dim, num_heads: int = 0> (x, position_ids, cos_cache, sin_cache) => (y) {{
+RotaryEmbedding <interleaved, rotary_dim, num_heads: int = 0> (x, position_ids, cos_cache, sin_cache)
+    => (y) {{
     x32 = Cast <to = 1> (x)
     one = Constant <value_ints = [1]> ()
     zero = Constant <value_ints = [0]> ()

@@ -343,7 +343,8 @@ def test_group_query_attention_itself_refuses_head_dim_12():
         node = h.make_node("GroupQueryAttention", ["q", "k", "v", "", "", "seqlens_k", "total"], ["o"],
                            domain="com.microsoft", num_heads=2, kv_num_heads=1)
         graph = h.make_graph([node], "gqa", [
-            h.make_tensor_value_info("q", f32, [1, 3, 2 * head_dim]), h.make_tensor_value_info("k", f32, [1, 3, head_dim]),
+            h.make_tensor_value_info("q", f32, [1, 3, 2 * head_dim]),
+            h.make_tensor_value_info("k", f32, [1, 3, head_dim]),
             h.make_tensor_value_info("v", f32, [1, 3, head_dim]),
             h.make_tensor_value_info("seqlens_k", onnx.TensorProto.INT32, [1]),
             h.make_tensor_value_info("total", onnx.TensorProto.INT32, [])], [h.make_tensor_value_info("o", f32, None)])
