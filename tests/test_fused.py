@@ -177,6 +177,30 @@ def test_padded_prefill_and_decode_match_torch(model, exports, rope_op, layout):
     assert not bad, bad[0]
 
 
+@pytest.mark.parametrize("changes", [
+    {"qkv_bias": True},  # Qwen2: the packed projection carries the three biases
+    {"o_bias": True, "mlp_bias": True},
+    {"tie_word_embeddings": True, "norm_head": True},  # lm_head = D, rows L2-normalized (Baichuan2)
+    {"head_dim": 32},  # q_size 128 != hidden 64
+    {"num_key_value_heads": 4},  # plain multi-head attention
+])
+def test_architecture_variants_match_torch(changes, tmp_path):
+    """The packing and the extras (biases, tied and normalized head, wide heads, MHA) against PyTorch."""
+    cfg = CFG.replace(**changes)
+    m = sharp(cfg, seed=1)
+    with torch.no_grad():  # biases start at N(0, 0.02) too; make them big enough to matter
+        for name, p in m.named_parameters():
+            if name.endswith(".bias"):
+                p.mul_(20)
+    run = OnnxLM(create_session(export_fused(m, tmp_path / "v.onnx", quiet=True).path, "cpu"),
+                 cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    ids, mask = left_pad(PROMPTS)
+    pos = positions(mask, ids.shape[1])
+    got = run(ids, mask, pos, run.empty_cache(2))
+    checks = check_step("prefill", got.logits, got.presents, reference(m, ids, mask, pos), mask.astype(bool))
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed][0]
+
+
 def test_padded_rows_equal_rows_alone(exports):
     """Each row of the left-padded batch, prefill and 3 decode steps, equals that row run alone (no padding)."""
     run = lm(exports().path)
