@@ -73,6 +73,8 @@ class ExportMetadata:
     version: str
     source: str
     seed: int | None  # None: the weights came from a checkpoint or a given module
+    graph: str = "plain"  # "plain" (this module) or "fused" (fused.py)
+    static_kv: int | None = None  # a fused graph's preallocated KV length, if it has one
 
 
 # --- The traced module ---------------------------------------------------------------------------------
@@ -236,7 +238,7 @@ def _attach_rope_function(model: ir.Model, rope_op: str, opset: int) -> None:
 # --- Weights, metadata, file -----------------------------------------------------------------------------
 
 @dataclass
-class _Weights:
+class Weights:
     """The real weights of a source, module-named, in the export dtype."""
 
     state: dict[str, torch.Tensor]
@@ -246,20 +248,20 @@ class _Weights:
     seed: int | None  # None: from a checkpoint or a given module, no seed reproduces them
 
 
-def _real_weights(source: ModelSource | ModelConfig | Llama, dtype: torch.dtype, seed: int,
-                  progress: Progress) -> _Weights:
+def real_weights(source: ModelSource | ModelConfig | Llama, dtype: torch.dtype, seed: int,
+                  progress: Progress) -> Weights:
     """One copy of the weights: a checkpoint's (memory-mapped where possible), seeded random, or a module's."""
     if isinstance(source, Llama):
         state = {k: v.detach().to(dtype) for k, v in source.state_dict().items()}  # the caller's module untouched
         params = sum(p.numel() for p in source.parameters())
-        return _Weights(state, source.cfg, params, source.cfg.source or source.cfg.name, None)
+        return Weights(state, source.cfg, params, source.cfg.source or source.cfg.name, None)
     if isinstance(source, ModelConfig):
         label, seeded = source.source or source.name, True
     else:
         label, seeded = source.label, source.seeded
     model = load_model(source, dtype=dtype, seed=seed, progress=progress)
     params = sum(p.numel() for p in model.parameters())
-    return _Weights(model.state_dict(), model.cfg, params, label, seed if seeded else None)
+    return Weights(model.state_dict(), model.cfg, params, label, seed if seeded else None)
 
 
 def _apply_weights(program: torch.onnx.ONNXProgram, hidden: list[ir.Value], state: dict[str, torch.Tensor]) -> None:
@@ -270,7 +272,7 @@ def _apply_weights(program: torch.onnx.ONNXProgram, hidden: list[ir.Value], stat
     program.apply_weights({v.name: state[v.name] for v in hidden})
 
 
-def _set_metadata(model: ir.Model, cfg: ModelConfig, rope_op: str, dtype: str, source: str,
+def set_metadata(model: ir.Model, cfg: ModelConfig, rope_op: str, dtype: str, source: str,
                   seed: int | None) -> None:
     """The llama_tools.* keys read_metadata reads back."""
     model.metadata_props.update({
@@ -284,7 +286,7 @@ def _set_metadata(model: ir.Model, cfg: ModelConfig, rope_op: str, dtype: str, s
     })
 
 
-def _save_atomic(model: ir.Model, output: Path, threshold: int, check: bool, progress: Progress) -> Path | None:
+def save_model(model: ir.Model, output: Path, threshold: int, check: bool, progress: Progress) -> Path | None:
     """Write OUT (and OUT.data) in a temp dir beside OUT, then rename: a killed export leaves no OUT."""
     data_name = output.name + ".data"
     weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
@@ -330,7 +332,7 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     if isinstance(source, (str, Path)):
         source = resolve(source)
     torch_dtype = dtypes.to_torch(dt.name)
-    weights = _real_weights(source, torch_dtype, seed, progress)
+    weights = real_weights(source, torch_dtype, seed, progress)
     cfg, state = weights.cfg, weights.state
     say(f"tracing {cfg.name} ({cfg.num_hidden_layers} layers, {dt.name}, rope_op={rope_op})")
     program = _trace(cfg, torch_dtype, rope_op, opset)
@@ -346,9 +348,9 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     _name_dims(graph)
     assert rope_nodes == (2 * cfg.num_hidden_layers if cfg.position_encoding == "rope" else 0), (
         f"{rope_nodes} RoPE nodes for {cfg.num_hidden_layers} layers")
-    _set_metadata(graph, cfg, rope_op, dt.name, weights.source, weights.seed)
+    set_metadata(graph, cfg, rope_op, dt.name, weights.source, weights.seed)
     say(f"writing {output}")
-    data = _save_atomic(graph, output, external_data_threshold_bytes, check, progress)
+    data = save_model(graph, output, external_data_threshold_bytes, check, progress)
     size = output.stat().st_size + (data.stat().st_size if data else 0)
     return ExportResult(
         path=output, external_data=data, bytes=size, params=weights.params, num_nodes=len(graph.graph),
@@ -374,4 +376,6 @@ def read_metadata(path: str | Path) -> ExportMetadata:
         config=ModelConfig.from_dict(json.loads(props[META + "config"])),
         rope_layout=props.get(META + "rope_layout", ""), rope_op=props.get(META + "rope_op", ""),
         dtype=props.get(META + "dtype", ""), version=props.get(META + "version", ""),
-        source=props.get(META + "source", ""), seed=int(seed) if seed else None)
+        source=props.get(META + "source", ""), seed=int(seed) if seed else None,
+        graph=props.get(META + "graph", "plain"),
+        static_kv=int(props[META + "static_kv"]) if props.get(META + "static_kv") else None)

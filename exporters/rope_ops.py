@@ -71,10 +71,11 @@ def our_schema() -> "onnx.defs.OpSchema":
         OP_TYPE, DOMAIN,
         "llama_tools.model.rope: x [batch, heads, seq, head_dim] rotated by the angles of position_ids [batch, seq], "
         "in fp32 from fp32 tables [max_pos, head_dim / 2], cast back to x's type. interleaved 1: pairs (x0, x1), "
-        "(x2, x3)... (Meta); 0: halves (HF).",
+        "(x2, x3)... (Meta); 0: halves (HF). num_heads > 0 (optional, default 0): x is 3-D "
+        "[batch, seq, num_heads * head_dim] instead, as a packed projection leaves it.",
         [("x", "T"), ("position_ids", "tensor(int64)"), ("cos_cache", "tensor(float)"), ("sin_cache", "tensor(float)")],
         ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"],
-        [("interleaved", True)],
+        [("interleaved", True), ("num_heads", False)],
     )
 
 
@@ -91,27 +92,40 @@ def ort_schema() -> "onnx.defs.OpSchema":
 
 # --- The function body: the same math as llama_tools.model.rope, in ONNX ------------------------------
 #
-#   x [b, h, s, d] ──Cast fp32──► xf
-#   position_ids [b, s] ──Gather(cos_cache)──Unsqueeze 1──► cos [b, 1, s, d/2]   (fp32, likewise sin)
+#   x [b, h, s, d] ──Cast fp32──Reshape [0, 0, 0, -1] (a no-op)──► xf [b, h, s, d]
+#   x [b, s, h d] (num_heads = h > 0) ──Cast fp32──Reshape [0, 0, h, -1]──► xf [b, s, h, d]   (no Transpose)
+#   position_ids [b, s] ──Gather(cos_cache)──Unsqueeze 1 (4-D) or 2 (3-D)──► cos [b, 1, s, d/2] or [b, s, 1, d/2]
+#   (fp32, likewise sin): either way it broadcasts over the heads axis.
 #   The layout only says which channels pair up; the rotation itself is written once:
-#   If interleaved:  xf ──Reshape [b, h, s, d/2, 2]──Split──Squeeze──► x0, x1 [b, h, s, d/2]  (evens, odds)
-#   else (halves):   xf ──Split──► x0, x1 [b, h, s, d/2]                                  (first, second half)
-#   (x0 cos - x1 sin, x1 cos + x0 sin) ──► y0, y1 [b, h, s, d/2]
-#   If interleaved:  (y0, y1) ──Unsqueeze──Concat -1──Reshape──► rotated [b, h, s, d]   (pairs back in place)
-#   else (halves):   (y0, y1) ──Concat -1──► rotated [b, h, s, d]
-#   rotated ──CastLike x──► y [b, h, s, d]
+#   If interleaved:  xf ──Reshape [.., d/2, 2]──Split──Squeeze──► x0, x1 [.., d/2]   (evens, odds)
+#   else (halves):   xf ──Split──► x0, x1 [.., d/2]                                   (first, second half)
+#   (x0 cos - x1 sin, x1 cos + x0 sin) ──► y0, y1 [.., d/2]
+#   If interleaved:  (y0, y1) ──Unsqueeze──Concat -1──Reshape──► rotated [.., d]   (pairs back in place)
+#   else (halves):   (y0, y1) ──Concat -1──► rotated [.., d]
+#   rotated ──Reshape Shape(x)──CastLike x──► y, x's own shape
 #
-# Subgraph outputs need a declared shape; the dim names there are labels only.
+# The Ifs see a 4-D tensor either way; subgraph outputs need a declared shape, whose dim names are labels only.
 _FUNCTION_TEXT = """
 <domain: "llama_tools", opset_import: ["": {opset}]>
-RotaryEmbedding <interleaved> (x, position_ids, cos_cache, sin_cache) => (y) {{
-    xf = Cast <to = 1> (x)
+RotaryEmbedding <interleaved, num_heads: int = 0> (x, position_ids, cos_cache, sin_cache) => (y) {{
+    x32 = Cast <to = 1> (x)
     one = Constant <value_ints = [1]> ()
     last = Constant <value_ints = [-1]> ()
+    heads_scalar = Constant <value_int: int = @num_heads> ()
+    heads = Reshape (heads_scalar, one)  # [] -> [1]
+    zero_zero = Constant <value_ints = [0, 0]> ()
+    view_shape = Concat <axis = 0> (zero_zero, heads, last)  # [0, 0, 0, -1] keeps 4-D x; [0, 0, h, -1] splits heads
+    xf = Reshape (x32, view_shape)  # [b, h, s, d] as is, or [b, s, h d] -> [b, s, h, d]
+    zero_scalar = Constant <value_int = 0> ()
+    is_3d = Greater (heads_scalar, zero_scalar)
+    is_3d_int = Cast <to = 7> (is_3d)
+    one_scalar = Constant <value_int = 1> ()
+    heads_axis_scalar = Add (one_scalar, is_3d_int)  # 1 for [b, h, s, d], 2 for [b, s, h, d]
+    heads_axis = Reshape (heads_axis_scalar, one)
     cos_rows = Gather (cos_cache, position_ids)
     sin_rows = Gather (sin_cache, position_ids)
-    cos = Unsqueeze (cos_rows, one)  # [b, s, d/2] -> [b, 1, s, d/2]: one row per position, every head
-    sin = Unsqueeze (sin_rows, one)
+    cos = Unsqueeze (cos_rows, heads_axis)  # [b, s, d/2] -> [b, 1, s, d/2] or [b, s, 1, d/2]: every head
+    sin = Unsqueeze (sin_rows, heads_axis)
     flag = Constant <value_int: int = @interleaved> ()
     is_interleaved = Cast <to = 9> (flag)
     x0, x1 = If (is_interleaved) <
@@ -144,7 +158,9 @@ RotaryEmbedding <interleaved> (x, position_ids, cos_cache, sin_cache) => (y) {{
             joined_halves = Concat <axis = -1> (y0, y1)
         }}
     >
-    y = CastLike (rotated, x)
+    x_shape = Shape (x)
+    out = Reshape (rotated, x_shape)  # back to x's own shape: a no-op for 4-D x
+    y = CastLike (out, x)
 }}
 """
 

@@ -1,0 +1,401 @@
+"""The fused decoder graph: onnxruntime's GroupQueryAttention, packed projections and Skip norms, RoPE our own node.
+
+Built node by node with onnx_ir straight from the weights (no torch tracing), as onnxruntime-genai's builder
+builds its graphs, for the same model `export_onnx` exports (weights from `llama_tools.load_model`). The graph
+has the plain export's inputs and outputs, so `runtime.OnnxLM` and `verify parity` run it unchanged:
+
+    input_ids [batch, seq], attention_mask [batch, past + seq], position_ids [batch, seq],
+    past_key_values.N.key/value [batch, kv_heads, past, head_dim]  ->  logits, present.N.key/value
+
+What onnxruntime's com.microsoft.GroupQueryAttention (GQA) is fed, and why (ContribOperators.md, the CPU kernel
+in contrib_ops/cpu/bert/gqa_attention_base.h and group_query_attention_helper.h, and tests/test_fused.py):
+  - seqlens_k[b] = total - 1 for EVERY row, total_sequence_length = attention_mask's length. GQA reads
+    seqlens_k as "row b's keys are slots [0, seqlens_k[b]]" (right padding); with left padding the real keys
+    end at the last slot in every row, so every row gets the full length and the padding is masked by
+  - attention_bias [batch, 1, seq, total]: 0 where attention_mask is 1, the dtype's minimum where it is 0
+    (the model's own mask value). Causality stays GQA's own.
+  - do_rotary = 0: q and k arrive rotated by our RoPE node, from the caller's position_ids (left padding:
+    real tokens counted). GQA's own position_ids input is not fed (it only serves its own rotary).
+  - past/present in BNSH [batch, kv_heads, slots, head_dim]; GQA writes the new keys at slots
+    [total - seq, total) of every row. GQA needs head_dim % 8 == 0 (its own rotary would need % 16).
+  - A prompt (seq > 1) continuing a non-empty cache needs batch 1 (GQA refuses otherwise); decode (seq = 1)
+    and a first prompt take any batch.
+
+Static KV (`static_kv=max_length`), as onnxruntime-genai's past_present_share_buffer: past and present are
+[batch, kv_heads, max_length, head_dim]. GQA shares the buffer when present's memory IS past's (it compares the
+pointers), which a caller arranges by binding one OrtValue as both (IOBinding; `StaticKVSession` does it):
+decode then writes one slot per layer in place and allocates no cache. The caller feeds, per step:
+attention_mask [batch, filled + seq] (filled = slots already written, the same for every row; left padding
+stays zeros at the front), position_ids as usual, and keeps filled + seq <= max_length (not checked in the
+graph: GQA would grow present past the buffer and stop sharing). Fed plain numpy arrays instead, the same
+graph returns a fresh present holding the whole buffer (a copy each step, same numbers).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+import torch
+import torch.nn.functional as F
+from onnx_ir.tensor_adapters import TorchTensor
+
+from llama_tools import dtypes, files
+from llama_tools.config import ModelConfig
+from llama_tools.model import rope_cache
+from llama_tools.progress import Progress, silent
+from llama_tools.source import resolve
+
+from . import rope_ops
+from .graph_io import io_names
+from .onnx_export import (DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD_BYTES, META, check_args, real_weights, save_model,
+                          set_metadata)
+
+GRAPH = "fused"  # the llama_tools.graph metadata value
+FUSED_ROPE_OPS = (rope_ops.OURS.name, "contrib")  # ops that take 3-D [b, s, heads*n6] input
+GQA_HEAD_DIM_MULTIPLE = 8  # group_query_attention_helper: "head_size must be a multiple of 8"
+_IR = {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16,
+       torch.int64: ir.DataType.INT64}
+
+
+@dataclass
+class FusedExportResult:
+    """What export_fused wrote."""
+
+    path: Path
+    external_data: Path | None  # OUT.onnx.data, or None when the weights are inside OUT
+    bytes: int  # on disk, both files
+    params: int
+    num_nodes: int
+    op_counts: dict[str, int]  # "com.microsoft.GroupQueryAttention": 12, "MatMul": 49, ...
+    opset: int
+    dtype: str
+    rope_op: str
+    static_kv: int | None  # max_length of the shared past/present buffer; None: past grows by concatenation
+    seconds: float
+    peak_rss_bytes: int  # the process's high-water mark (ru_maxrss), export included
+    notes: list[str] = field(default_factory=list)
+
+
+def check_fusable(cfg: ModelConfig) -> None:
+    """One-line ValueError naming what the fused attention cannot do; the caller falls back to the plain graph."""
+    why = None
+    if cfg.position_encoding != "rope":
+        why = f"{cfg.position_encoding} position encoding (GroupQueryAttention adds no per-head ALiBi bias)"
+    elif cfg.sliding_window is not None:
+        why = f"a sliding window ({cfg.sliding_window})"
+    elif cfg.is_moe:
+        why = f"mixture of experts ({cfg.num_experts} experts)"
+    elif cfg.head_dim % GQA_HEAD_DIM_MULTIPLE:
+        why = f"head_dim {cfg.head_dim} (GroupQueryAttention needs a multiple of {GQA_HEAD_DIM_MULTIPLE})"
+    elif cfg.num_attention_heads % cfg.num_key_value_heads:
+        why = f"{cfg.num_attention_heads} query heads over {cfg.num_key_value_heads} KV heads (not a multiple)"
+    if why:
+        raise ValueError(f"{cfg.name}: the fused graph does not support {why}; export the plain graph instead")
+
+
+# --- A small graph builder: nodes named by module path, outputs by node ---------------------------------------
+
+class _Graph:
+    """Collects nodes and initializers; node `/model/layers.0/self_attn/qkv_proj/MatMul` outputs `.../output_0`."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.nodes: list[ir.Node] = []
+        self.initializers: list[ir.Value] = []
+        self._names: set[str] = set()
+
+    def weight(self, name: str, tensor: torch.Tensor) -> ir.Value:
+        """An initializer holding `tensor` (no copy; written when the model is saved)."""
+        tensor = tensor.detach().contiguous()
+        value = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(_IR[tensor.dtype]),
+                         const_value=TorchTensor(tensor, name=name))
+        self.initializers.append(value)
+        return value
+
+    def const(self, name: str, data: Any, dtype: torch.dtype) -> ir.Value:
+        return self.weight(name, torch.tensor(data, dtype=dtype))
+
+    def op(self, path: str, op_type: str, inputs: list[ir.Value | None], attributes: dict | None = None, *,
+           domain: str = "", outputs: int | list[str | None] = 1, name: str | None = None) -> Any:
+        """Add one node; returns its output, or the list of them when outputs > 1 or is a list.
+
+        outputs as a list: None names the output after the node (`.../output_i`), "" omits it, a string names it.
+        """
+        node_name = f"{path}/{name or op_type}"
+        assert node_name not in self._names, f"two nodes named {node_name}"
+        self._names.add(node_name)
+        names = outputs if isinstance(outputs, list) else [None] * outputs
+        values = [ir.Value(name=f"{node_name}/output_{i}" if n is None else n) for i, n in enumerate(names)]
+        node = ir.Node(domain, op_type, inputs, ir.convenience.convert_attributes(attributes or {}),
+                       outputs=values, name=node_name)
+        self.nodes.append(node)
+        return values[0] if len(values) == 1 and not isinstance(outputs, list) else values
+
+
+def _input(name: str, dtype: ir.DataType, shape: list[int | str]) -> ir.Value:
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape))
+
+
+# --- The graph ------------------------------------------------------------------------------------------------
+
+def build_graph(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, rope_op: str,
+                static_kv: int | None, opset: int = DEFAULT_OPSET) -> ir.Model:
+    """The fused decoder over `state` (HF names, in `dtype`); entries are popped as they are packed."""
+    g = _Graph(dtype)
+    t = _IR[dtype]
+    n_layers, kv_heads, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    slots = static_kv if static_kv is not None else "past_sequence_length"
+    present_slots = static_kv if static_kv is not None else "total_sequence_length"
+    in_names, out_names = io_names(n_layers)
+    input_ids = _input("input_ids", ir.DataType.INT64, ["batch", "sequence_length"])
+    mask = _input("attention_mask", ir.DataType.INT64, ["batch", "total_sequence_length"])
+    position_ids = _input("position_ids", ir.DataType.INT64, ["batch", "sequence_length"])
+    pasts = [_input(n, t, ["batch", kv_heads, slots, hd]) for n in in_names[3:]]
+
+    # --- What every layer's attention shares: GQA's lengths and the padding bias (see the module docstring) ---
+    #
+    #   attention_mask [b, t] ──Shape──► [b, t] ──Gather 1──► t ──Cast int32──► total_sequence_length []
+    #                                           └─Gather 0──► b
+    #   t - 1 ──Cast int32──Expand [b]──► seqlens_k [b]      (every row: keys end at the last slot)
+    #   attention_mask ──Cast bool──Where(0, min)──Unsqueeze [1, 2]──► [b, 1, 1, t]
+    #                  ──Expand [b, 1, s, t]──► attention_bias  (one row per query, as GQA wants)
+    p = "/model/attn_mask"
+    i64 = torch.int64
+    mask_shape = g.op(p, "Shape", [mask], name="Shape_mask")
+    batch = g.op(p, "Gather", [mask_shape, g.const(f"{p}/zero", 0, i64)], {"axis": 0}, name="Gather_batch")
+    total = g.op(p, "Gather", [mask_shape, g.const(f"{p}/one", 1, i64)], {"axis": 0}, name="Gather_total")
+    total_i32 = g.op(p, "Cast", [total], {"to": ir.DataType.INT32}, name="Cast_total")  # total_sequence_length
+    last = g.op(p, "Sub", [total, g.const(f"{p}/one_", 1, i64)], name="Sub_last")  # t - 1
+    last_i32 = g.op(p, "Cast", [last], {"to": ir.DataType.INT32}, name="Cast_last")
+    batch_1d = g.op(p, "Unsqueeze", [batch, g.const(f"{p}/axis0", [0], i64)], name="Unsqueeze_batch")  # [1]
+    seqlens_k = g.op(p, "Expand", [last_i32, batch_1d], name="Expand_seqlens_k")  # [b] int32, all t - 1
+    keep = g.op(p, "Cast", [mask], {"to": ir.DataType.BOOL}, name="Cast_keep")
+    bias_2d = g.op(p, "Where", [keep, g.const(f"{p}/zero_bias", 0.0, dtype),
+                                g.const(f"{p}/min_bias", torch.finfo(dtype).min, dtype)])  # [b, t]
+    bias_4d = g.op(p, "Unsqueeze", [bias_2d, g.const(f"{p}/axes12", [1, 2], i64)])  # [b, t] -> [b, 1, 1, t]
+    ids_shape = g.op(p, "Shape", [input_ids], name="Shape_ids")  # [b, s]
+    seq = g.op(p, "Slice", [ids_shape, g.const(f"{p}/from1", [1], i64), g.const(f"{p}/to2", [2], i64)])  # [s]
+    total_1d = g.op(p, "Unsqueeze", [total, g.const(f"{p}/axis0_", [0], i64)], name="Unsqueeze_total")  # [t]
+    bias_shape = g.op(p, "Concat", [batch_1d, g.const(f"{p}/heads1", [1], i64), seq, total_1d], {"axis": 0})
+    attention_bias = g.op(p, "Expand", [bias_4d, bias_shape], name="Expand_bias")  # [b, 1, s, t]
+
+    # RoPE tables: fp32 for our op (it rotates in fp32), the activations' type for ORT's.
+    cos, sin = rope_cache(cfg)  # [max_pos, head_dim / 2]
+    table_dtype = torch.float32 if rope_ops.get_rope_op(rope_op).fp32_tables else dtype
+    cos_cache, sin_cache = g.weight("cos_cache", cos.to(table_dtype)), g.weight("sin_cache", sin.to(table_dtype))
+
+    # --- Embedding, then the layers ----------------------------------------------------------------------------
+    embed = g.weight("model.embed_tokens.weight", state["model.embed_tokens.weight"])  # [n1, n2]
+    z = g.op("/model/embed_tokens", "Gather", [embed, input_ids])  # Z^0: [b, s, n2]
+    norm = "model.layers.0.input_layernorm.weight"
+    zbar = g.op("/model/layers.0/input_layernorm", "SimplifiedLayerNormalization", [z, g.weight(norm, state.pop(norm))],
+                {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})  # fp32 inside, as RMSNorm
+    presents = []
+    for j in range(n_layers):
+        zbar, z, present = _layer(g, cfg, state, j, zbar, z, position_ids, cos_cache, sin_cache, rope_op,
+                                  pasts[2 * j], pasts[2 * j + 1], seqlens_k, total_i32, attention_bias, out_names)
+        presents += present
+
+    # --- lm_head: H = Zbar W^T, W stored [n2, n1] for MatMul (rows L2-normalized first for norm_head) -----------
+    w = state.pop("lm_head.weight")
+    if cfg.norm_head:
+        w = F.normalize(w.float(), dim=-1).to(dtype)
+    logits = g.op("/lm_head", "MatMul", [zbar, g.weight("lm_head.MatMul.weight", w.T)], outputs=["logits"])[0]
+
+    logits.type, logits.shape = ir.TensorType(t), ir.Shape(["batch", "sequence_length", cfg.vocab_size])
+    for v in presents:
+        v.type, v.shape = ir.TensorType(t), ir.Shape(["batch", kv_heads, present_slots, hd])
+    graph = ir.Graph([input_ids, mask, position_ids, *pasts], [logits, *presents], nodes=g.nodes,
+                     initializers=g.initializers, name=f"{cfg.name} (fused)",
+                     opset_imports={"": opset, "com.microsoft": 1})
+    model = ir.Model(graph, ir_version=10, producer_name="llama-tools")
+    if rope_op == rope_ops.OURS.name:  # our op's body rides along, so stock onnxruntime runs it on any provider
+        function = ir.serde.deserialize_function(rope_ops.rope_function(opset))
+        model.functions[function.identifier()] = function
+        model.opset_imports[rope_ops.DOMAIN] = rope_ops.VERSION
+    return model
+
+
+def _layer(g: _Graph, cfg: ModelConfig, state: dict[str, torch.Tensor], j: int, zbar: ir.Value, z: ir.Value,
+           position_ids: ir.Value, cos_cache: ir.Value, sin_cache: ir.Value, rope_op: str, past_k: ir.Value,
+           past_v: ir.Value, seqlens_k: ir.Value, total: ir.Value, attention_bias: ir.Value,
+           out_names: list[str]) -> tuple[ir.Value, ir.Value, list[ir.Value]]:
+    """Decoder j: (Zbar^j, Z^j) -> (Zbar^{j+1}, Z^{j+1}), the next norm fused with the residual add.
+
+    zbar [b, s, n2] ──MatMul W_qkv [n2, q + 2 kv] (+ bias)──Split──► q [b, s, q], k [b, s, kv], v [b, s, kv]
+    q, k ──RotaryEmbedding (position_ids, num_heads)──► rotated, still [b, s, heads * head_dim]
+    (q, k, v, past K/V, seqlens_k, total, attention_bias) ──GroupQueryAttention──► u [b, s, q], present K/V
+    u ──MatMul W_o──► r ──SkipSimplifiedLayerNormalization(skip z)──► ybar, y = z + r
+    ybar ──MatMul W_gate_up [n2, 2 n7] (+ bias)──Split──► gate, up
+    gate ──Sigmoid──Mul gate──► silu ──Mul up──MatMul W_down (+ bias)──► d
+    d ──SkipSimplifiedLayerNormalization(skip y; next input_layernorm or the final norm)──► zbar', z' = y + d
+    """
+    pre = f"model.layers.{j}"
+    path = f"/model/layers.{j}"
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    i64 = torch.int64
+
+    def linear(module: str, names: list[str], bias: bool) -> tuple[ir.Value, ir.Value | None]:
+        """One MatMul weight [in, out] from HF's [out, in] rows of `names` stacked; their biases likewise."""
+        w = torch.cat([state.pop(f"{pre}.{module}.{n}.weight") for n in names], dim=0)  # [out, in]
+        packed = "_".join(names) if len(names) > 1 else names[0]
+        weight = g.weight(f"{pre}.{module}.{packed}.MatMul.weight", w.T)  # [in, out]
+        b = None
+        if bias:
+            b = g.weight(f"{pre}.{module}.{packed}.Add.bias",
+                         torch.cat([state.pop(f"{pre}.{module}.{n}.bias") for n in names]))
+        return weight, b
+
+    def matmul(sub: str, x: ir.Value, weight: ir.Value, bias: ir.Value | None) -> ir.Value:
+        y = g.op(f"{path}/{sub}", "MatMul", [x, weight])
+        return g.op(f"{path}/{sub}", "Add", [y, bias]) if bias is not None else y
+
+    # --- Attention ---
+    attn = f"{path}/self_attn"
+    w, b = linear("self_attn", ["q_proj", "k_proj", "v_proj"], cfg.qkv_bias)
+    qkv = matmul("self_attn/qkv_proj", zbar, w, b)  # [b, s, q + 2 kv]
+    split = g.const(f"{attn}/qkv_split", [cfg.q_size, cfg.kv_size, cfg.kv_size], i64)
+    q, k, v = g.op(attn, "Split", [qkv, split], {"axis": -1}, outputs=3)  # [b, s, q], [b, s, kv], [b, s, kv]
+    interleaved = int(cfg.rope_layout == "interleaved")
+    rotated = []
+    for which, x, heads in (("q", q, nq), ("k", k, nkv)):
+        if rope_op == rope_ops.OURS.name:
+            attrs = {"interleaved": interleaved, "num_heads": heads}
+            domain = rope_ops.DOMAIN
+        else:  # ORT's op takes the same 3-D [b, s, heads * head_dim] with num_heads
+            attrs = {"interleaved": interleaved, "num_heads": heads, "rotary_embedding_dim": cfg.head_dim}
+            domain = "com.microsoft"
+        rotated.append(g.op(attn, rope_ops.OP_TYPE, [x, position_ids, cos_cache, sin_cache], attrs, domain=domain,
+                            name=f"rope_{which}"))
+    u, present_k, present_v = g.op(
+        attn, "GroupQueryAttention",
+        [*rotated, v, past_k, past_v, seqlens_k, total, None, None, None, attention_bias],
+        {"num_heads": nq, "kv_num_heads": nkv, "do_rotary": 0}, domain="com.microsoft",
+        outputs=[None, out_names[1 + 2 * j], out_names[2 + 2 * j]])
+    w, b = linear("self_attn", ["o_proj"], cfg.o_bias)
+    r = matmul("self_attn/o_proj", u, w, b)  # [b, s, n2]
+    norm = f"{pre}.post_attention_layernorm.weight"
+    ybar, _, _, y = g.op(
+        f"{path}/post_attention_layernorm", "SkipSimplifiedLayerNormalization", [r, z, g.weight(norm, state.pop(norm))],
+        {"epsilon": float(cfg.rms_norm_eps)}, domain="com.microsoft",
+        outputs=[None, "", "", None])  # (normalized, -, -, the sum z + r)
+
+    # --- SwiGLU ---
+    mlp = f"{path}/mlp"
+    w, b = linear("mlp", ["gate_proj", "up_proj"], cfg.mlp_bias)
+    gate_up = matmul("mlp/gate_up_proj", ybar, w, b)  # [b, s, 2 n7]
+    split = g.const(f"{mlp}/gate_up_split", [cfg.intermediate_size, cfg.intermediate_size], i64)
+    gate, up = g.op(mlp, "Split", [gate_up, split], {"axis": -1}, outputs=2)  # [b, s, n7] each
+    silu = g.op(f"{mlp}/act_fn", "Mul", [gate, g.op(f"{mlp}/act_fn", "Sigmoid", [gate])])  # ORT fuses: QuickGelu
+    hidden = g.op(mlp, "Mul", [silu, up])
+    w, b = linear("mlp", ["down_proj"], cfg.mlp_bias)
+    d = matmul("mlp/down_proj", hidden, w, b)  # [b, s, n2]
+
+    # --- The residual add, fused with the next norm ---
+    last = j == cfg.num_hidden_layers - 1
+    norm_path, norm_name = (("/model/norm", "model.norm.weight") if last else
+                            (f"/model/layers.{j + 1}/input_layernorm", f"model.layers.{j + 1}.input_layernorm.weight"))
+    zbar_next, _, _, z_next = g.op(
+        norm_path, "SkipSimplifiedLayerNormalization", [d, y, g.weight(norm_name, state.pop(norm_name))],
+        {"epsilon": float(cfg.rms_norm_eps)}, domain="com.microsoft",
+        outputs=[None, "", "", None])
+    return zbar_next, z_next, [present_k, present_v]
+
+
+# --- The entry point -------------------------------------------------------------------------------------------
+
+def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rope_op: str = rope_ops.OURS.name,
+                 static_kv: bool | int = False, seed: int = 0, progress: Progress = silent,
+                 external_data_threshold_bytes: int = EXTERNAL_DATA_THRESHOLD_BYTES) -> FusedExportResult:
+    """Write the fused graph of a preset, config.json, checkpoint directory, ModelConfig or Llama (+ .data)."""
+    t0 = time.perf_counter()
+    output = Path(output)
+    if rope_op not in FUSED_ROPE_OPS:
+        raise ValueError(f"rope_op {rope_op!r} is not available in the fused graph; choose one of "
+                         f"{', '.join(FUSED_ROPE_OPS)}")
+    dt, opset = check_args(dtype, rope_op, None)
+    files.check_output_path(output)
+    torch_dtype = dtypes.to_torch(dt.name)
+    if isinstance(source, (str, Path)):
+        source = resolve(source)
+    weights = real_weights(source, torch_dtype, seed, progress)
+    cfg = weights.cfg
+    check_fusable(cfg)
+    max_length = _static_length(static_kv, cfg)
+    state = dict(weights.state)  # build_graph pops what it packs; the source's own dict stays whole
+    model = build_graph(cfg, state, torch_dtype, rope_op, max_length, opset)
+    set_metadata(model, cfg, rope_op, dt.name, weights.source, weights.seed)
+    model.metadata_props[META + "graph"] = GRAPH
+    model.metadata_props[META + "static_kv"] = "" if max_length is None else str(max_length)
+    # No onnx.checker: it knows no SimplifiedLayerNormalization (onnxruntime's, in the default domain, as
+    # onnxruntime-genai's builder writes it); onnxruntime itself is the check (tests/test_fused.py).
+    data = save_model(model, output, external_data_threshold_bytes, False, progress)
+    size = output.stat().st_size + (data.stat().st_size if data else 0)
+    counts: dict[str, int] = {}
+    for node in model.graph:
+        key = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
+        counts[key] = counts.get(key, 0) + 1
+    return FusedExportResult(
+        path=output, external_data=data, bytes=size, params=weights.params, num_nodes=len(model.graph),
+        op_counts=counts, opset=opset, dtype=dt.name, rope_op=rope_op, static_kv=max_length,
+        seconds=time.perf_counter() - t0, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def _static_length(static_kv: bool | int, cfg: ModelConfig) -> int | None:
+    """static_kv False -> None; True -> max_position_embeddings; an int -> that many slots."""
+    if static_kv is False or static_kv is None:
+        return None
+    if static_kv is True:
+        return cfg.max_position_embeddings
+    if not isinstance(static_kv, int) or not 1 <= static_kv <= cfg.max_position_embeddings:
+        raise ValueError(f"static_kv (max_length) must be an int in 1..{cfg.max_position_embeddings} "
+                         f"(max_position_embeddings: the RoPE tables end there), got {static_kv!r}")
+    return static_kv
+
+
+# --- Driving a static_kv graph -----------------------------------------------------------------------------
+
+class StaticKVSession:
+    """One step of a static_kv graph with past and present bound to the same preallocated buffer per layer.
+
+    Feed attention_mask [batch, filled + seq] and position_ids as for the plain graph; the cache is never
+    passed around: after a step, slots [0, filled + seq) of `cache(i)` hold layer i's K/V.
+    """
+
+    def __init__(self, session: Any, cfg: ModelConfig, batch: int, max_length: int, dtype: Any = np.float32):
+        import onnxruntime as ort
+
+        self.sess, self.cfg, self.max_length = session, cfg, max_length
+        shape = (batch, cfg.num_key_value_heads, max_length, cfg.head_dim)  # [batch, kv_heads, max_length, hd]
+        self.buffers = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype))
+                        for _ in range(2 * cfg.num_hidden_layers)]
+        self.binding = session.io_binding()
+        self._names = io_names(cfg.num_hidden_layers)
+        for buf, past in zip(self.buffers, self._names[0][3:]):
+            self.binding.bind_ortvalue_input(past, buf)
+
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """logits [batch, seq, vocab] for input_ids [batch, seq]; the cache advances in place."""
+        if attention_mask.shape[1] > self.max_length:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions but the KV buffer "
+                             f"holds {self.max_length}; export with a larger static_kv")
+        for name, x in (("input_ids", input_ids), ("attention_mask", attention_mask), ("position_ids", position_ids)):
+            self.binding.bind_cpu_input(name, np.ascontiguousarray(x, dtype=np.int64))
+        # Rebound every step: logits change shape (a bound output keeps its first shape); outputs come back in
+        # binding order, logits first.
+        self.binding.clear_binding_outputs()
+        self.binding.bind_output("logits")
+        for buf, present in zip(self.buffers, self._names[1][1:]):
+            self.binding.bind_ortvalue_output(present, buf)  # the same memory as the past: GQA writes in place
+        self.sess.run_with_iobinding(self.binding)
+        return self.binding.get_outputs()[0].numpy()
+
+    def cache(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Layer `layer`'s K and V buffers: [batch, kv_heads, max_length, head_dim] (copies)."""
+        return self.buffers[2 * layer].numpy(), self.buffers[2 * layer + 1].numpy()

@@ -1,0 +1,256 @@
+"""What real clients need beside an exported .onnx: HF config.json, generation_config.json, genai_config.json, tokenizer.
+
+- Optimum's `ORTModelForCausalLM.from_pretrained(DIR)` reads `config.json` (without it: "The library name could
+  not be automatically inferred") and `generation_config.json`.
+- onnxruntime-genai's `og.Model(DIR)` reads `genai_config.json`: the graph's input/output names, head counts,
+  the context length, the special ids, the search defaults, and `past_present_share_buffer`. That flag must be
+  false for the plain graph: genai then hands the graph a past of the current length and takes back a present
+  one token longer (Concat). True makes genai preallocate present.* at max_length and alias it with past.*,
+  which only a graph that writes into its past buffer in place (GroupQueryAttention) can honour.
+- `og.Tokenizer(model)` (onnxruntime-extensions) opens `tokenizer_config.json` and `tokenizer.json` in the same
+  directory; it never reads a sentencepiece `tokenizer.model`. So a checkpoint that ships only `tokenizer.model`
+  gets a `tokenizer.json` written from it here (the LLaMA-2 layout: BPE with byte fallback, "▁" for spaces).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llama_tools import files
+from llama_tools.config import ModelConfig
+from llama_tools.config_files import config_to_hf
+
+SPACE = "\u2581"  # sentencepiece's "▁": a space, and the dummy prefix before the first word
+GENAI_TYPE = "llama"  # genai's model type: picks its decoder-only pipeline; our I/O names are the same for every family
+FILES = ("config.json", "generation_config.json", "genai_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass(frozen=True)
+class ClientFiles:
+    """What write_client_files wrote beside the graph."""
+
+    directory: Path
+    written: list[Path]
+    tokenizer: str  # "converted from tokenizer.model", "copied tokenizer.json", or "none: ..."
+    share_buffer: bool
+
+
+# --- The three JSON files -------------------------------------------------------------------------------
+
+def hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """HF config.json: what Optimum (and transformers) read to build the model's I/O around the graph."""
+    return {**config_to_hf(cfg), "use_cache": True}
+
+
+def generation_config(cfg: ModelConfig) -> dict[str, Any]:
+    """Greedy by default, as `llama-tools generate`; pad is eos (LLaMA has no pad token)."""
+    return {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.eos_token_id,
+            "do_sample": False, "max_length": cfg.max_position_embeddings}
+
+
+def genai_config(cfg: ModelConfig, *, filename: str = "model.onnx", share_buffer: bool = False,
+                 provider: str = "cpu") -> dict[str, Any]:
+    """onnxruntime-genai's genai_config.json for a llama-tools graph (names from onnx_export.io_names)."""
+    if provider not in ("cpu", "cuda"):
+        raise ValueError(f"unknown provider {provider!r} for genai_config.json; choose cpu or cuda")
+    decoder = {
+        "session_options": {"log_id": "onnxruntime-genai", "provider_options": [] if provider == "cpu" else [{"cuda": {}}]},
+        "filename": filename,
+        "head_size": cfg.head_dim,
+        "hidden_size": cfg.hidden_size,
+        "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask", "position_ids": "position_ids",
+                   "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
+        "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value"},
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_key_value_heads": cfg.num_key_value_heads,
+    }
+    # The RoPE tables in the graph have max_position_embeddings rows: no position beyond them exists.
+    context = cfg.max_position_embeddings
+    return {
+        "model": {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+                  "pad_token_id": cfg.eos_token_id, "context_length": context, "decoder": decoder,
+                  "type": GENAI_TYPE, "vocab_size": cfg.vocab_size},
+        "search": {"diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
+                   "max_length": context, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
+                   "num_return_sequences": 1, "past_present_share_buffer": share_buffer,
+                   "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1, "top_p": 1.0},
+    }
+
+
+# --- Tokenizer: sentencepiece tokenizer.model -> HF tokenizer.json ---------------------------------------
+
+def _spm_proto(path: Path) -> Any:
+    """The sentencepiece ModelProto of a tokenizer.model; ValueError when it is not one."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    try:
+        proto.ParseFromString(path.read_bytes())
+    except Exception as e:  # protobuf's DecodeError  # noqa: BLE001
+        raise ValueError(f"{path}: not a sentencepiece model ({type(e).__name__})") from None
+    if not proto.pieces:
+        raise ValueError(f"{path}: not a sentencepiece model (no pieces)")
+    return proto
+
+
+def _token_entry(i: int, piece: str) -> dict[str, Any]:
+    return {"id": i, "content": piece, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "special": True}
+
+
+def sentencepiece_to_tokenizer_json(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tokenizer.json, tokenizer_config.json) that encode exactly as the LLaMA sentencepiece model does.
+
+    Only the LLaMA kind converts: BPE, identity normalization, spaces kept, a dummy "▁" prefix. The merges
+    are every split a + b of a vocabulary piece into two pieces, ranked as sentencepiece ranks the merged
+    piece (by score), so HF's BPE applies them in sentencepiece's order.
+    """
+    path = Path(path)
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = _spm_proto(path)
+    norm, trainer = proto.normalizer_spec, proto.trainer_spec
+    if trainer.model_type != pb.TrainerSpec.ModelType.Value("BPE"):
+        kind = pb.TrainerSpec.ModelType.Name(trainer.model_type)
+        raise ValueError(f"{path}: a sentencepiece {kind} model; only BPE (LLaMA's kind) converts to tokenizer.json")
+    if norm.precompiled_charsmap or norm.remove_extra_whitespaces:
+        raise ValueError(f"{path}: normalization {norm.name!r} (remove_extra_whitespaces="
+                         f"{norm.remove_extra_whitespaces}) has no tokenizer.json equivalent here; only LLaMA's "
+                         f"identity normalization converts")
+    types = pb.ModelProto.SentencePiece.Type
+    normal = {types.Value("NORMAL"), types.Value("USER_DEFINED")}
+    vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    score = {p.piece: p.score for p in proto.pieces}
+    mergeable = {p.piece for p in proto.pieces if p.type in normal}
+    merges = []
+    for piece in mergeable:
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in mergeable and right in mergeable:
+                merges.append((-score[piece], vocab[piece], vocab[left], vocab[right], left, right))
+    merges.sort()  # higher score first, then ids: the order sentencepiece's BPE merges in
+    special = [i for i, p in enumerate(proto.pieces) if p.type in (types.Value("CONTROL"), types.Value("UNKNOWN"))]
+    unk = proto.pieces[trainer.unk_id].piece if trainer.unk_id >= 0 else None
+    bos = proto.pieces[trainer.bos_id].piece if trainer.bos_id >= 0 else None
+    eos = proto.pieces[trainer.eos_id].piece if trainer.eos_id >= 0 else None
+    normalizers = [{"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]
+    if norm.add_dummy_prefix:
+        normalizers.insert(0, {"type": "Prepend", "prepend": SPACE})
+    single = ([{"SpecialToken": {"id": bos, "type_id": 0}}] if bos else []) + [{"Sequence": {"id": "A", "type_id": 0}}]
+    tokenizer = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [_token_entry(i, proto.pieces[i].piece) for i in special],
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": None,
+        "post_processor": {"type": "TemplateProcessing", "single": single, "pair": single + single[-1:],
+                           "special_tokens": {bos: {"id": bos, "ids": [vocab[bos]], "tokens": [bos]}} if bos else {}},
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": SPACE}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1 if norm.add_dummy_prefix else 0, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": bool(trainer.byte_fallback),
+                  "vocab": vocab, "merges": [f"{m[4]} {m[5]}" for m in merges]},
+    }
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": bos is not None, "add_eos_token": False,
+              "bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": None,
+              "clean_up_tokenization_spaces": False, "legacy": True, "model_max_length": 1 << 30}
+    return tokenizer, config
+
+
+# --- Writing ---------------------------------------------------------------------------------------------
+
+def _write_json(path: Path, data: dict[str, Any]) -> Path:
+    """Atomically, with the umask's mode (llama_tools.files)."""
+    return files.write_text(path, json.dumps(data, indent=2, ensure_ascii=False))
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    return files.write_bytes(dst, src.read_bytes())
+
+
+def _static_kv(onnx_path: Path) -> int | None:
+    """The graph's static KV buffer length (llama_tools.static_kv, written by exporters.fused), or None."""
+    import onnx
+
+    props = {p.key: p.value for p in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
+    value = props.get("llama_tools.static_kv", "")
+    return int(value) if value else None
+
+
+def _write_tokenizer(tokenizer_dir: Path, out_dir: Path, cfg: ModelConfig) -> tuple[list[Path], str]:
+    """Copy a tokenizer.json, or convert a tokenizer.model; check its special ids against the config."""
+    written = []
+    if (tokenizer_dir / "tokenizer.json").is_file():
+        for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+            if (tokenizer_dir / name).is_file() and tokenizer_dir.resolve() != out_dir.resolve():
+                written.append(_copy(tokenizer_dir / name, out_dir / name))
+        if not (tokenizer_dir / "tokenizer_config.json").is_file():
+            raise ValueError(f"{tokenizer_dir}: has tokenizer.json but no tokenizer_config.json, which "
+                             f"onnxruntime-genai also opens; add it (transformers' save_pretrained writes both)")
+        return written, "copied tokenizer.json"
+    model_file = tokenizer_dir / "tokenizer.model"
+    tokenizer, config = sentencepiece_to_tokenizer_json(model_file)
+    ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    for field, piece in (("bos_token_id", config["bos_token"]), ("eos_token_id", config["eos_token"])):
+        if piece is not None and ids.get(piece) != getattr(cfg, field):
+            raise ValueError(f"{model_file}: {piece} is id {ids.get(piece)} but the model's config says "
+                             f"{field} = {getattr(cfg, field)}; fix config.json or the tokenizer")
+    written.append(_write_json(out_dir / "tokenizer.json", tokenizer))
+    written.append(_write_json(out_dir / "tokenizer_config.json", config))
+    if tokenizer_dir.resolve() != out_dir.resolve():
+        written.append(_copy(model_file, out_dir / "tokenizer.model"))  # for transformers' slow tokenizer
+    return written, "converted from tokenizer.model"
+
+
+def write_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
+                       tokenizer_dir: str | Path | None = None, share_buffer: bool | None = None,
+                       provider: str = "cpu") -> ClientFiles:
+    """Write config.json, generation_config.json, genai_config.json (+ tokenizer files) beside ONNX_PATH.
+
+    cfg: None reads it from the graph's llama_tools.config metadata. tokenizer_dir: None looks in the graph's
+    source when that is a directory (a checkpoint). share_buffer: None follows the graph (True only for a
+    static-KV graph, whose past and present are one preallocated buffer); True on any other graph is refused.
+    """
+    onnx_path = Path(onnx_path)
+    if not onnx_path.is_file():
+        raise ValueError(f"{onnx_path}: no such ONNX file; export it first (llama-tools export onnx)")
+    from .onnx_export import read_metadata
+
+    meta = read_metadata(onnx_path)
+    cfg = cfg or meta.config
+    static = _static_kv(onnx_path)
+    if share_buffer is None:
+        share_buffer = static is not None
+    if share_buffer and static is None:
+        raise ValueError(f"{onnx_path}: share_buffer=True needs a static-KV graph (export --optimize with a static "
+                         f"KV buffer); this graph's present grows by concatenation, so onnxruntime-genai would "
+                         f"reject present.0.key's shape. Leave share_buffer off")
+    gconfig = genai_config(cfg, filename=onnx_path.name, share_buffer=share_buffer, provider=provider)
+    if static is not None:  # genai allocates past/present at max_length: the graph's buffer length
+        gconfig["search"]["max_length"] = static
+    out = onnx_path.parent
+    written = [
+        _write_json(out / "config.json", hf_config(cfg)),
+        _write_json(out / "generation_config.json", generation_config(cfg)),
+        _write_json(out / "genai_config.json", gconfig),
+    ]
+    source = meta.source
+    if tokenizer_dir is not None:
+        tdir = Path(tokenizer_dir)
+        if not ((tdir / "tokenizer.json").is_file() or (tdir / "tokenizer.model").is_file()):
+            raise ValueError(f"{tdir}: no tokenizer.json or tokenizer.model there; pass the checkpoint directory "
+                             f"that holds the tokenizer, or leave tokenizer_dir out")
+    elif source and Path(source).is_dir() and any((Path(source) / n).is_file() for n in TOKENIZER_FILES[::2]):
+        tdir = Path(source)
+    else:
+        tdir = None
+    if tdir is None:
+        return ClientFiles(out, written, "none: the source has no tokenizer (genai can run on token ids)", share_buffer)
+    tok_files, how = _write_tokenizer(tdir, out, cfg)
+    return ClientFiles(out, written + tok_files, how, share_buffer)

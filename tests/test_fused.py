@@ -1,0 +1,389 @@
+"""The fused graph (exporters/fused.py) on onnxruntime's CPU against the PyTorch model.
+
+The models have q/k weights scaled up (helpers.sharp) so attention is far from uniform: a leaky padding mask,
+a wrong RoPE layout or a mis-packed projection moves the logits well past the fp32 tolerance, and
+test_perturbed_weight_fails / the all-ones mask controls prove the comparisons bite.
+The config: GQA with 4 query heads over 2 KV heads of head_dim 16, two layers (the `tiny` preset).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from llama_tools.exporters.fused import FUSED_ROPE_OPS, StaticKVSession, check_fusable, export_fused
+from llama_tools.exporters.graph_io import io_names
+from llama_tools.exporters.onnx_export import read_metadata
+from llama_tools.exporters.compare import TOLERANCES, compare
+from llama_tools.exporters.parity import resolve_target, verify_parity
+from llama_tools.exporters.prompts import left_pad, positions
+from llama_tools.exporters.rope_ops import DOMAIN, OP_TYPE, rope_function
+from llama_tools.exporters.runtime import OnnxLM, create_session
+from helpers import sharp
+from llama_tools.presets import get_preset
+from llama_tools.model import rope
+
+CFG = get_preset("tiny").replace(max_position_embeddings=64)
+TOL = TOLERANCES[("float32", "cpu")]  # the plain graph's fp32 CPU tolerance: 1e-4 on logits
+PROMPTS = [[5, 17, 300, 41, 9, 77, 123, 250, 3, 64, 99], [400, 12, 8, 191, 33, 7]]  # 11 and 6: padding needed
+MAX_LENGTH = 24  # the static buffer's slots
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sharp(CFG)
+
+
+@pytest.fixture(scope="module")
+def exports(model, tmp_path_factory):
+    """One export per variant, shared by the tests: (rope_op, layout, static) -> path."""
+    out = tmp_path_factory.mktemp("fused")
+    made = {}
+
+    def get(rope_op="llama_tools", layout="half", static=None):
+        key = (rope_op, layout, static)
+        if key not in made:
+            m = model if layout == "half" else sharp(CFG.replace(rope_layout=layout))
+            made[key] = export_fused(m, out / f"{rope_op}-{layout}-{static}.onnx", rope_op=rope_op,
+                                     static_kv=static or False)
+        return made[key]
+    return get
+
+
+def lm(path) -> OnnxLM:
+    return OnnxLM(create_session(path, "cpu"), CFG.num_hidden_layers, CFG.num_key_value_heads, CFG.head_dim)
+
+
+def reference(model, ids, mask, pos, past=None):
+    with torch.no_grad():
+        return model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), position_ids=torch.from_numpy(pos),
+                     past_key_values=past)
+
+
+def check_step(name, got_logits, got_presents, ref, valid):
+    """Shapes first, then logits and every present K/V at the valid positions, within the fp32 tolerance."""
+    assert got_logits.shape == tuple(ref.logits.shape) and got_logits.dtype == np.float32
+    checks = [compare(f"{name} logits", got_logits, ref.logits.numpy(), valid[:, -got_logits.shape[1]:], TOL,
+                      logits=True)]
+    for i, ((gk, gv), (rk, rv)) in enumerate(zip(got_presents, ref.past_key_values)):
+        for what, g, r in (("key", gk, rk), ("value", gv, rv)):
+            g = g[:, :, :r.shape[2]]  # a static buffer's slots past the filled ones are not compared
+            assert g.shape == tuple(r.shape), f"present.{i}.{what}: {g.shape} vs {tuple(r.shape)}"
+            # [batch, kv_heads, seq, hd] -> [batch, seq, kv_heads, hd]: positions on axis 1 for the mask
+            checks.append(compare(f"{name} present.{i}.{what}", g.transpose(0, 2, 1, 3),
+                                  r.numpy().transpose(0, 2, 1, 3), valid, TOL))
+    return checks
+
+
+# --- The graph itself -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rope_op", FUSED_ROPE_OPS)
+def test_node_census(exports, rope_op):
+    res = exports(rope_op)
+    g = onnx.load(str(res.path)).graph
+    n, n2 = CFG.num_hidden_layers, CFG.hidden_size
+    by_type = {}
+    for node in g.node:
+        by_type.setdefault((node.domain, node.op_type), []).append(node)
+    gqa = by_type[("com.microsoft", "GroupQueryAttention")]
+    assert [x.name for x in gqa] == [f"/model/layers.{j}/self_attn/GroupQueryAttention" for j in range(n)]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa[0].attribute}
+    assert attrs == {"num_heads": 4, "kv_num_heads": 2, "do_rotary": 0}  # RoPE is not GQA's
+    rope_domain = DOMAIN if rope_op == "llama_tools" else "com.microsoft"
+    ropes = by_type[(rope_domain, OP_TYPE)]
+    assert [x.name for x in ropes] == [f"/model/layers.{j}/self_attn/rope_{w}" for j in range(n) for w in "qk"]
+    assert [onnx.helper.get_attribute_value(next(a for a in x.attribute if a.name == "num_heads"))
+            for x in ropes] == [4, 2] * n
+    # Packed projections: one MatMul for q/k/v and one for gate/up per layer, plus o, down and lm_head.
+    weights = {i.name: tuple(i.dims) for i in g.initializer}
+    matmuls = by_type[("", "MatMul")]
+    assert len(matmuls) == 4 * n + 1
+    qkv = [x for x in matmuls if x.name.endswith("/self_attn/qkv_proj/MatMul")]
+    gate_up = [x for x in matmuls if x.name.endswith("/mlp/gate_up_proj/MatMul")]
+    assert len(qkv) == len(gate_up) == n
+    assert weights[qkv[0].input[1]] == (n2, CFG.q_size + 2 * CFG.kv_size) == (64, 64 + 2 * 32)
+    assert weights[gate_up[0].input[1]] == (n2, 2 * CFG.intermediate_size)
+    # Norms: one plain RMSNorm in front, then every residual add fused with the next norm (and the final one).
+    assert len(by_type[("", "SimplifiedLayerNormalization")]) == 1
+    skips = [x.name for x in by_type[("com.microsoft", "SkipSimplifiedLayerNormalization")]]
+    nexts = [f"/model/layers.{j + 1}/input_layernorm" for j in range(n - 1)] + ["/model/norm"]
+    assert skips == [f"{p}/SkipSimplifiedLayerNormalization" for j in range(n)
+                     for p in (f"/model/layers.{j}/post_attention_layernorm", nexts[j])]
+    # Attention is all GQA's: no Transpose around it, no Softmax, no Concat of the cache.
+    assert not {"Transpose", "Softmax"} & {op for _, op in by_type}
+    assert ("", "Concat") not in by_type or all(x.name.startswith("/model/attn_mask/") for x in by_type[("", "Concat")])
+    assert res.op_counts["com.microsoft.GroupQueryAttention"] == n
+
+
+def test_io_names_and_metadata(exports):
+    res = exports()
+    sess = ort.InferenceSession(str(res.path), providers=["CPUExecutionProvider"])
+    inputs, outputs = io_names(CFG.num_hidden_layers)
+    assert [i.name for i in sess.get_inputs()] == inputs
+    assert [o.name for o in sess.get_outputs()] == outputs
+    assert sess.get_inputs()[3].shape == ["batch", 2, "past_sequence_length", 16]
+    assert sess.get_outputs()[1].shape == ["batch", 2, "total_sequence_length", 16]
+    meta = read_metadata(res.path)
+    assert (meta.config, meta.rope_op, meta.dtype) == (CFG, "llama_tools", "float32")
+    props = {p.key: p.value for p in onnx.load(str(res.path), load_external_data=False).metadata_props}
+    assert props["llama_tools.graph"] == "fused" and props["llama_tools.static_kv"] == ""
+
+
+def test_rope_op_3d_input_is_model_rope():
+    """Our op with num_heads on [b, s, h d] equals llama_tools.model.rope on the [b, h, s, d] view."""
+    h = onnx.helper
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3 * 16, generator=gen)  # [b, s, heads * head_dim]
+    pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 30, 31]])
+    angles = torch.rand(32, 8, generator=gen) * 40
+    for interleaved in (0, 1):
+        node = h.make_node(OP_TYPE, ["x", "pos", "cos", "sin"], ["y"], domain=DOMAIN, interleaved=interleaved,
+                           num_heads=3)
+        graph = h.make_graph([node], "rope", [
+            h.make_tensor_value_info("x", 1, ["b", "s", 48]), h.make_tensor_value_info("pos", 7, ["b", "s"]),
+            h.make_tensor_value_info("cos", 1, ["m", 8]), h.make_tensor_value_info("sin", 1, ["m", 8])],
+            [h.make_tensor_value_info("y", 1, ["b", "s", 48])])
+        m = h.make_model(graph, opset_imports=[h.make_opsetid("", 20), h.make_opsetid(DOMAIN, 1)],
+                         functions=[rope_function(20)], ir_version=10)
+        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        y = sess.run(None, {"x": x.numpy(), "pos": pos.numpy(), "cos": angles.cos().numpy(),
+                            "sin": angles.sin().numpy()})[0]
+        view = x.view(2, 5, 3, 16).transpose(1, 2)  # [b, s, h d] -> [b, h, s, d]
+        ref = rope(view, pos, angles.cos(), angles.sin(), bool(interleaved)).transpose(1, 2).reshape(2, 5, 48)
+        assert y.shape == (2, 5, 48)
+        np.testing.assert_allclose(y, ref.numpy(), rtol=1e-6, atol=1e-6)
+
+
+# --- Numbers against PyTorch ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rope_op", FUSED_ROPE_OPS)
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_padded_prefill_and_decode_match_torch(model, exports, rope_op, layout):
+    """A left-padded batch of two, prefill then 4 greedy steps through each side's cache: logits and every K/V."""
+    m = model if layout == "half" else sharp(CFG.replace(rope_layout=layout))
+    run = lm(exports(rope_op, layout).path)
+    ids, mask = left_pad(PROMPTS)
+    pos = positions(mask, ids.shape[1])
+    got, ref = run(ids, mask, pos, run.empty_cache(2)), reference(m, ids, mask, pos)
+    checks = check_step("prefill", got.logits, got.presents, ref, mask.astype(bool))
+    for step in range(4):
+        tok = ref.logits[:, -1].argmax(-1).numpy()[:, None]  # [batch, 1]: the reference's greedy choice
+        assert (got.logits[:, -1].argmax(-1) == tok[:, 0]).all(), f"step {step}: greedy choice differs"
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)  # [batch, past + 1]
+        pos = positions(mask, 1)
+        got, ref = run(tok, mask, pos, got.presents), reference(m, tok, mask, pos, ref.past_key_values)
+        checks += check_step(f"decode {step}", got.logits, got.presents, ref, mask.astype(bool))
+    bad = [c for c in checks if not c.passed]
+    assert not bad, bad[0]
+
+
+@pytest.mark.parametrize("changes", [
+    {"qkv_bias": True},  # Qwen2: the packed projection carries the three biases
+    {"o_bias": True, "mlp_bias": True},
+    {"tie_word_embeddings": True, "norm_head": True},  # lm_head = D, rows L2-normalized (Baichuan2)
+    {"head_dim": 32},  # q_size 128 != hidden 64
+    {"num_key_value_heads": 4},  # plain multi-head attention
+])
+def test_architecture_variants_match_torch(changes, tmp_path):
+    """The packing and the extras (biases, tied and normalized head, wide heads, MHA) against PyTorch."""
+    cfg = CFG.replace(**changes)
+    m = sharp(cfg, seed=1)
+    with torch.no_grad():  # biases start at N(0, 0.02) too; make them big enough to matter
+        for name, p in m.named_parameters():
+            if name.endswith(".bias"):
+                p.mul_(20)
+    run = OnnxLM(create_session(export_fused(m, tmp_path / "v.onnx").path, "cpu"),
+                 cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    ids, mask = left_pad(PROMPTS)
+    pos = positions(mask, ids.shape[1])
+    got = run(ids, mask, pos, run.empty_cache(2))
+    checks = check_step("prefill", got.logits, got.presents, reference(m, ids, mask, pos), mask.astype(bool))
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed][0]
+
+
+def test_padded_rows_equal_rows_alone(exports):
+    """Each row of the left-padded batch, prefill and 3 decode steps, equals that row run alone (no padding)."""
+    run = lm(exports().path)
+    ids, mask = left_pad(PROMPTS)
+    batch = run(ids, mask, positions(mask, ids.shape[1]), run.empty_cache(2))
+    alone = []
+    for p in PROMPTS:
+        a_ids, a_mask = left_pad([p])
+        alone.append(run(a_ids, a_mask, positions(a_mask, len(p)), run.empty_cache(1)))
+    for step in range(4):
+        for row, (p, a) in enumerate(zip(PROMPTS, alone)):
+            n = len(p) if step == 0 else 1
+            np.testing.assert_allclose(batch.logits[row, -n:], a.logits[0, -n:], rtol=0, atol=TOL.atol)
+        if step == 3:
+            break
+        tok = batch.logits[:, -1].argmax(-1)[:, None]  # [batch, 1]
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+        batch = run(tok, mask, positions(mask, 1), batch.presents)
+        for row, a in enumerate(alone):
+            a_mask = np.ones((1, a.presents[0][0].shape[2] + 1), np.int64)
+            alone[row] = run(tok[row:row + 1], a_mask, positions(a_mask, 1), a.presents)
+    # Negative control: the same batch with its padding unmasked no longer matches the short row alone.
+    ids, mask = left_pad(PROMPTS)
+    leaky = run(ids, np.ones_like(mask), positions(mask, ids.shape[1]), run.empty_cache(2))
+    short = left_pad([PROMPTS[1]])
+    alone_short = run(short[0], short[1], positions(short[1], len(PROMPTS[1])), run.empty_cache(1))
+    assert np.abs(leaky.logits[1, -1] - alone_short.logits[0, -1]).max() > 100 * TOL.atol
+
+
+def test_prompt_continuing_a_cache_batch_one(model, exports):
+    """GQA takes a multi-token step over a non-empty cache for batch 1 (a chunked prompt); the numbers hold."""
+    run = lm(exports().path)
+    ids = np.array([PROMPTS[0]], np.int64)  # [1, 11]
+    first = run(ids[:, :7], np.ones((1, 7), np.int64), np.arange(7)[None], run.empty_cache(1))
+    got = run(ids[:, 7:], np.ones((1, 11), np.int64), np.arange(7, 11)[None], first.presents)
+    ref = reference(model, ids, np.ones((1, 11), np.int64), np.arange(11)[None])
+    assert got.logits.shape == (1, 4, CFG.vocab_size)
+    check = compare("chunk logits", got.logits, ref.logits[:, 7:].numpy(), np.ones((1, 4), bool), TOL, logits=True)
+    assert check.passed, check
+
+
+def test_verify_parity_runs_the_fused_graph(tmp_path):
+    """`verify parity` reads the fused file's metadata, reloads the seeded preset, and passes it unchanged."""
+    res = export_fused("tiny", tmp_path / "model.onnx")
+    rep = verify_parity(resolve_target(str(res.path), None), provider="cpu", steps=4)
+    assert rep.passed, [c for c in rep.checks if not c.passed]
+    assert rep.tolerance == TOL and rep.decode.agreed == 4
+
+
+def test_perturbed_weight_fails(model, tmp_path):
+    """Negative control: one o_proj weight nudged by 0.05 in the exported model fails the fp32 comparison."""
+    bad = sharp(CFG)
+    with torch.no_grad():
+        bad.model.layers[1].self_attn.o_proj.weight[3, 5] += 0.05
+    run = lm(export_fused(bad, tmp_path / "bad.onnx").path)
+    ids, mask = left_pad(PROMPTS)
+    pos = positions(mask, ids.shape[1])
+    got = run(ids, mask, pos, run.empty_cache(2))
+    check = compare("logits", got.logits, reference(model, ids, mask, pos).logits.numpy(), mask.astype(bool), TOL,
+                    logits=True)
+    assert not check.passed and check.max_abs > TOL.atol
+
+
+def test_float16_graph_within_fp16_tolerance(model, tmp_path):
+    """fp16 weights and activations on the CPU: GQA and the Skip norms run, within the fp16 tolerance."""
+    res = export_fused(model, tmp_path / "fp16.onnx", dtype="float16")
+    run = lm(res.path)
+    ids, mask = left_pad(PROMPTS)
+    pos = positions(mask, ids.shape[1])
+    got = run(ids, mask, pos, run.empty_cache(2))
+    assert got.logits.dtype == np.float16 and got.presents[0][0].dtype == np.float16
+    check = compare("logits", got.logits, reference(model, ids, mask, pos).logits.numpy(), mask.astype(bool),
+                    TOLERANCES[("float16", "cpu")], logits=True)
+    assert check.passed, check
+
+
+def test_external_data(model, tmp_path):
+    res = export_fused(model, tmp_path / "ext.onnx", external_data_threshold_bytes=0)
+    assert res.external_data == tmp_path / "ext.onnx.data" and res.external_data.stat().st_size > 600_000
+    ids, mask = left_pad(PROMPTS[:1])
+    run = lm(res.path)
+    assert np.isfinite(run(ids, mask, positions(mask, ids.shape[1]), run.empty_cache(1)).logits).all()
+
+
+# --- The static KV buffer -----------------------------------------------------------------------------------------
+
+def test_static_buffer_is_written_in_place(model, exports):
+    """IOBinding binds one buffer per layer as past and present: GQA writes into it; prefill + 4 decode steps."""
+    res = exports(static=MAX_LENGTH)
+    assert res.static_kv == MAX_LENGTH and read_metadata(res.path).config == CFG
+    sess = ort.InferenceSession(str(res.path), providers=["CPUExecutionProvider"])
+    assert sess.get_inputs()[3].shape == ["batch", 2, MAX_LENGTH, 16]
+    assert sess.get_outputs()[1].shape == ["batch", 2, MAX_LENGTH, 16]
+    static = StaticKVSession(sess, CFG, batch=2, max_length=MAX_LENGTH)
+    ids, mask = left_pad(PROMPTS)
+    pos = positions(mask, ids.shape[1])
+    logits, ref = static.step(ids, mask, pos), reference(model, ids, mask, pos)
+    checks = []
+    for step in range(5):
+        filled = mask.shape[1]
+        outputs = static.binding.get_outputs()
+        assert all(outputs[1 + i].data_ptr() == buf.data_ptr() for i, buf in enumerate(static.buffers))
+        caches = [static.cache(i) for i in range(CFG.num_hidden_layers)]
+        assert all(np.abs(k[:, :, filled:]).max() == 0 for k, _ in caches)  # slots past the filled ones untouched
+        checks += check_step(f"step {step}", logits, caches, ref, mask.astype(bool))
+        tok = ref.logits[:, -1].argmax(-1).numpy()[:, None]
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+        pos = positions(mask, 1)
+        logits, ref = static.step(tok, mask, pos), reference(model, tok, mask, pos, ref.past_key_values)
+    bad = [c for c in checks if not c.passed]
+    assert not bad, bad[0]
+    with pytest.raises(ValueError, match=f"holds {MAX_LENGTH}"):
+        static.step(tok, np.ones((2, MAX_LENGTH + 1), np.int64), pos)
+
+
+def test_static_buffer_with_plain_feeds(model, exports):
+    """The same graph fed numpy arrays: present is the whole buffer (a copy), the numbers are the same."""
+    run = lm(exports(static=MAX_LENGTH).path)
+    ids, mask = left_pad(PROMPTS)
+    pos = positions(mask, ids.shape[1])
+    empty = [tuple(np.zeros((2, 2, MAX_LENGTH, 16), np.float32) for _ in "kv")] * CFG.num_hidden_layers
+    got = run(ids, mask, pos, empty)
+    assert got.presents[0][0].shape == (2, 2, MAX_LENGTH, 16)
+    tok = got.logits[:, -1].argmax(-1)[:, None]
+    mask2 = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+    nxt = run(tok, mask2, positions(mask2, 1), got.presents)
+    ref = reference(model, ids, mask, pos)
+    ref2 = reference(model, tok, mask2, positions(mask2, 1), ref.past_key_values)
+    checks = check_step("prefill", got.logits, got.presents, ref, mask.astype(bool))
+    checks += check_step("decode", nxt.logits, nxt.presents, ref2, mask2.astype(bool))
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed][0]
+
+
+# --- What the fused graph refuses ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("changes, message", [
+    ({"position_encoding": "alibi"}, "does not support alibi position encoding"),
+    ({"hidden_size": 48, "head_dim": 12}, "does not support head_dim 12 .*multiple of 8"),
+    ({"sliding_window": 8}, "does not support a sliding window"),
+    ({"num_experts": 4, "num_experts_per_tok": 2}, "does not support mixture of experts"),
+])
+def test_unsupported_models_are_refused(changes, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        export_fused(CFG.replace(**changes), tmp_path / "x.onnx")
+    assert not (tmp_path / "x.onnx").exists()
+    check_fusable(CFG)  # the tiny config itself is fine
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"rope_op": "onnx"}, "rope_op 'onnx' is not available in the fused graph"),
+    ({"static_kv": 65}, r"static_kv \(max_length\) must be an int in 1..64"),
+    ({"dtype": "int8"}, "int8"),
+])
+def test_bad_options_are_refused(kwargs, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        export_fused(CFG, tmp_path / "x.onnx", **kwargs)
+
+
+def test_group_query_attention_itself_refuses_head_dim_12():
+    """Why the head_dim rule: onnxruntime's GQA kernel rejects a head size that is not a multiple of 8."""
+    h, f32 = onnx.helper, onnx.TensorProto.FLOAT
+
+    def session(head_dim):
+        node = h.make_node("GroupQueryAttention", ["q", "k", "v", "", "", "seqlens_k", "total"], ["o"],
+                           domain="com.microsoft", num_heads=2, kv_num_heads=1)
+        graph = h.make_graph([node], "gqa", [
+            h.make_tensor_value_info("q", f32, [1, 3, 2 * head_dim]),
+            h.make_tensor_value_info("k", f32, [1, 3, head_dim]),
+            h.make_tensor_value_info("v", f32, [1, 3, head_dim]),
+            h.make_tensor_value_info("seqlens_k", onnx.TensorProto.INT32, [1]),
+            h.make_tensor_value_info("total", onnx.TensorProto.INT32, [])], [h.make_tensor_value_info("o", f32, None)])
+        model = h.make_model(graph, opset_imports=[h.make_opsetid("", 20), h.make_opsetid("com.microsoft", 1)],
+                             ir_version=10)
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(0)
+        return sess.run(None, {"q": rng.standard_normal((1, 3, 2 * head_dim), np.float32),
+                               "k": rng.standard_normal((1, 3, head_dim), np.float32),
+                               "v": rng.standard_normal((1, 3, head_dim), np.float32),
+                               "seqlens_k": np.array([2], np.int32), "total": np.array(3, np.int32)})
+
+    assert session(8)[0].shape == (1, 3, 16)
+    with pytest.raises(Exception, match="multiple of 8"):
+        session(12)
