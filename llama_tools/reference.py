@@ -204,24 +204,27 @@ class CheckpointReader:
         stored = list(dict.fromkeys(self.where[n].stored for n in names))
         out = {}
         with self._open(stored) as handles:
-            whole = {s: self._slice(handles, s, None) for s in stored}
-            cfg = self.cfg
-            for n in names:
-                w = self.where[n]
-                t = whole[w.stored]
-                if w.part is not None:
-                    t = split_qkv(t, self.layout, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                  w.stored)[w.part]
-                out[n] = t.to(device=device, dtype=torch.float32, copy=True)  # copy: never a view of the file
-            del whole
+            for s in stored:  # one stored tensor in flight at a time
+                t = self._slice(handles, s, None)
+                for n in (n for n in names if self.where[n].stored == s):
+                    part = self.where[n].part
+                    piece = t if part is None else split_qkv(t, self.layout, self.cfg.num_attention_heads,
+                                                             self.cfg.num_key_value_heads, self.cfg.head_dim, s)[part]
+                    out[n] = self._owned(piece, device)
+                del t
         return out
+
+    def _owned(self, t: torch.Tensor, device: Any) -> torch.Tensor:
+        """fp32 on `device`, never a view of a mapped file: safetensors' get_tensor already copied, torch's did not."""
+        copy = self.files.kind != "safetensors" and t.dtype == torch.float32 and torch.device(device).type == "cpu"
+        return t.to(device=device, dtype=torch.float32, copy=copy)
 
     def rows(self, name: str, ranges: list[tuple[int, int]], device: Any = "cpu") -> torch.Tensor:
         """Row ranges [start, stop) of a module-named 2-D weight (embedding, lm_head), joined, in fp32."""
         w = self.where[name]
         with self._open([w.stored]) as handles:
             parts = [self._slice(handles, w.stored, slice(a, b)) for a, b in ranges]
-            return torch.cat(parts).to(device=device, dtype=torch.float32, copy=True)  # [sum of rows, n2]
+            return self._owned(torch.cat(parts) if len(parts) > 1 else parts[0], device)  # [sum of rows, n2]
 
 
 # --- The streamed forward --------------------------------------------------------------------------------
