@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -54,9 +55,11 @@ def _as_torch(data: Any, v: ir.Value) -> torch.Tensor:
         t = raw
     else:
         arr = np.asarray(raw if isinstance(raw, np.ndarray) else data.numpy())
-        # numpy has no bf16: onnx_ir hands out ml_dtypes.bfloat16 arrays; torch takes their bits
-        t = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if arr.dtype.name == "bfloat16" \
-            else torch.from_numpy(arr)
+        with warnings.catch_warnings():  # a read-only (memory-mapped) array: we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            # numpy has no bf16: onnx_ir hands out ml_dtypes.bfloat16 arrays; torch takes their bits
+            t = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if arr.dtype.name == "bfloat16" \
+                else torch.from_numpy(arr)
     want = _TORCH_DTYPES.get(v.dtype)
     assert want is not None, f"{v.name}: no torch dtype for {v.dtype}"
     shape = tuple(int(d) for d in v.shape)

@@ -70,7 +70,7 @@ def ortvalue_to_numpy(value: Any) -> np.ndarray:
     return bf16_bits_to_float32(t.view(torch.int16).cpu().numpy().view(np.uint16))
 
 
-def numpy_to_ortvalue(x: np.ndarray, onnx_type: str, device: str = "cpu") -> Any:
+def numpy_to_ortvalue(x: np.ndarray, onnx_type: str, device: str = "cpu", device_id: int = 0) -> Any:
     """A host array -> an OrtValue of the graph's element type (bf16 through uint16 bits) on `device`."""
     import onnxruntime as ort
 
@@ -78,10 +78,10 @@ def numpy_to_ortvalue(x: np.ndarray, onnx_type: str, device: str = "cpu") -> Any
         host = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(float32_to_bf16_bits(x), BFLOAT16)  # holds the bits
         if device == "cpu":
             return host
-        dev = ort.OrtValue.ortvalue_from_shape_and_type(list(x.shape), BFLOAT16, device, 0)
+        dev = ort.OrtValue.ortvalue_from_shape_and_type(list(x.shape), BFLOAT16, device, device_id)
         dev.update_inplace(host)  # host -> device copy
         return dev
-    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(x, dtype=_NUMPY[onnx_type]), device, 0)
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(x, dtype=_NUMPY[onnx_type]), device, device_id)
 
 
 # --- Sessions ------------------------------------------------------------------------------------------
@@ -200,7 +200,8 @@ def create_session(path: str | Path, provider: str = "auto", *, tf32: bool = Fal
         return Session(sess, "cpu", f"CPU provider: this onnxruntime build ({ort.__version__}) has no CUDA provider",
                        _options(sess, "cpu"), path)
     sess = _new_session(path, provider_list("cuda", tf32, device_id))
-    if sess.get_providers()[0] == _ORT["cuda"]:
+    first = sess.get_providers()[0]
+    if (first[0] if isinstance(first, tuple) else first) == _ORT["cuda"]:  # (name, options) from a stand-in
         opts = _options(sess, "cuda", cuda_options(tf32, device_id))
         tf = "TF32 allowed" if opts.get("use_tf32") == "1" else "TF32 off"
         return Session(sess, "cuda", f"CUDA provider ({tf})", opts, path)
@@ -274,6 +275,7 @@ class OnnxLM:
         # numpy cannot carry bf16 through session.run: a bf16 graph always goes through IOBinding.
         self.io = "device" if self.onnx_type == "tensor(bfloat16)" else io
         self.device = getattr(session, "device", "cpu") if self.io == "device" else "cpu"
+        self.device_id = int(getattr(session, "options", {}).get("device_id", 0))
 
     def empty_cache(self, batch: int) -> Cache:
         """Past length 0, for the prefill: numpy arrays, or zero-size OrtValues on the device."""
@@ -284,7 +286,8 @@ class OnnxLM:
         import onnxruntime as ort
 
         def empty() -> Any:
-            return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), _ONNX_TYPE[self.onnx_type], self.device, 0)
+            return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), _ONNX_TYPE[self.onnx_type], self.device,
+                                                             self.device_id)
         return DeviceCache([(empty(), empty()) for _ in range(self.num_layers)])
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
@@ -321,12 +324,12 @@ class OnnxLM:
         for i, (k, v) in enumerate(past.values if isinstance(past, DeviceCache) else past):
             for what, t in (("key", k), ("value", v)):
                 if isinstance(t, np.ndarray):
-                    t = numpy_to_ortvalue(t, self.onnx_type, self.device)  # a numpy past: uploaded once
+                    t = numpy_to_ortvalue(t, self.onnx_type, self.device, self.device_id)  # uploaded once
                 binding.bind_ortvalue_input(f"past_key_values.{i}.{what}", t)
         binding.bind_output("logits", "cpu")  # the logits come back to the host every step
         for i in range(self.num_layers):
             for what in ("key", "value"):
-                binding.bind_output(f"present.{i}.{what}", self.device, 0)  # left where the session wrote them
+                binding.bind_output(f"present.{i}.{what}", self.device, self.device_id)  # stays where written
         self.sess.run_with_iobinding(binding)
         outs = dict(zip(self.output_names, binding.get_outputs()))
         cache = DeviceCache([(outs[f"present.{i}.key"], outs[f"present.{i}.value"]) for i in range(self.num_layers)])
