@@ -26,6 +26,7 @@ _F32, _F16, _BF16 = dtypes.FLOAT32.name, dtypes.FLOAT16.name, dtypes.BFLOAT16.na
 TOLERANCES = {
     (_F32, "cpu"): Tolerance(1e-4, 0.0, 0.99999),
     (_F32, "cuda"): Tolerance(1e-3, 1e-4, 0.9999),
+    (_F32, "cuda-tf32"): Tolerance(1e-2, 1e-3, 0.999),  # --tf32: MatMuls with 10-bit mantissas
     (_F16, "cpu"): Tolerance(0.0, 2e-2, 0.999),
     (_F16, "cuda"): Tolerance(0.0, 2e-2, 0.999),
     (_BF16, "cpu"): Tolerance(0.0, 6e-2, 0.995),

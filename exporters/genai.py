@@ -14,8 +14,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ class ClientFiles:
     written: list[Path]
     tokenizer: str  # "converted from tokenizer.model", "copied tokenizer.json", or "none: ..."
     share_buffer: bool
+    kept: list[Path] = field(default_factory=list)  # files there already that were not ours: left as they were
 
 
 # --- The three JSON files -------------------------------------------------------------------------------
@@ -165,13 +167,40 @@ def sentencepiece_to_tokenizer_json(path: str | Path) -> tuple[dict[str, Any], d
 
 # --- Writing ---------------------------------------------------------------------------------------------
 
-def _write_json(path: Path, data: dict[str, Any]) -> Path:
-    """Atomically, with the umask's mode (llama_tools.files)."""
-    return files.write_text(path, json.dumps(data, indent=2, ensure_ascii=False))
+MANIFEST = ".llama-tools-client-files.json"  # name -> sha256 of what we wrote: those files are ours to replace
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    return files.write_bytes(dst, src.read_bytes())
+class _OwnedWriter:
+    """Writes client files into a directory, never replacing a file that is not ours.
+
+    A file is ours when the manifest records its current bytes (we wrote it, nobody changed it since); a
+    foreign file is kept and reported, unless it already holds exactly what we would write.
+    """
+
+    def __init__(self, out: Path):
+        self.out, self.written, self.kept = out, [], []
+        try:
+            self.manifest = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            self.manifest = {}
+
+    def bytes(self, name: str, data: bytes) -> Path | None:
+        path, digest = self.out / name, hashlib.sha256(data).hexdigest()
+        if path.exists():
+            current = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+            if current != digest and self.manifest.get(name) != current:
+                self.kept.append(path)
+                return None
+        files.write_bytes(path, data)
+        self.manifest[name] = digest
+        self.written.append(path)
+        return path
+
+    def json(self, name: str, data: dict[str, Any]) -> Path | None:
+        return self.bytes(name, (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+
+    def close(self) -> None:
+        files.write_text(self.out / MANIFEST, json.dumps(self.manifest, indent=2, sort_keys=True))
 
 
 def _static_kv(onnx_path: Path) -> int | None:
@@ -183,17 +212,17 @@ def _static_kv(onnx_path: Path) -> int | None:
     return int(value) if value else None
 
 
-def _write_tokenizer(tokenizer_dir: Path, out_dir: Path, cfg: ModelConfig) -> tuple[list[Path], str]:
+def _write_tokenizer(tokenizer_dir: Path, w: _OwnedWriter, cfg: ModelConfig) -> str:
     """Copy a tokenizer.json, or convert a tokenizer.model; check its special ids against the config."""
-    written = []
+    same_dir = tokenizer_dir.resolve() == w.out.resolve()
     if (tokenizer_dir / "tokenizer.json").is_file():
-        for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
-            if (tokenizer_dir / name).is_file() and tokenizer_dir.resolve() != out_dir.resolve():
-                written.append(_copy(tokenizer_dir / name, out_dir / name))
         if not (tokenizer_dir / "tokenizer_config.json").is_file():
             raise ValueError(f"{tokenizer_dir}: has tokenizer.json but no tokenizer_config.json, which "
                              f"onnxruntime-genai also opens; add it (transformers' save_pretrained writes both)")
-        return written, "copied tokenizer.json"
+        for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+            if (tokenizer_dir / name).is_file() and not same_dir:
+                w.bytes(name, (tokenizer_dir / name).read_bytes())
+        return "copied tokenizer.json"
     model_file = tokenizer_dir / "tokenizer.model"
     tokenizer, config = sentencepiece_to_tokenizer_json(model_file)
     ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
@@ -201,11 +230,11 @@ def _write_tokenizer(tokenizer_dir: Path, out_dir: Path, cfg: ModelConfig) -> tu
         if piece is not None and ids.get(piece) != getattr(cfg, field):
             raise ValueError(f"{model_file}: {piece} is id {ids.get(piece)} but the model's config says "
                              f"{field} = {getattr(cfg, field)}; fix config.json or the tokenizer")
-    written.append(_write_json(out_dir / "tokenizer.json", tokenizer))
-    written.append(_write_json(out_dir / "tokenizer_config.json", config))
-    if tokenizer_dir.resolve() != out_dir.resolve():
-        written.append(_copy(model_file, out_dir / "tokenizer.model"))  # for transformers' slow tokenizer
-    return written, "converted from tokenizer.model"
+    w.json("tokenizer.json", tokenizer)
+    w.json("tokenizer_config.json", config)
+    if not same_dir:
+        w.bytes("tokenizer.model", model_file.read_bytes())  # for transformers' slow tokenizer
+    return "converted from tokenizer.model"
 
 
 def write_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
@@ -234,12 +263,10 @@ def write_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
     gconfig = genai_config(cfg, filename=onnx_path.name, share_buffer=share_buffer, provider=provider)
     if static is not None:  # genai allocates past/present at max_length: the graph's buffer length
         gconfig["search"]["max_length"] = static
-    out = onnx_path.parent
-    written = [
-        _write_json(out / "config.json", hf_config(cfg)),
-        _write_json(out / "generation_config.json", generation_config(cfg)),
-        _write_json(out / "genai_config.json", gconfig),
-    ]
+    w = _OwnedWriter(onnx_path.parent)
+    w.json("config.json", hf_config(cfg))
+    w.json("generation_config.json", generation_config(cfg))
+    w.json("genai_config.json", gconfig)
     source = meta.source
     if tokenizer_dir is not None:
         tdir = Path(tokenizer_dir)
@@ -250,7 +277,6 @@ def write_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
         tdir = Path(source)
     else:
         tdir = None
-    if tdir is None:
-        return ClientFiles(out, written, "none: the source has no tokenizer (genai can run on token ids)", share_buffer)
-    tok_files, how = _write_tokenizer(tdir, out, cfg)
-    return ClientFiles(out, written + tok_files, how, share_buffer)
+    how = _write_tokenizer(tdir, w, cfg) if tdir is not None else "none: the source has no tokenizer (genai runs on ids)"
+    w.close()
+    return ClientFiles(w.out, w.written, how, share_buffer, kept=w.kept)

@@ -34,12 +34,13 @@ from llama_tools.model import Llama, rope_cache, tie_weights
 from llama_tools.progress import Progress, silent
 from llama_tools.source import ModelSource, resolve
 
-from . import rope_ops
+from . import onnx_save, rope_ops
 from .graph_io import ATTENTION_MASK, io_names
 
 DEFAULT_OPSET = 20  # torch.onnx's own default; a RoPE op may need more (rope_ops.ROPE_OPS)
-# Protobuf caps a file at 2 GiB; above this many bytes of weights they go to OUT.onnx.data.
-EXTERNAL_DATA_THRESHOLD_BYTES = 2 * 2**30 - 64 * 2**20
+# Above this many bytes of weights they stream to OUT.onnx.data (protobuf caps a file at 2 GiB, and one
+# serialized proto would hold every weight in memory twice).
+EXTERNAL_DATA_THRESHOLD_BYTES = onnx_save.SINGLE_FILE_MAX_BYTES
 # Sizes to trace with: >= 2 and distinct, since torch.export specializes dims of size 0 or 1.
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 3, 5
 META = "llama_tools."  # prefix of our metadata_props keys
@@ -287,21 +288,18 @@ def set_metadata(model: ir.Model, cfg: ModelConfig, rope_op: str, dtype: str, so
 
 
 def save_model(model: ir.Model, output: Path, threshold: int, check: bool, progress: Progress) -> Path | None:
-    """Write OUT (and OUT.data) in a temp dir beside OUT, then rename: a killed export leaves no OUT."""
+    """Write OUT (and OUT.data) in a temp dir beside OUT, then rename: a killed export leaves no OUT."""  # noqa: D401
     data_name = output.name + ".data"
     weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     external = weight_bytes > threshold
     if external and output.exists() and not output.is_file():
         raise ValueError(f"{output}: not a regular file, and the weights ({weight_bytes:,} bytes) need an "
                          f"external-data file beside it; give a file path")
-    total = len(model.graph.initializers)
-    written = iter(range(1, total + 1))
-    # Both files appear together (the data first), or neither; a kill leaves none of ours behind.
+    # Both files appear together (the data first), or neither; a kill leaves none of ours behind. The
+    # weights stream into the .data file one tensor at a time, and the check reads none of them (onnx_save).
     with files.atomic_files([output.parent / data_name, output]) as tmp:
-        ir.save(model, tmp / output.name, external_data=data_name if external else None,
-                callback=lambda tensor, info: progress(next(written, total), total, "weights written"))
-        if check:
-            onnx.checker.check_model(str(tmp / output.name), full_check=True)
+        onnx_save.save_model(model, tmp, output.name, external=external, check=check,
+                             callback=lambda done, total: progress(done, total, "weights written"))
     if not external and (output.parent / data_name).is_file():
         (output.parent / data_name).unlink()  # a previous export's weights, now stale
     return output.parent / data_name if external else None

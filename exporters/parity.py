@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from llama_tools import dtypes
 from llama_tools.config import ModelConfig
 from llama_tools.progress import Progress, silent
 from llama_tools.rope import HALF, INTERLEAVED
@@ -38,6 +39,7 @@ class ParityReport:
     source: str
     provider: str  # "cpu" | "cuda": what actually ran
     provider_note: str
+    provider_options: dict[str, str]  # what onnxruntime reports it runs with (use_tf32 on CUDA)
     dtype: str  # the graph's
     reference: str  # "PyTorch float32"
     prompt_lengths: list[int]
@@ -106,39 +108,42 @@ def check_inputs(prompts: list[list[int]], steps: int, cfg: ModelConfig) -> None
 
 
 def verify_parity(target: ParityTarget, *, prompts: list[list[int]] | None = None, provider: str = "auto",
-                  steps: int = 8, dtype: str = "float32", rope_op: str = "llama_tools",
+                  steps: int = 8, dtype: str = "float32", rope_op: str = "llama_tools", tf32: bool = False,
                   tolerance: Tolerance | None = None, progress: Progress = silent) -> ParityReport:
     """Export on the fly when the target is a MODEL, then compare; see the module docstring for the checks."""
     cfg = target.meta.config if target.meta is not None else target.source.cfg
     check_inputs(prompts or [], steps, cfg)
     if target.onnx_path is not None:
-        return _verify(target.onnx_path, target, prompts, provider, steps, tolerance, progress)
+        return _verify(target.onnx_path, target, prompts, provider, steps, tf32, tolerance, progress)
     with tempfile.TemporaryDirectory(prefix="llama-tools-parity-") as tmp:
         exported = export_onnx(target.source, Path(tmp) / "model.onnx", dtype=dtype, rope_op=rope_op,
                                seed=target.seed, progress=progress)
         meta = read_metadata(exported.path)
-        rep = _verify(exported.path, dataclasses.replace(target, meta=meta), prompts, provider, steps, tolerance,
-                      progress)
+        rep = _verify(exported.path, dataclasses.replace(target, meta=meta), prompts, provider, steps, tf32,
+                      tolerance, progress)
     rep.onnx_path, rep.export_seconds = f"{target.source.spec} (exported on the fly)", exported.seconds
     return rep
 
 
 def _verify(onnx_path: Path, target: ParityTarget, prompts: list[list[int]] | None, provider: str, steps: int,
-            tolerance: Tolerance | None, progress: Progress) -> ParityReport:
+            tf32: bool, tolerance: Tolerance | None, progress: Progress) -> ParityReport:
     """Run the graph and the PyTorch model on the same ids."""
     import torch
 
-    from llama_tools.loading import load_model
+    from llama_tools.reference import reference_model
 
     start = time.perf_counter()
     meta = target.meta
     assert meta is not None, "the graph's metadata is read before it is run"
     cfg = meta.config
-    run = create_session(onnx_path, provider)
-    onnx_lm = OnnxLM(run, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-    ref_model = load_model(target.source, dtype="float32", seed=target.seed, progress=progress)
-    tol = tolerance or TOLERANCES[(meta.dtype, run.provider)]
     prompts = prompts or default_prompts(cfg.vocab_size, meta.seed)
+    run = create_session(onnx_path, provider, tf32=tf32)
+    onnx_lm = OnnxLM(run, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    session_bytes = _weight_bytes(onnx_path) if run.provider == "cpu" else 0  # the session's copy is in host RAM
+    # A checkpoint's reference streams one fp32 layer at a time; refused up front when even that will not fit.
+    ref_model = reference_model(target.source, seed=target.seed, progress=progress, batch=len(prompts),
+                                seq=max(map(len, prompts)), steps=steps, extra_bytes=session_bytes)
+    tol = tolerance or TOLERANCES[(meta.dtype, _tolerance_key(meta.dtype, run.provider, run.options))]
     # The K cache holds q/k rows in the weights' RoPE layout: compare the graph's in the reference's order.
     k_order = _channel_order(meta.rope_layout, ref_model.cfg.rope_layout, cfg.head_dim)
 
@@ -170,10 +175,23 @@ def _verify(onnx_path: Path, target: ParityTarget, prompts: list[list[int]] | No
                      f"K compared after reordering its channels")
     return ParityReport(
         onnx_path=str(onnx_path), source=target.source.label, provider=run.provider, provider_note=run.note,
+        provider_options=dict(run.options),
         dtype=meta.dtype, reference="PyTorch float32", prompt_lengths=[len(p) for p in prompts], tolerance=tol,
         checks=checks, first_bad_layer=first_bad_layer, decode=decode, seconds=time.perf_counter() - start,
         notes=notes,
     )
+
+
+def _tolerance_key(dtype: str, provider: str, options: dict[str, str]) -> str:
+    """'cuda-tf32' when CUDA runs an fp32 graph's MatMuls in TF32 (its own, wider tolerance), else the provider."""
+    tf32 = provider == "cuda" and options.get("use_tf32") == "1" and dtype == dtypes.FLOAT32.name
+    return "cuda-tf32" if tf32 else provider
+
+
+def _weight_bytes(onnx_path: Path) -> int:
+    """Bytes of the graph's weights on disk (the file and its external data)."""
+    data = onnx_path.parent / (onnx_path.name + ".data")
+    return onnx_path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
 
 
 def _channel_order(graph_layout: str, ref_layout: str, head_dim: int) -> np.ndarray:
@@ -203,7 +221,7 @@ def _decode(onnx_lm: OnnxLM, ref_model: Any, got: Any, ref: Any, mask: np.ndarra
     import torch
 
     batch = mask.shape[0]
-    past_onnx, past_ref = got.presents, ref.past_key_values
+    past_onnx, past_ref = got.cache, ref.past_key_values
     ref_next = ref.logits[:, -1].numpy()  # [batch, vocab]
     onnx_next = got.logits[:, -1]
     ref_ids: list[list[int]] = [[] for _ in range(batch)]
@@ -230,7 +248,7 @@ def _decode(onnx_lm: OnnxLM, ref_model: Any, got: Any, ref: Any, mask: np.ndarra
         with torch.no_grad():
             r = ref_model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                           position_ids=torch.from_numpy(pos), past_key_values=past_ref)
-        past_onnx, past_ref = out.presents, r.past_key_values
+        past_onnx, past_ref = out.cache, r.past_key_values  # the graph's cache stays on its device
         onnx_next, ref_next = out.logits[:, -1], r.logits[:, -1].numpy()
         errors.append((out.logits, r.logits.numpy()))
         progress(step + 1, steps, "greedy decode step")

@@ -3,33 +3,158 @@
 onnxruntime-gpu lists CUDAExecutionProvider as available on any machine, GPU or not; a session asked
 for it quietly falls back to the CPU and logs to stderr. So the provider that ran is read back from
 `session.get_providers()` after the session exists, and the user is told when CUDA was not usable.
+
+Three facts measured on an H100 with onnxruntime-gpu 1.31.1 shape this module:
+- the CUDA provider's `use_tf32` defaults to 1: fp32 MatMuls run in TF32 (logits off by ~4e-3 on a
+  1024-wide model). We pass use_tf32=0 unless asked, and record the options on the Session.
+- numpy has no bfloat16, so a bf16 graph is fed OrtValues of ONNX type BFLOAT16 made over uint16 bits,
+  and its outputs are read back as bits and widened to float32.
+- feeding numpy to `session.run` copies the whole KV cache host <-> device every step; with IOBinding
+  the presents stay where onnxruntime wrote them and are bound as the next step's past.
+
+    step t:  ids, mask, positions (host, small) --bind_cpu_input--> +---------+ --> logits (host)
+             past.i.key/value (OrtValues on the device) ----------> | session | --> present.i.* (device)
+    step t+1: past := present (no copy)                              +---------+
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
 PROVIDERS = ("auto", "cpu", "cuda")
+IO_MODES = ("device", "numpy")
 _ORT = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
-# ONNX element type of the graph's float inputs -> numpy dtype to feed.
-_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+# ONNX element type of the graph's float inputs -> numpy dtype to feed (bf16: float32 in, bits on the wire).
+_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+          "tensor(bfloat16)": np.float32}
+_ONNX_TYPE = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(double)": 11, "tensor(bfloat16)": 16}
+BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
+_DTYPE_NAME = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
+               "tensor(double)": "float64"}
 
+
+def onnxruntime() -> Any:
+    """The onnxruntime module, or one line saying which extra installs it."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise ValueError("onnxruntime is not installed: pip install 'llama-tools[cpu]' (or [gpu] on a CUDA machine, "
+                         "[genai] with onnxruntime-genai)") from None
+    return ort
+
+
+class DeviceOutOfMemory(ValueError):
+    """onnxruntime could not allocate on the device; a ValueError so that the CLI prints one line."""
+
+
+# --- bfloat16 without numpy support ---------------------------------------------------------------
+
+def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> the uint16 bits of bfloat16, rounded to nearest even (as torch rounds); NaN stays NaN."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    # Round to nearest even: add 0x7FFF plus the lowest kept bit, then drop the 16 low bits.
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():  # rounding could carry a NaN's payload into Inf: force a quiet NaN, keeping the sign
+        rounded[nan] = ((bits[nan] >> 16) | 0x0040).astype(np.uint16)
+    return rounded
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """uint16 bits of bfloat16 -> float32 (exact: bf16 is the top half of a float32)."""
+    return (np.ascontiguousarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def ortvalue_to_numpy(value: Any) -> np.ndarray:
+    """An OrtValue on any device -> a host numpy array; bfloat16 comes back as float32."""
+    if value.data_type() != "tensor(bfloat16)":
+        return value.numpy()  # onnxruntime copies device -> host itself
+    import torch  # numpy cannot hold bf16: borrow the buffer through DLPack, read its bits
+
+    t = torch.from_dlpack(value._get_c_value())  # no copy; a CUDA tensor for a CUDA OrtValue
+    return bf16_bits_to_float32(t.view(torch.int16).cpu().numpy().view(np.uint16))
+
+
+def numpy_to_ortvalue(x: np.ndarray, onnx_type: str, device: str = "cpu", device_id: int = 0) -> Any:
+    """A host array -> an OrtValue of the graph's element type (bf16 through uint16 bits) on `device`."""
+    ort = onnxruntime()
+
+    if onnx_type == "tensor(bfloat16)":
+        host = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(float32_to_bf16_bits(x), BFLOAT16)  # holds the bits
+        if device == "cpu":
+            return host
+        dev = ort.OrtValue.ortvalue_from_shape_and_type(list(x.shape), BFLOAT16, device, device_id)
+        dev.update_inplace(host)  # host -> device copy
+        return dev
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(x, dtype=_NUMPY[onnx_type]), device, device_id)
+
+
+# --- Sessions ------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Session:
-    """An onnxruntime session, the provider that runs it, and why not CUDA when CUDA was asked for."""
+    """An onnxruntime session, the provider that runs it, why not CUDA when CUDA was asked for, and its options."""
 
     session: Any  # onnxruntime.InferenceSession
     provider: str  # "cuda" or "cpu": what get_providers() says runs first
     note: str  # one line for the user: which provider ran and why
+    options: dict[str, str] = field(default_factory=dict)  # what matters for the numbers, e.g. use_tf32
+    path: str = ""
+
+    @property
+    def device(self) -> str:
+        """Where IOBinding keeps the cache: "cuda" or "cpu"."""
+        return self.provider
 
 
-def _new_session(path: str, providers: list[str]) -> Any:
-    import onnxruntime as ort
+def cuda_options(tf32: bool = False, device_id: int = 0) -> dict[str, str]:
+    """CUDA provider options: TF32 off unless asked (fp32 means fp32), and the GPU to use."""
+    return {"device_id": str(device_id), "use_tf32": "1" if tf32 else "0"}
+
+
+def provider_list(provider: str, tf32: bool = False, device_id: int = 0) -> list[Any]:
+    """onnxruntime's providers argument for "cpu" or "cuda" (CUDA with its options, CPU as the fallback)."""
+    if provider == "cpu":
+        return [_ORT["cpu"]]
+    return [(_ORT["cuda"], cuda_options(tf32, device_id)), _ORT["cpu"]]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _graph_dtype(path: str) -> str:
+    """The element type of past_key_values.0.key ("float16", ...) read from the proto without its weights."""
+    try:
+        import onnx
+
+        graph = onnx.load(path, load_external_data=False).graph
+        elem = next(i.type.tensor_type.elem_type for i in graph.input if i.name == "past_key_values.0.key")
+        return onnx.helper.tensor_dtype_to_np_dtype(elem).name if elem != BFLOAT16 else "bfloat16"
+    except Exception:  # noqa: BLE001  (only used to word an error)
+        return "this"
+
+
+def out_of_memory_error(e: BaseException, what: str) -> DeviceOutOfMemory | None:
+    """onnxruntime's allocation failures -> one line naming the bytes asked for and what to try; else None."""
+    text = str(e)
+    if not re.search(r"Failed to allocate memory|out of memory|cudaErrorMemoryAllocation|CUBLAS_STATUS_ALLOC_FAILED",
+                     text, re.IGNORECASE):
+        return None
+    m = re.search(r"buffer of size (\d+)", text)
+    need = f" ({int(m.group(1)) / 2**20:,.1f} MiB asked for in one allocation)" if m else ""
+    return DeviceOutOfMemory(f"{what}: the GPU ran out of memory{need}; try a smaller batch or fewer --steps, "
+                             f"a float16 export, or a GPU with more free memory (--provider cpu runs it on the host)")
+
+
+def _new_session(path: str, providers: list[Any]) -> Any:
+    ort = onnxruntime()
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
@@ -38,72 +163,208 @@ def _new_session(path: str, providers: list[str]) -> Any:
     try:
         return ort.InferenceSession(path, sess_options=opts, providers=providers)
     except Exception as e:  # onnxruntime raises its own Fail / NotImplemented / InvalidGraph  # noqa: BLE001
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        hint = ("; the CPU provider lacks bfloat16 kernels: run it on a GPU with --provider cuda"
-                if "NOT_IMPLEMENTED" in str(e) else "")
-        raise ValueError(f"{path}: onnxruntime could not load it ({first[:300]}){hint}") from None
+        oom = out_of_memory_error(e, f"{path}: loading the weights onto the GPU")
+        if oom is not None:
+            raise oom from None
+        hint = ""
+        if "NOT_IMPLEMENTED" in str(e):
+            on = "the CPU provider" if providers == [_ORT["cpu"]] else "no provider that started here"
+            hint = (f"; {on} has no kernels for some op of this {_graph_dtype(path)} graph: run it on a GPU "
+                    f"with --provider cuda, or export it as float32")
+        raise ValueError(f"{path}: onnxruntime could not load it ({_first_line(e)[:300]}){hint}") from None
     finally:
         ort.set_default_logger_severity(2)
 
 
-def create_session(path: str | Path, provider: str = "auto") -> Session:
-    """`auto`: CUDA when a session really runs on it, else the CPU (said so); `cuda`: CUDA or an error."""
-    import onnxruntime as ort
+def _options(sess: Any, provider: str, asked: dict[str, str] | None = None) -> dict[str, str]:
+    """The options that change numbers, as onnxruntime reports them (what we asked where it cannot say)."""
+    read = getattr(sess, "get_provider_options", None)
+    got = read().get(_ORT[provider], {}) if read else {}
+    out = {"provider": _ORT[provider]}
+    if provider == "cuda":
+        out.update({k: str(got.get(k, (asked or {}).get(k, "?"))) for k in ("device_id", "use_tf32")})
+    return out
+
+
+def create_session(path: str | Path, provider: str = "auto", *, tf32: bool = False, device_id: int = 0) -> Session:
+    """`auto`: CUDA when a session really runs on it, else the CPU (said so); `cuda`: CUDA or an error.
+
+    tf32=False (the default) runs fp32 MatMuls on CUDA in fp32; True allows TF32 (faster, ~1e-3 off).
+    """
+    ort = onnxruntime()
 
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDERS)}")
     if not Path(path).is_file():
         raise ValueError(f"{path}: no such ONNX file")
+    path = str(path)
     available = ort.get_available_providers()
     if provider == "cpu":
-        return Session(_new_session(str(path), [_ORT["cpu"]]), "cpu", "CPU provider (asked for)")
+        sess = _new_session(path, provider_list("cpu"))
+        return Session(sess, "cpu", "CPU provider (asked for)", _options(sess, "cpu"), path)
     if _ORT["cuda"] not in available:
         if provider == "cuda":
             raise ValueError(f"the CUDA provider is not in this onnxruntime build ({ort.__version__}, providers "
                              f"{', '.join(available)}); install onnxruntime-gpu or use --provider cpu")
-        return Session(_new_session(str(path), [_ORT["cpu"]]), "cpu",
-                       f"CPU provider: this onnxruntime build ({ort.__version__}) has no CUDA provider")
-    sess = _new_session(str(path), [_ORT["cuda"], _ORT["cpu"]])
-    if sess.get_providers()[0] == _ORT["cuda"]:
-        return Session(sess, "cuda", "CUDA provider")
+        sess = _new_session(path, provider_list("cpu"))
+        return Session(sess, "cpu", f"CPU provider: this onnxruntime build ({ort.__version__}) has no CUDA provider",
+                       _options(sess, "cpu"), path)
+    sess = _new_session(path, provider_list("cuda", tf32, device_id))
+    first = sess.get_providers()[0]
+    if (first[0] if isinstance(first, tuple) else first) == _ORT["cuda"]:  # (name, options) from a stand-in
+        opts = _options(sess, "cuda", cuda_options(tf32, device_id))
+        tf = "TF32 allowed" if opts.get("use_tf32") == "1" else "TF32 off"
+        return Session(sess, "cuda", f"CUDA provider ({tf})", opts, path)
     why = "onnxruntime lists CUDA but could not start it here (no GPU, driver, CUDA or cuDNN libraries)"
     if provider == "cuda":
         raise ValueError(f"--provider cuda: {why}; use --provider cpu or auto")
-    return Session(sess, "cpu", f"CPU provider: {why}")
+    return Session(sess, "cpu", f"CPU provider: {why}", _options(sess, "cpu"), path)
+
+
+# --- The LM step -------------------------------------------------------------------------------------------
+
+HostCache = list[tuple[np.ndarray, np.ndarray]]  # per layer (K, V): [batch, kv_heads, past, n6]
+
+
+@dataclass
+class DeviceCache:
+    """The KV cache as OrtValues where the session wrote them; numpy only when asked."""
+
+    values: list[tuple[Any, Any]]  # per layer (K, V) OrtValues: [batch, kv_heads, past, n6]
+
+    @property
+    def length(self) -> int:
+        return self.values[0][0].shape()[2] if self.values else 0
+
+    def to_numpy(self) -> HostCache:
+        """Copy every K/V to the host (bf16 widened to float32)."""
+        return [(ortvalue_to_numpy(k), ortvalue_to_numpy(v)) for k, v in self.values]
+
+
+Cache = Union[HostCache, DeviceCache]
 
 
 @dataclass
 class StepOutput:
-    logits: np.ndarray  # [batch, seq, vocab]
-    presents: list[tuple[np.ndarray, np.ndarray]]  # per layer (K, V): [batch, kv_heads, past + seq, n6]
+    """Logits on the host; the cache as the step left it (feed `cache` back as the next `past`)."""
+
+    logits: np.ndarray  # [batch, seq, vocab]: float32 for fp32 and bf16 graphs, float16 for fp16
+    cache: Cache
+    _host: HostCache | None = field(default=None, repr=False)
+
+    @property
+    def presents(self) -> HostCache:
+        """Per layer (K, V) as numpy: [batch, kv_heads, past + seq, n6]; a device cache is copied once."""
+        if isinstance(self.cache, DeviceCache):
+            if self._host is None:
+                self._host = self.cache.to_numpy()
+            return self._host
+        return self.cache
 
 
 class OnnxLM:
-    """One forward step of an exported llama-tools graph: ids, mask, positions and the cache in, logits out."""
+    """One forward step of an exported llama-tools graph: ids, mask, positions and the cache in, logits out.
 
-    def __init__(self, session: Session, num_layers: int, num_kv_heads: int, head_dim: int):
+    io="device" (default): IOBinding, the presents stay on the session's device and are bound as the next
+    past; io="numpy": `session.run` with numpy in and out (the cache crosses to the host every step).
+    """
+
+    def __init__(self, session: Session, num_layers: int, num_kv_heads: int, head_dim: int, io: str = "device"):
+        if io not in IO_MODES:
+            raise ValueError(f"unknown io mode {io!r}; choose one of {', '.join(IO_MODES)}")
         self.session = session
         self.sess = session.session
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         types = {i.name: i.type for i in self.sess.get_inputs()}
         assert "past_key_values.0.key" in types, f"not a llama-tools decoder graph: inputs {sorted(types)}"
-        self.cache_dtype = _NUMPY[types["past_key_values.0.key"]]
+        self.onnx_type = types["past_key_values.0.key"]
+        self.dtype = _DTYPE_NAME[self.onnx_type]
+        self.cache_dtype = _NUMPY[self.onnx_type]  # what numpy caches hold (float32 for bf16)
         self.input_names = set(types)
         self.output_names = [o.name for o in self.sess.get_outputs()]
+        # numpy cannot carry bf16 through session.run: a bf16 graph always goes through IOBinding.
+        self.io = "device" if self.onnx_type == "tensor(bfloat16)" else io
+        self.device = getattr(session, "device", "cpu") if self.io == "device" else "cpu"
+        self.device_id = int(getattr(session, "options", {}).get("device_id", 0))
 
-    def empty_cache(self, batch: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        shape = (batch, self.num_kv_heads, 0, self.head_dim)  # past length 0: the prefill
-        return [(np.zeros(shape, self.cache_dtype), np.zeros(shape, self.cache_dtype)) for _ in range(self.num_layers)]
+    def empty_cache(self, batch: int) -> Cache:
+        """Past length 0, for the prefill: numpy arrays, or zero-size OrtValues on the device."""
+        shape = (batch, self.num_kv_heads, 0, self.head_dim)  # [batch, kv_heads, 0, n6]
+        if self.io == "numpy":
+            return [(np.zeros(shape, self.cache_dtype), np.zeros(shape, self.cache_dtype))
+                    for _ in range(self.num_layers)]
+        ort = onnxruntime()
+
+        def empty() -> Any:
+            return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), _ONNX_TYPE[self.onnx_type], self.device,
+                                                             self.device_id)
+        return DeviceCache([(empty(), empty()) for _ in range(self.num_layers)])
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                 past: list[tuple[np.ndarray, np.ndarray]]) -> StepOutput:
-        feed: dict[str, np.ndarray] = {"input_ids": input_ids.astype(np.int64),
-                                       "attention_mask": attention_mask.astype(np.int64),
-                                       "position_ids": position_ids.astype(np.int64)}
-        for i, (k, v) in enumerate(past):
+                 past: Cache) -> StepOutput:
+        small = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        small = {k: np.ascontiguousarray(v, dtype=np.int64) for k, v in small.items() if k in self.input_names}
+        try:
+            if self.io == "numpy":
+                return self._run_numpy(small, past)
+            return self._run_bound(small, past)
+        except DeviceOutOfMemory:
+            raise
+        except Exception as e:  # noqa: BLE001  onnxruntime's own exception types
+            oom = out_of_memory_error(e, f"{self.session.path or 'the ONNX model'}: batch {input_ids.shape[0]}, "
+                                         f"{attention_mask.shape[1]} tokens")
+            if oom is not None:
+                raise oom from None
+            raise
+
+    def _run_numpy(self, feed: dict[str, np.ndarray], past: Cache) -> StepOutput:
+        host = past.to_numpy() if isinstance(past, DeviceCache) else past
+        feed = dict(feed)
+        for i, (k, v) in enumerate(host):
             feed[f"past_key_values.{i}.key"] = k.astype(self.cache_dtype, copy=False)
             feed[f"past_key_values.{i}.value"] = v.astype(self.cache_dtype, copy=False)
-        feed = {k: v for k, v in feed.items() if k in self.input_names}
         out = dict(zip(self.output_names, self.sess.run(None, feed)))
         presents = [(out[f"present.{i}.key"], out[f"present.{i}.value"]) for i in range(self.num_layers)]
         return StepOutput(out["logits"], presents)
+
+    def _run_bound(self, feed: dict[str, np.ndarray], past: Cache) -> StepOutput:
+        binding = self.sess.io_binding()
+        for name, arr in feed.items():
+            binding.bind_cpu_input(name, arr)  # a few int64s: onnxruntime copies them where needed
+        for i, (k, v) in enumerate(past.values if isinstance(past, DeviceCache) else past):
+            for what, t in (("key", k), ("value", v)):
+                if isinstance(t, np.ndarray):
+                    t = numpy_to_ortvalue(t, self.onnx_type, self.device, self.device_id)  # uploaded once
+                binding.bind_ortvalue_input(f"past_key_values.{i}.{what}", t)
+        binding.bind_output("logits", "cpu")  # the logits come back to the host every step
+        for i in range(self.num_layers):
+            for what in ("key", "value"):
+                binding.bind_output(f"present.{i}.{what}", self.device, self.device_id)  # stays where written
+        self.sess.run_with_iobinding(binding)
+        outs = dict(zip(self.output_names, binding.get_outputs()))
+        cache = DeviceCache([(outs[f"present.{i}.key"], outs[f"present.{i}.value"]) for i in range(self.num_layers)])
+        return StepOutput(ortvalue_to_numpy(outs["logits"]), cache)
+
+
+def cuda_unusable() -> str | None:
+    """None when a session really runs on CUDA here (a one-node graph tried), else why not, in one line."""
+    import onnx
+    ort = onnxruntime()
+
+    if _ORT["cuda"] not in ort.get_available_providers():
+        return f"this onnxruntime build ({ort.__version__}) has no CUDA provider"
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    ort.set_default_logger_severity(4)
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(), providers=provider_list("cuda"))
+    except Exception as e:  # noqa: BLE001
+        return f"CUDA session failed ({_first_line(e)[:200]})"
+    finally:
+        ort.set_default_logger_severity(2)
+    if sess.get_providers()[0] != _ORT["cuda"]:
+        return "onnxruntime lists CUDA but could not start it (no GPU, driver, CUDA or cuDNN libraries)"
+    return None

@@ -344,16 +344,27 @@ def export() -> None:
 @export.command("onnx")
 @click.argument("model", type=ModelArg(weights_required_in_dir=True))
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
-              help="The .onnx file to write (atomically; weights over 2 GB go to OUTPUT.data beside it).")
+              help="The .onnx file to write (atomically; weights over 256 MiB stream to OUTPUT.data beside it).")
 @click.option("--dtype", type=DTYPE_CHOICE, default=dtypes.FLOAT32.name, show_default=True)
 @_rope_op_option()
+@click.option("--optimize", is_flag=True, help="The fused graph: GroupQueryAttention, packed QKV and gate/up "
+                                               "MatMuls, Skip RMSNorms, our RoPE node (plain attention, with a note, "
+                                               "where the fused ops cannot run the model).")
+@click.option("--static-kv", type=click.IntRange(min=1), default=None, metavar="LENGTH",
+              help="With --optimize: one preallocated KV buffer of LENGTH positions shared by past and present "
+                   "(onnxruntime-genai's past_present_share_buffer).")
+@click.option("--quantize", type=click.Choice(["int4"]), default=None,
+              help="Weight-only int4 (onnxruntime's MatMulNBits quantizer, block 32); implies --optimize.")
+@click.option("--no-client-files", is_flag=True, help="Do not write config.json, genai_config.json and the "
+                                                      "tokenizer files beside OUTPUT.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random init of a preset or config.json.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on the terminal.")
 @output_options(("table", "json"))
-def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, seed: int, quiet: bool, fmt: str) -> None:
+def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bool, static_kv: int | None,
+                quantize: str | None, no_client_files: bool, seed: int, quiet: bool, fmt: str) -> None:
     """Write MODEL (preset, config.json or checkpoint directory) as one ONNX graph for prefill and decode."""
     from .exporters.onnx_export import check_args
-    from .exporters.onnx_export import export_onnx as run_export
+    from .exporters.pipeline import export
     from .exporters.rope_ops import ROPE_OPS
 
     check_args(dtype, rope_op, None)
@@ -362,15 +373,29 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, seed: int, q
     if model.kind == "config":  # a preset is random by name; a config file gets random weights by asking
         click.echo(f"note: {model.spec} is a config without weights: exporting seeded random weights (seed {seed})",
                    err=True)
-    res = run_export(model, output, dtype=dtype, rope_op=rope_op, seed=seed,
-                     progress=terminal("export", quiet=quiet), say=(lambda m: None) if quiet else say)
+    rep = export(model, output, dtype=dtype, rope_op=rope_op, optimize=optimize, quantize=quantize,
+                 static_kv=static_kv, seed=seed, client_files=not no_client_files,
+                 progress=terminal("export", quiet=quiet), say=(lambda m: None) if quiet else say)
+    for note in rep.notes:
+        click.echo(f"note: {note}", err=True)
+    res = rep.result
     mb = lambda n: f"{n / 1e6:,.1f} MB"  # noqa: E731
-    rows = [{"field": k, "value": v} for k, v in [
-        ("model", str(res.path)), ("weights", str(res.external_data) if res.external_data else "inside the model"),
-        ("size", mb(res.bytes)), ("parameters", f"{res.params:,}"), ("dtype", res.dtype), ("opset", res.opset),
-        ("nodes", res.num_nodes), ("RoPE nodes", f"{res.rope_nodes} x {ROPE_OPS[res.rope_op].display}"),
-        ("time", f"{res.seconds:.1f} s"), ("peak RSS", mb(res.peak_rss_bytes))]]
-    click.echo(render(rows, fmt, json_payload=res))
+    data = rep.path.parent / (rep.path.name + ".data")
+    rows = [("model", str(rep.path)), ("graph", rep.graph + (" + int4" if rep.quantized else "")),
+            ("weights", str(data) if data.is_file() else "inside the model"), ("size", mb(rep.bytes)),
+            ("parameters", f"{res.params:,}"), ("dtype", res.dtype), ("opset", res.opset),
+            ("nodes", res.num_nodes), ("RoPE", ROPE_OPS[res.rope_op].display)]
+    if rep.quantized:
+        q = rep.quantized
+        rows.append(("int4", f"{q.quantized} MatMulNBits, {q.ratio:.2f}x the bytes"))
+    if rep.client_files:
+        rows.append(("client files", ", ".join(p.name for p in rep.client_files.written)))
+    rows += [("time", f"{res.seconds:.1f} s"), ("peak RSS", mb(res.peak_rss_bytes))]
+    payload = {"path": str(rep.path), "graph": rep.graph, "bytes": rep.bytes, "notes": rep.notes,
+               **{k: v for k, v in dataclasses.asdict(res).items() if k not in ("path", "bytes")},
+               "quantized": dataclasses.asdict(rep.quantized) if rep.quantized else None,
+               "client_files": [str(p) for p in rep.client_files.written] if rep.client_files else []}
+    click.echo(render([{"field": k, "value": v} for k, v in rows], fmt, json_payload=payload))
 
 
 @cli.group(cls=Group)
@@ -392,11 +417,14 @@ def verify() -> None:
 @click.option("--dtype", type=DTYPE_CHOICE, default=dtypes.FLOAT32.name, show_default=True,
               help="When TARGET is a model exported on the fly.")
 @_rope_op_option(" (when TARGET is a model exported on the fly)")
+@click.option("--tf32", is_flag=True, help="Let CUDA run fp32 MatMuls in TF32 (faster, ~1e-3 off; judged by its own "
+                                         "tolerance). Default: TF32 off, so fp32 means fp32.")
 @click.option("--all-layers", is_flag=True, help="A row for every present K/V, not only the failing ones.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on the terminal.")
 @output_options(("table", "json"))
 def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ...], ids: tuple[list[int], ...],
-                  steps: int, provider: str, dtype: str, rope_op: str, all_layers: bool, quiet: bool, fmt: str) -> None:
+                  steps: int, provider: str, dtype: str, rope_op: str, tf32: bool, all_layers: bool, quiet: bool,
+                  fmt: str) -> None:
     """Run TARGET (an exported .onnx, or a MODEL exported on the fly; default: tiny) on onnxruntime against PyTorch.
 
     Exit 0 only when every check passes.
@@ -411,11 +439,12 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
     batch = [prompt_ids(tgt.source, t, None)[0] for t in prompts] + [list(i) for i in ids]
     check_inputs(batch, steps, tgt.meta.config if tgt.meta else tgt.source.cfg)
     rep = run_parity(tgt, prompts=batch or None, provider=provider, steps=steps, dtype=dtype, rope_op=rope_op,
-                     progress=terminal("parity", quiet=quiet))
+                     tf32=tf32, progress=terminal("parity", quiet=quiet))
     if fmt == "json":
         click.echo(render([], "json", json_payload=rep.to_dict()))
     else:
-        click.echo(f"{rep.onnx_path} ({rep.dtype}) on onnxruntime, {rep.provider_note}; reference "
+        options = ", ".join(f"{k}={v}" for k, v in rep.provider_options.items())
+        click.echo(f"{rep.onnx_path} ({rep.dtype}) on onnxruntime, {rep.provider_note} [{options}]; reference "
                    f"{rep.reference} from {rep.source}; prompts of {rep.prompt_lengths} tokens, left-padded")
         click.echo(render(parity_rows(rep, all_layers), "table", numparse=False))
         took = f" (after a {rep.export_seconds:.1f} s export)" if rep.export_seconds is not None else ""

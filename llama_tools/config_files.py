@@ -190,7 +190,7 @@ def config_from_meta(data: dict[str, Any], path: Path | str = "params.json", voc
         rms_norm_eps=_as_float(_get(data, "norm_eps", 1e-5), path, "norm_eps"),
         rope_theta=_as_float(_get(data, "rope_theta", 10000.0), path, "rope_theta"),
         rope_scaling=scaling, rope_layout=FORMATS["meta"].rope_layout,
-        max_position_embeddings=_as_int(_get(data, "max_seq_len", 4096), path, "max_seq_len"),
+        max_position_embeddings=_as_int(data.get("max_seq_len", 4096), path, "max_seq_len"),  # null: refused
     )
 
 

@@ -167,9 +167,9 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
         ck = read_checkpoint(source.path)
         cfg, state = ck.cfg, ck.state
     else:  # a preset or config: the seeded weights `export onnx` and `generate` would use
-        from .model import build_model
+        from .loading import load_model
 
-        model = build_model(source.cfg, seed=seed)
+        model = load_model(source.cfg, seed=seed)  # refuses a size it will not materialize
         cfg, state = model.cfg, dict(model.state_dict())
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight")

@@ -291,6 +291,15 @@ def _fsync_tree(path: Path) -> None:
         _fsync_path(path)
 
 
+def _umask_modes(tmp: Path) -> None:
+    """What third-party writers created in our temp (safetensors writes 0600) gets the umask's normal mode."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in [tmp, *tmp.rglob("*")] if tmp.is_dir() else [tmp]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
 def _keep_mode(tmp: Path, dest: Path) -> None:
     """Replacing a regular file keeps its permission bits (as `>` and editors do)."""
     with contextlib.suppress(FileNotFoundError):
@@ -376,6 +385,8 @@ def atomic_files(paths: Sequence[str | Path], *, report: Report | None = _stderr
         tmp = _new_temp(dests[-1], write, directory=True)  # named after the main file, written last
         yield tmp
         done = [(tmp / d.name, d) for d in dests if (tmp / d.name).exists()]
+        for src, _ in done:
+            _umask_modes(src)
         if fsync:
             for src, _ in done:
                 _fsync_path(src)
@@ -397,6 +408,7 @@ def atomic_dir(path: str | Path, *, report: Report | None = _stderr, fsync: bool
     with _guarded([dest], report) as write:
         tmp = _new_temp(dest, write, directory=True)
         yield tmp
+        _umask_modes(tmp)
         if fsync:
             _fsync_tree(tmp)
         with _no_interrupt():

@@ -115,8 +115,8 @@ def generate(model: Llama, prompt_ids: list[int], *, max_new_tokens: int, temper
         past = out.past_key_values
         phi = out.logits[0, -1].cpu()  # the last row of H: the next token's scores
         if not torch.isfinite(phi).all():
-            raise ValueError(f"the model's logits hold NaN or Inf at generated token {len(new)}: "
-                             f"its weights are broken (check them with count-params --check)")
+            raise ValueError(f"{model.cfg.source or model.cfg.name}: the model's logits hold NaN or Inf at "
+                             f"generated token {len(new)}: its weights are broken")
         tok = next_token(phi, torch.tensor(seq), temperature=temperature, repetition_penalty=repetition_penalty,
                          top_k=top_k, top_p=top_p, generator=generator)
         seq.append(tok)

@@ -1,0 +1,149 @@
+"""Prefill and decode on one GPU: onnxruntime CUDA with IOBinding vs numpy feeds vs eager PyTorch CUDA.
+
+    python benchmarks/bench_gpu.py [--layers 2] [--dtype float16] [--prompt 512] [--steps 64] [--batch 1]
+
+LLaMA-7B width (n2 4096, n7 11008, 32 heads, vocab 32000) with `--layers` decoders, seeded weights,
+exported once to a temp dir. Decode runs `--steps` greedy steps after a 128-token prefill, the cache fed
+back each step: as OrtValues on the GPU (IOBinding, `exporters.runtime.OnnxLM(io="device")`), as numpy
+(`io="numpy"`: the cache crosses to the host and back every step), and through PyTorch's own cache.
+Roofline for decode: a step must read every weight and the whole KV cache once, so
+bytes/step / seconds/step against the device-to-device copy bandwidth measured here.
+On a machine where onnxruntime cannot run CUDA it says why and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def copy_bandwidth(torch) -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write counted): the practical roofline."""
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - t)
+
+
+def timed(fn, repeat: int) -> float:
+    """Median seconds of fn() (fn synchronizes itself)."""
+    fn()  # warm-up: kernels, allocator
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--prompt", type=int, default=512, help="prefill length")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps after a 128-token prefill")
+    ap.add_argument("--batch", type=int, default=1)
+    args = ap.parse_args()
+
+    from llama_tools.exporters.runtime import OnnxLM, create_session, cuda_unusable
+
+    why = cuda_unusable()
+    import torch
+
+    if why is None and not torch.cuda.is_available():
+        why = "PyTorch has no CUDA here"
+    if why is not None:
+        print(f"bench_gpu: skipped: {why}")
+        return 0
+
+    import onnxruntime as ort
+
+    from llama_tools.exporters.onnx_export import export_onnx
+    from llama_tools.presets import get_preset
+    from llama_tools.model import build_model
+
+    cfg = get_preset("llama-7b").replace(num_hidden_layers=args.layers)
+    tdtype = getattr(torch, args.dtype)
+    model = build_model(cfg, dtype=tdtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        export_onnx(model, path, dtype=args.dtype)
+        session = create_session(path, "cuda")
+        bound = OnnxLM(session, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, io="device")
+        plain = OnnxLM(session, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, io="numpy")
+        model = model.cuda()
+        rng = np.random.default_rng(0)
+        b = args.batch
+
+        def ort_prefill(lm, n):
+            ids = rng.integers(3, cfg.vocab_size, (b, n))
+            mask = np.ones((b, n), np.int64)
+            return lm(ids, mask, np.tile(np.arange(n), (b, 1)), lm.empty_cache(b)), mask
+
+        def ort_decode(lm):
+            out, mask = ort_prefill(lm, 128)
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)  # [b, past + 1]
+                nxt = out.logits[:, -1].argmax(-1)[:, None]
+                out = lm(nxt, mask, mask.sum(-1, keepdims=True) - 1, out.cache)
+            return (time.perf_counter() - t) / args.steps
+
+        @torch.no_grad()
+        def torch_prefill(n):
+            ids = torch.randint(3, cfg.vocab_size, (b, n), device="cuda")
+            out = model(ids)
+            torch.cuda.synchronize()
+            return out
+
+        @torch.no_grad()
+        def torch_decode():
+            out = torch_prefill(128)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                nxt = out.logits[:, -1].argmax(-1)[:, None]
+                out = model(nxt, past_key_values=out.past_key_values)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t) / args.steps
+
+        n = args.prompt
+        rows = {
+            "onnxruntime CUDA, IOBinding": (timed(lambda: ort_prefill(bound, n), 5), np.median(
+                [ort_decode(bound) for _ in range(3)])),
+            "onnxruntime CUDA, numpy feeds": (timed(lambda: ort_prefill(plain, n), 5), np.median(
+                [ort_decode(plain) for _ in range(3)])),
+            "PyTorch eager CUDA": (timed(lambda: torch_prefill(n), 5), np.median([torch_decode() for _ in range(3)])),
+        }
+        bw = copy_bandwidth(torch)
+    item = torch.finfo(tdtype).bits // 8
+    kv_bytes = 2 * cfg.num_hidden_layers * b * cfg.num_key_value_heads * (128 + args.steps // 2) * cfg.head_dim * item
+    step_bytes = weight_bytes + kv_bytes  # every weight and (on average) half-grown cache, read once per step
+    print(f"device: {torch.cuda.get_device_name(0)}; onnxruntime {ort.__version__}, torch {torch.__version__}; "
+          f"provider options {session.options}")
+    print(f"LLaMA-7B width, {args.layers} layers, {args.dtype}, weights {weight_bytes / 2**30:.2f} GiB; "
+          f"batch {b}; prefill {n} tokens; decode {args.steps} steps after 128; "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    eager_p, eager_d = rows["PyTorch eager CUDA"]
+    print(f"{'path':<32} {'prefill ms':>10} {'tok/s':>9} {'vs eager':>8} {'decode ms':>10} {'vs eager':>8} "
+          f"{'% roofline':>10}")
+    for name, (p, d) in rows.items():
+        print(f"{name:<32} {p * 1e3:>10.2f} {b * n / p:>9.0f} {eager_p / p:>7.2f}x {d * 1e3:>10.3f} "
+              f"{eager_d / d:>7.2f}x {100 * step_bytes / d / bw:>9.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Shared pytest setup: the `gpu` marker, skipped with a reason where onnxruntime cannot run CUDA.
+
+GPU tests and the GPU benchmark, on a machine with onnxruntime-gpu and a GPU:
+    python -m pytest -m gpu -q && python benchmarks/bench_gpu.py
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs onnxruntime's CUDA provider on a real GPU (skipped elsewhere)")
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_unusable_reason() -> str | None:
+    """None when an onnxruntime session really runs on CUDA here, else why not (one line)."""
+    from llama_tools.exporters.runtime import cuda_unusable
+
+    return cuda_unusable()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    reason = cuda_unusable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"CUDA not usable in onnxruntime: {reason}")
+    for item in gpu_items:
+        item.add_marker(skip)

@@ -1,0 +1,141 @@
+"""Streaming save: the same file contents and onnxruntime outputs as `ir.save`, one tensor in memory at a time.
+
+The model to save is caught where export_onnx hands it to its own saver, which writes the reference file
+first; the streamed copies are then compared with it tensor by tensor and run side by side.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import numpy_helper
+
+import llama_tools.exporters.onnx_export as ox
+from llama_tools.exporters.onnx_save import save_model
+from llama_tools.presets import get_preset
+from llama_tools.model import build_model, rope_cache
+
+TINY = get_preset("tiny").replace(num_hidden_layers=1)  # one layer: quicker to trace
+
+
+def export_and_catch(directory, dtype="float32"):
+    """export_onnx's file (the old path) and the ir.Model it saved, for saving again."""
+    caught = {}
+    real = ox.save_model
+
+    def catch(model, output, *args):
+        out = real(model, output, *args)
+        caught["model"] = model
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ox, "save_model", catch)
+        res = ox.export_onnx(build_model(TINY), directory / "old.onnx", dtype=dtype)
+    return res.path, caught["model"]
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    return export_and_catch(tmp_path_factory.mktemp("fp32"))
+
+
+@pytest.fixture(scope="module")
+def small(fp32):
+    """The old path's file, to load back with ir.load (onnx_ir tensors, not torch ones)."""
+    return fp32[0]
+
+
+def tensors(path) -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+
+
+def run(path) -> list[np.ndarray]:
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ids = np.array([[1, 17, 300, 5], [2, 450, 29, 8]], np.int64)
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.tile(np.arange(4), (2, 1))}
+    for i in range(TINY.num_hidden_layers):
+        for k in ("key", "value"):
+            feed[f"past_key_values.{i}.{k}"] = np.zeros((2, TINY.num_key_value_heads, 0, TINY.head_dim), np.float32)
+    return sess.run(None, feed)
+
+
+def test_same_weights_and_outputs_bit_for_bit(tmp_path, fp32):
+    old, model = fp32
+    want, want_out = tensors(old), run(old)
+    for external in (False, True):  # single file first: it leaves the model as it was
+        saved = save_model(model, tmp_path / str(external), "model.onnx", external=external)
+        assert (saved.external_data is not None) == external
+        if external:
+            assert saved.external_data.stat().st_size == saved.data_bytes == sum(
+                a.nbytes for a in want.values() if a.nbytes >= 1024)  # small ones stay inline
+            assert saved.path.stat().st_size < saved.weight_bytes / 10  # the graph alone
+        else:
+            assert saved.path.stat().st_size > saved.weight_bytes
+        got = tensors(saved.path)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
+            assert got[name].tobytes() == want[name].tobytes(), name
+        for a, b in zip(want_out, run(saved.path)):
+            np.testing.assert_array_equal(a, b)
+        meta = {p.key: p.value for p in onnx.load(str(saved.path), load_external_data=False).metadata_props}
+        assert meta["llama_tools.dtype"] == "float32"  # metadata and functions travel with the graph
+    assert any(np.abs(a).max() > 0 for a in want_out)
+
+
+def test_auto_picks_external_data_above_the_threshold(tmp_path, small):
+    model = ir.load(str(small))
+    assert save_model(model, tmp_path / "a", single_file_max_bytes=10**9).external_data is None
+    model = ir.load(str(tmp_path / "a" / "model.onnx"))
+    assert save_model(model, tmp_path / "b", single_file_max_bytes=10**5).external_data is not None
+
+
+def test_a_source_streams_weights_cast_per_tensor(tmp_path):
+    """fp32 weights handed over one at a time into an fp16 graph: the bytes of the old fp16 export."""
+    old, model = export_and_catch(tmp_path, dtype="float16")
+    state = build_model(TINY).state_dict()  # fp32, the same seeded weights
+    cos, sin = rope_cache(TINY)
+    state.update(cos_cache=cos, sin_cache=sin)
+    for v in model.graph.initializers.values():
+        if v.name in state:
+            v.const_value = None  # as if never loaded: only the source has the data
+    handed: list[weakref.ref] = []
+    alive_at_fetch = []
+
+    def source(name):
+        gc.collect()
+        alive_at_fetch.append(sum(r() is not None for r in handed))
+        if name not in state:
+            return None
+        t = state[name].clone()  # a fresh copy per tensor, as a memory-mapped read would be
+        if t.nbytes >= 1024:  # smaller ones stay inline in the graph
+            handed.append(weakref.ref(t))
+        return t
+
+    saved = save_model(model, tmp_path / "new", "model.onnx", source=source, external=True)
+    assert max(alive_at_fetch) == 0  # each handed tensor was freed before the next was asked for
+    want, got = tensors(old), tensors(saved.path)
+    assert got["model.layers.0.mlp.up_proj.weight"].dtype == np.float16 and got["cos_cache"].dtype == np.float32
+    for name in want:
+        assert got[name].tobytes() == want[name].tobytes(), name
+
+
+def test_missing_data_is_named(tmp_path, small):
+    model = ir.load(str(small))
+    model.graph.initializers["model.norm.weight"].const_value = None
+    with pytest.raises(ValueError, match="'model.norm.weight' has no data"):
+        save_model(model, tmp_path / "new", external=True)
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused(tmp_path, small):
+    model = ir.load(str(small))
+    with pytest.raises(AssertionError, match="model.norm.weight: tensor \\[3\\]"):
+        save_model(model, tmp_path / "new", external=True,
+                   source=lambda name: torch.ones(3) if name == "model.norm.weight" else None)
