@@ -33,10 +33,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from exporters.genai import write_client_files
-from exporters.onnx_export import export_onnx
-from exporters.quantize import measure_quant_parity, quantize_int4
-from llama_tools.config import ModelConfig, get_preset
+from llama_tools.exporters.genai import write_client_files
+from llama_tools.exporters.onnx_export import export_onnx
+from llama_tools.exporters.quantize import measure_quant_parity, quantize_int4
+from llama_tools.config import ModelConfig
+from llama_tools.presets import get_preset
 from llama_tools.model import build_model
 
 
@@ -127,7 +128,7 @@ def time_genai(v: Variant, cfg: ModelConfig, prompt_len: int, new: int) -> None:
 
 def graph_kl(reference: Path, quantized: Path, cfg: ModelConfig, n: int = 40) -> float:
     """Mean KL(reference graph || quantized graph) over one prefill of n seeded ids, both on onnxruntime."""
-    from exporters.quantize import kl_and_ppl
+    from llama_tools.exporters.quantize import kl_and_ppl
 
     ids = np.random.default_rng(2).integers(3, cfg.vocab_size, size=n)
     logits = []
@@ -198,20 +199,20 @@ def main() -> None:
             return v
 
         t = time.perf_counter()
-        export_onnx(model, tmp / "plain/model.onnx", quiet=True)
+        export_onnx(model, tmp / "plain/model.onnx")
         add("plain", tmp / "plain/model.onnx", t)
         fused = None
         try:
-            from exporters.fused import export_fused
+            from llama_tools.exporters.fused import export_fused
         except ImportError:
             print("exporters.fused not available: no fused rows")
         else:
             t = time.perf_counter()
-            export_fused(model, tmp / "fused/model.onnx", quiet=True)
+            export_fused(model, tmp / "fused/model.onnx")
             fused = add("fused", tmp / "fused/model.onnx", t)
             if og is not None and not args.no_genai:
                 t = time.perf_counter()
-                export_fused(model, tmp / "static/model.onnx", static_kv=args.prefill + args.genai_new, quiet=True)
+                export_fused(model, tmp / "static/model.onnx", static_kv=args.prefill + args.genai_new)
                 add("fused static KV", tmp / "static/model.onnx", t, "genai share_buffer", genai_only=True)
         base = fused.path if fused else tmp / "plain/model.onnx"
         t = time.perf_counter()
@@ -224,7 +225,7 @@ def main() -> None:
         if og is not None and not args.no_builder:
             import json
 
-            from exporters.genai import sentencepiece_to_tokenizer_json
+            from llama_tools.exporters.genai import sentencepiece_to_tokenizer_json
             from llama_tools.convert import save_checkpoint
             from llama_tools.tokenizer import train_tiny_tokenizer
 
@@ -264,7 +265,7 @@ def main() -> None:
 
             with torch.no_grad():
                 model.model.norm.weight.mul_(10.0)
-            export_fused(model, tmp / "decisive/model.onnx", quiet=True)
+            export_fused(model, tmp / "decisive/model.onnx")
             quantize_int4(tmp / "decisive/model.onnx", tmp / "decisive/int4.onnx")
             parity["int4 (sym), final norm x10"] = measure_quant_parity(tmp / "decisive/int4.onnx", model, steps=32)
 

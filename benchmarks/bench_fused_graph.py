@@ -30,9 +30,11 @@ from typing import Callable
 import numpy as np
 import onnxruntime as ort
 
-from exporters.fused import StaticKVSession, export_fused
-from exporters.onnx_export import export_onnx, io_names
-from llama_tools.config import ModelConfig, get_preset
+from llama_tools.exporters.fused import StaticKVSession, export_fused
+from llama_tools.exporters.graph_io import io_names
+from llama_tools.exporters.onnx_export import export_onnx
+from llama_tools.config import ModelConfig
+from llama_tools.presets import get_preset
 
 MODELS: dict[str, Callable[[], ModelConfig]] = {
     "tiny": lambda: get_preset("tiny"),
@@ -98,12 +100,12 @@ def measure(cfg: ModelConfig, *, threads: int = 2, seq: int = 128, rounds: int =
         slots = seq + 8
         made = []
         t = time.perf_counter()
-        plain = export_onnx(cfg, tmp / "plain.onnx", seed=seed, quiet=True)
+        plain = export_onnx(cfg, tmp / "plain.onnx", seed=seed)
         made.append(("plain", plain.path, plain.bytes, time.perf_counter() - t, None))
         for name, kw in (("fused", {}), ("fused contrib-rope", {"rope_op": "contrib"}),
                          ("fused static (IOBinding)", {"static_kv": slots})):
             t = time.perf_counter()
-            res = export_fused(cfg, tmp / f"{name.split()[0]}-{len(made)}.onnx", seed=seed, quiet=True, **kw)
+            res = export_fused(cfg, tmp / f"{name.split()[0]}-{len(made)}.onnx", seed=seed, **kw)
             made.append((name, res.path, res.bytes, time.perf_counter() - t, kw.get("static_kv")))
         say(f"exported {len(made)} graphs")
         runners = []

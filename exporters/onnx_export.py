@@ -33,6 +33,7 @@ from llama_tools.loading import load_model
 from llama_tools.model import Llama, rope_cache, tie_weights
 from llama_tools.progress import Progress, silent
 from llama_tools.source import ModelSource, resolve
+from llama_tools.weights import weight_specs
 
 from . import onnx_save, rope_ops
 from .graph_io import ATTENTION_MASK, io_names
@@ -287,10 +288,19 @@ def set_metadata(model: ir.Model, cfg: ModelConfig, rope_op: str, dtype: str, so
     })
 
 
-def save_model(model: ir.Model, output: Path, threshold: int, check: bool, progress: Progress) -> Path | None:
+def _value_bytes(v: ir.Value) -> int:
+    """An initializer's bytes, from its declared type and shape (its data may not be loaded yet)."""
+    import math
+
+    assert v.type is not None and v.shape is not None, f"initializer {v.name} without type or shape"
+    return math.prod(int(d) for d in v.shape) * v.type.dtype.itemsize
+
+
+def save_model(model: ir.Model, output: Path, threshold: int, check: bool, progress: Progress,
+               source: onnx_save.Source | None = None) -> Path | None:
     """Write OUT (and OUT.data) in a temp dir beside OUT, then rename: a killed export leaves no OUT."""  # noqa: D401
     data_name = output.name + ".data"
-    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    weight_bytes = sum(_value_bytes(v) for v in model.graph.initializers.values())
     external = weight_bytes > threshold
     if external and output.exists() and not output.is_file():
         raise ValueError(f"{output}: not a regular file, and the weights ({weight_bytes:,} bytes) need an "
@@ -298,7 +308,7 @@ def save_model(model: ir.Model, output: Path, threshold: int, check: bool, progr
     # Both files appear together (the data first), or neither; a kill leaves none of ours behind. The
     # weights stream into the .data file one tensor at a time, and the check reads none of them (onnx_save).
     with files.atomic_files([output.parent / data_name, output]) as tmp:
-        onnx_save.save_model(model, tmp, output.name, external=external, check=check,
+        onnx_save.save_model(model, tmp, output.name, external=external, check=check, source=source,
                              callback=lambda done, total: progress(done, total, "weights written"))
     if not external and (output.parent / data_name).is_file():
         (output.parent / data_name).unlink()  # a previous export's weights, now stale
@@ -330,17 +340,38 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     if isinstance(source, (str, Path)):
         source = resolve(source)
     torch_dtype = dtypes.to_torch(dt.name)
-    weights = real_weights(source, torch_dtype, seed, progress)
+    streamed = isinstance(source, ModelSource) and source.weights is not None
+    if streamed:  # a checkpoint: each weight is read from its file when it is written, one at a time
+        from llama_tools.reference import CheckpointReader
+
+        assert isinstance(source, ModelSource) and source.path is not None, "a checkpoint source has a path"
+        reader = CheckpointReader(source.path)
+        weights = Weights({}, reader.cfg, sum(s.numel for s in weight_specs(reader.cfg)), source.label, None)
+    else:
+        weights = real_weights(source, torch_dtype, seed, progress)
     cfg, state = weights.cfg, weights.state
     say(f"tracing {cfg.name} ({cfg.num_hidden_layers} layers, {dt.name}, rope_op={rope_op})")
     program = _trace(cfg, torch_dtype, rope_op, opset)
     graph = program.model
     hidden = _optimize(graph)
+    tables: dict[str, torch.Tensor] = {}
     if cfg.position_encoding == "rope":
         cos, sin = rope_cache(cfg)
-        state = {**state, "cos_cache": cos.to(_table_dtype(torch_dtype, rope_op)),
-                 "sin_cache": sin.to(_table_dtype(torch_dtype, rope_op))}
-    _apply_weights(program, hidden, state)
+        tables = {"cos_cache": cos.to(_table_dtype(torch_dtype, rope_op)),
+                  "sin_cache": sin.to(_table_dtype(torch_dtype, rope_op))}
+    lazy = None
+    if streamed:
+        alias = {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_word_embeddings else {}
+        names = {alias.get(v.name, v.name) for v in hidden}
+        assert names <= set(reader.where) | set(tables), f"initializers the checkpoint lacks: {names - set(reader.where)}"
+
+        def lazy(name: str) -> torch.Tensor:
+            if name in tables:
+                return tables[name]
+            name = alias.get(name, name)
+            return reader.read([name])[name]
+    else:
+        _apply_weights(program, hidden, {**state, **tables})
     _attach_rope_function(graph, rope_op, opset)
     rope_nodes = _name_nodes(graph)
     _name_dims(graph)
@@ -348,7 +379,7 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
         f"{rope_nodes} RoPE nodes for {cfg.num_hidden_layers} layers")
     set_metadata(graph, cfg, rope_op, dt.name, weights.source, weights.seed)
     say(f"writing {output}")
-    data = save_model(graph, output, external_data_threshold_bytes, check, progress)
+    data = save_model(graph, output, external_data_threshold_bytes, check, progress, source=lazy)
     size = output.stat().st_size + (data.stat().st_size if data else 0)
     return ExportResult(
         path=output, external_data=data, bytes=size, params=weights.params, num_nodes=len(graph.graph),

@@ -93,6 +93,13 @@ def resolve_target(target: str | None, source: str | None) -> ParityTarget:
     return ParityTarget(Path(target), meta, src, meta.seed or 0)
 
 
+def is_int4(onnx_path: Path) -> bool:
+    """Whether a graph holds onnxruntime's weight-only int4 MatMulNBits (read without its weights)."""
+    import onnx
+
+    return any(n.op_type == "MatMulNBits" for n in onnx.load(str(onnx_path), load_external_data=False).graph.node)
+
+
 def check_inputs(prompts: list[list[int]], steps: int, cfg: ModelConfig) -> None:
     """Cheap checks before any export or session: ids in the vocabulary, prompt + steps within the context."""
     if steps < 0:
@@ -113,6 +120,9 @@ def verify_parity(target: ParityTarget, *, prompts: list[list[int]] | None = Non
     """Export on the fly when the target is a MODEL, then compare; see the module docstring for the checks."""
     cfg = target.meta.config if target.meta is not None else target.source.cfg
     check_inputs(prompts or [], steps, cfg)
+    if target.onnx_path is not None and is_int4(target.onnx_path):
+        raise ValueError(f"{target.onnx_path}: weight-only int4 (MatMulNBits): fp32 tolerances do not apply to it; "
+                         f"measure it with `llama-tools verify int4 {target.onnx_path}` (top-1, KL, perplexity)")
     if target.onnx_path is not None:
         return _verify(target.onnx_path, target, prompts, provider, steps, tf32, tolerance, progress)
     with tempfile.TemporaryDirectory(prefix="llama-tools-parity-") as tmp:

@@ -480,6 +480,40 @@ def parity_rows(rep: Any, all_layers: bool = False) -> list[dict[str, Any]]:
     return rows
 
 
+@verify.command("int4")
+@click.argument("target", type=click.Path(path_type=Path))
+@click.option("--source", type=ModelArg(weights_required_in_dir=True), default=None,
+              help="The fp32 PyTorch side [default: the source in the file's metadata].")
+@click.option("--steps", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Greedy decode steps for the top-1 agreement.")
+@output_options(("table", "json"))
+def verify_int4(target: Path, source: Any, steps: int, fmt: str) -> None:
+    """An int4 graph (export --quantize int4) against the fp32 model: top-1, KL and perplexity, never fp32 bounds.
+
+    Exit 0 when it meets its own stated thresholds (faithful), 1 otherwise.
+    """
+    from .exporters.quantize import measure_quant_parity
+    from .loading import load_model
+
+    reference = load_model(source) if source is not None else None
+    rep = measure_quant_parity(target, reference, steps=steps)
+    t = rep.thresholds
+    rows = [("top-1 agreement (teacher-forced)", f"{rep.top1_agreement:.1%}", f">= {t.min_top1:.0%}"),
+            ("own greedy tokens equal fp32's", f"{rep.free_run_same}/{rep.steps} steps", ""),
+            ("mean KL(fp32 || int4)", f"{rep.mean_kl:.4f} nats", f"<= {t.max_mean_kl} nats"),
+            ("max KL", f"{rep.max_kl:.4f} nats", ""),
+            ("perplexity fp32 -> int4", f"{rep.ppl_reference:.3f} -> {rep.ppl_int4:.3f} ({rep.ppl_change:+.1%})",
+             f"within +/-{t.max_ppl_change:.0%}"),
+            ("max |logit error| (scale only)", f"{rep.max_abs_logit_error:.3g}", "no fp32 bound applies")]
+    if fmt == "json":
+        click.echo(render([], "json", json_payload=rep.to_dict()))
+    else:
+        click.echo(render([{"measure": a, "value": b, "threshold": c} for a, b, c in rows], "table", numparse=False))
+        click.echo("FAITHFUL" if rep.faithful else f"NOT FAITHFUL: {'; '.join(rep.failures)}")
+    if not rep.faithful:
+        sys.exit(1)
+
+
 def main() -> None:
     with cleanup_on_signals():  # SIGTERM / SIGINT anywhere: finally blocks run, temp files go
         cli(prog_name="llama-tools")

@@ -117,7 +117,7 @@ def test_one_layer_resident_at_a_time(tmp_path):
 
     reader.read = watched
     calls = []
-    streamed.progress = lambda done, total: calls.append((done, total))
+    streamed.progress = lambda done, total, what: calls.append((done, total))
     run_both(load_model(d), streamed, steps=1)
     assert max(biggest) <= 1  # at most the final norm (kept across passes); never a previous layer
     assert calls == [(1, 2), (2, 2)] * 2
