@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -66,18 +65,14 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
                   else export_onnx(source, output, say=say, **kwargs))
         quantized = None
     else:
-        # The full-precision graph goes to a temp dir of ours beside OUTPUT (a kill leaves it for the next
-        # run to clean up), then onnxruntime's quantizer writes OUTPUT from it.
-        tmp = files.temp_path(output)
-        tmp.mkdir()
-        try:
+        # The full-precision graph goes to a scratch dir of ours beside OUTPUT (removed at the end, or by the
+        # next run after a kill), then onnxruntime's quantizer writes OUTPUT from it.
+        with files.scratch_dir(output) as tmp:
             full = tmp / output.name
             result = (export_fused(source, full, static_kv=static_kv or False, **kwargs) if graph == "fused"
                       else export_onnx(source, full, say=say, **kwargs))
             say("quantizing to int4 (onnxruntime MatMulNBits)")
             quantized = quantize_int4(full, output)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     clients = None
     if client_files:
         if not output.is_file():  # a device or FIFO was written through: there is no directory of ours

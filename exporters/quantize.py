@@ -17,6 +17,7 @@ thresholds of `QuantThresholds` (see there for why those numbers).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -140,6 +141,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     quantizer = MatMulNBitsQuantizer(model, block_size=block_size, is_symmetric=symmetric,
                                      accuracy_level=accuracy_level, nodes_to_exclude=list(exclude),
                                      algo_config=config)
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node
     quantizer.process()
     qmodel = quantizer.model.model  # onnx.ModelProto
     quantized = sum(n.op_type == "MatMulNBits" for n in qmodel.graph.node)

@@ -420,6 +420,20 @@ def atomic_dir(path: str | Path, *, report: Report | None = _stderr, fsync: bool
             _fsync_path(dest.parent)
 
 
+@contextlib.contextmanager
+def scratch_dir(beside: str | Path, *, report: Report | None = _stderr) -> Iterator[Path]:
+    """A temp dir of ours beside `beside` for intermediate files, removed when the block ends (or on a signal);
+    parents it had to make are removed again if the block fails. Stale ones of killed runs go as usual."""
+    dest = check_output_path(beside)
+    with _guarded([dest], report) as write:
+        tmp = _new_temp(dest, write, directory=True)
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            write.temps.remove(tmp)
+
+
 def write_chunks(path: str | Path, chunks: Iterable[bytes | str], *, report: Report | None = _stderr,
                  fsync: bool = True) -> Path:
     """Write an iterable of bytes (or UTF-8 text) to `path` atomically, one chunk in memory at a time."""
