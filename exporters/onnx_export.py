@@ -365,11 +365,12 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
         names = {alias.get(v.name, v.name) for v in hidden}
         assert names <= set(reader.where) | set(tables), f"initializers the checkpoint lacks: {names - set(reader.where)}"
 
-        def lazy(name: str) -> torch.Tensor:
+        def lazy(name: str) -> torch.Tensor | None:
+            """A weight from the checkpoint, a RoPE table, or None: a constant the exporter made (its own data)."""
             if name in tables:
                 return tables[name]
             name = alias.get(name, name)
-            return reader.read([name])[name]
+            return reader.read([name])[name] if name in reader.where else None
     else:
         _apply_weights(program, hidden, {**state, **tables})
     _attach_rope_function(graph, rope_op, opset)

@@ -30,8 +30,8 @@ def export_and_catch(directory, dtype="float32"):
     caught = {}
     real = ox.save_model
 
-    def catch(model, output, *args):
-        out = real(model, output, *args)
+    def catch(model, output, *args, **kwargs):
+        out = real(model, output, *args, **kwargs)
         caught["model"] = model
         return out
 
