@@ -49,6 +49,7 @@ from llama_tools import dtypes, files
 from llama_tools.config import ModelConfig
 from llama_tools.model import rope_cache
 from llama_tools.progress import Progress, silent
+from llama_tools.rope import INTERLEAVED
 from llama_tools.source import resolve
 
 from . import rope_ops
@@ -262,14 +263,14 @@ def _layer(g: _Graph, cfg: ModelConfig, state: dict[str, torch.Tensor], j: int, 
     qkv = matmul("self_attn/qkv_proj", zbar, w, b)  # [b, s, q + 2 kv]
     split = g.const(f"{attn}/qkv_split", [cfg.q_size, cfg.kv_size, cfg.kv_size], i64)
     q, k, v = g.op(attn, "Split", [qkv, split], {"axis": -1}, outputs=3)  # [b, s, q], [b, s, kv], [b, s, kv]
-    interleaved = int(cfg.rope_layout == "interleaved")
+    interleaved = int(cfg.rope_layout == INTERLEAVED)
     rotated = []
     for which, x, heads in (("q", q, nq), ("k", k, nkv)):
         if rope_op == rope_ops.OURS.name:
-            attrs = {"interleaved": interleaved, "num_heads": heads}
+            attrs = {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads}
             domain = rope_ops.DOMAIN
         else:  # ORT's op takes the same 3-D [b, s, heads * head_dim] with num_heads
-            attrs = {"interleaved": interleaved, "num_heads": heads, "rotary_embedding_dim": cfg.head_dim}
+            attrs = {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads, "rotary_embedding_dim": cfg.head_dim}
             domain = "com.microsoft"
         rotated.append(g.op(attn, rope_ops.OP_TYPE, [x, position_ids, cos_cache, sin_cache], attrs, domain=domain,
                             name=f"rope_{which}"))

@@ -26,6 +26,8 @@ import onnx
 import onnx_ir as ir
 import torch
 
+from llama_tools import dtypes
+
 # Below this many bytes of weights one self-contained file is fine: its in-memory copy stays small.
 SINGLE_FILE_MAX_BYTES = 256 * 2**20
 INLINE_MAX_BYTES = 1024  # shape constants and other small initializers stay inside the proto
@@ -58,7 +60,7 @@ def _as_torch(data: Any, v: ir.Value) -> torch.Tensor:
         with warnings.catch_warnings():  # a read-only (memory-mapped) array: we only read it
             warnings.simplefilter("ignore", UserWarning)
             # numpy has no bf16: onnx_ir hands out ml_dtypes.bfloat16 arrays; torch takes their bits
-            t = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if arr.dtype.name == "bfloat16" \
+            t = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if arr.dtype.name == dtypes.BFLOAT16.name \
                 else torch.from_numpy(arr)
     want = _TORCH_DTYPES.get(v.dtype)
     assert want is not None, f"{v.name}: no torch dtype for {v.dtype}"

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # onnx and torch load inside the functions: the CLI reads ROP
 DOMAIN = "llama_tools"
 OP_TYPE = "RotaryEmbedding"
 VERSION = 1
+ATTR_INTERLEAVED = "interleaved"  # the attribute that picks the channel pairs, in all three ops
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def our_schema() -> "onnx.defs.OpSchema":
         "[batch, seq, num_heads * head_dim] instead, as a packed projection leaves it.",
         [("x", "T"), ("position_ids", "tensor(int64)"), ("cos_cache", "tensor(float)"), ("sin_cache", "tensor(float)")],
         ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"],
-        [("interleaved", True), ("num_heads", False)],
+        [(ATTR_INTERLEAVED, True), ("num_heads", False)],
     )
 
 
@@ -86,7 +87,7 @@ def ort_schema() -> "onnx.defs.OpSchema":
         OP_TYPE, "com.microsoft", "onnxruntime's fused RotaryEmbedding (contrib op)",
         [("input", "T"), ("position_ids", "tensor(int64)"), ("cos_cache", "T"), ("sin_cache", "T")],
         ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"],
-        [("interleaved", False), ("is_packed_batching", False), ("num_heads", False), ("rotary_embedding_dim", False)],
+        [(ATTR_INTERLEAVED, False), ("is_packed_batching", False), ("num_heads", False), ("rotary_embedding_dim", False)],
     )
 
 

@@ -26,16 +26,21 @@ from typing import Any, Union
 
 import numpy as np
 
+from llama_tools import dtypes
+
+from .graph_io import LOGITS, past_name, present_name
+
 PROVIDERS = ("auto", "cpu", "cuda")
 IO_MODES = ("device", "numpy")
 _ORT = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # ONNX element type of the graph's float inputs -> numpy dtype to feed (bf16: float32 in, bits on the wire).
-_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-          "tensor(bfloat16)": np.float32}
-_ONNX_TYPE = {"tensor(float)": 1, "tensor(float16)": 10, "tensor(double)": 11, "tensor(bfloat16)": 16}
-BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
-_DTYPE_NAME = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
-               "tensor(double)": "float64"}
+BFLOAT16 = dtypes.BFLOAT16.onnx  # onnx.TensorProto.BFLOAT16
+
+
+def _numpy(onnx_type: str) -> Any:
+    """What a host array of the graph's element type is held in (bf16: float32, converted to bits on the wire)."""
+    d = dtypes.from_onnx_type_string(onnx_type)
+    return np.float32 if d is dtypes.BFLOAT16 else np.dtype(d.numpy)
 
 
 def onnxruntime() -> Any:
@@ -91,7 +96,7 @@ def numpy_to_ortvalue(x: np.ndarray, onnx_type: str, device: str = "cpu", device
         dev = ort.OrtValue.ortvalue_from_shape_and_type(list(x.shape), BFLOAT16, device, device_id)
         dev.update_inplace(host)  # host -> device copy
         return dev
-    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(x, dtype=_NUMPY[onnx_type]), device, device_id)
+    return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(x, dtype=_numpy(onnx_type)), device, device_id)
 
 
 # --- Sessions ------------------------------------------------------------------------------------------
@@ -135,8 +140,8 @@ def _graph_dtype(path: str) -> str:
         import onnx
 
         graph = onnx.load(path, load_external_data=False).graph
-        elem = next(i.type.tensor_type.elem_type for i in graph.input if i.name == "past_key_values.0.key")
-        return onnx.helper.tensor_dtype_to_np_dtype(elem).name if elem != BFLOAT16 else "bfloat16"
+        elem = next(i.type.tensor_type.elem_type for i in graph.input if i.name == past_name(0, "key"))
+        return dtypes.from_onnx(elem).name
     except Exception:  # noqa: BLE001  (only used to word an error)
         return "this"
 
@@ -276,10 +281,10 @@ class OnnxLM:
         self.sess = session.session
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         types = {i.name: i.type for i in self.sess.get_inputs()}
-        assert "past_key_values.0.key" in types, f"not a llama-tools decoder graph: inputs {sorted(types)}"
-        self.onnx_type = types["past_key_values.0.key"]
-        self.dtype = _DTYPE_NAME[self.onnx_type]
-        self.cache_dtype = _NUMPY[self.onnx_type]  # what numpy caches hold (float32 for bf16)
+        assert past_name(0, "key") in types, f"not a llama-tools decoder graph: inputs {sorted(types)}"
+        self.onnx_type = types[past_name(0, "key")]
+        self.dtype = dtypes.from_onnx_type_string(self.onnx_type).name
+        self.cache_dtype = _numpy(self.onnx_type)  # what numpy caches hold (float32 for bf16)
         self.input_names = set(types)
         self.output_names = [o.name for o in self.sess.get_outputs()]
         # numpy cannot carry bf16 through session.run: a bf16 graph always goes through IOBinding.
@@ -296,7 +301,7 @@ class OnnxLM:
         ort = onnxruntime()
 
         def empty() -> Any:
-            return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), _ONNX_TYPE[self.onnx_type], self.device,
+            return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtypes.from_onnx_type_string(self.onnx_type).onnx, self.device,
                                                              self.device_id)
         return DeviceCache([(empty(), empty()) for _ in range(self.num_layers)])
 
@@ -321,11 +326,11 @@ class OnnxLM:
         host = past.to_numpy() if isinstance(past, DeviceCache) else past
         feed = dict(feed)
         for i, (k, v) in enumerate(host):
-            feed[f"past_key_values.{i}.key"] = k.astype(self.cache_dtype, copy=False)
-            feed[f"past_key_values.{i}.value"] = v.astype(self.cache_dtype, copy=False)
+            feed[past_name(i, "key")] = k.astype(self.cache_dtype, copy=False)
+            feed[past_name(i, "value")] = v.astype(self.cache_dtype, copy=False)
         out = dict(zip(self.output_names, self.sess.run(None, feed)))
-        presents = [(out[f"present.{i}.key"], out[f"present.{i}.value"]) for i in range(self.num_layers)]
-        return StepOutput(out["logits"], presents)
+        presents = [(out[present_name(i, "key")], out[present_name(i, "value")]) for i in range(self.num_layers)]
+        return StepOutput(out[LOGITS], presents)
 
     def _run_bound(self, feed: dict[str, np.ndarray], past: Cache) -> StepOutput:
         binding = self.sess.io_binding()
@@ -335,15 +340,16 @@ class OnnxLM:
             for what, t in (("key", k), ("value", v)):
                 if isinstance(t, np.ndarray):
                     t = numpy_to_ortvalue(t, self.onnx_type, self.device, self.device_id)  # uploaded once
-                binding.bind_ortvalue_input(f"past_key_values.{i}.{what}", t)
-        binding.bind_output("logits", "cpu")  # the logits come back to the host every step
+                binding.bind_ortvalue_input(past_name(i, what), t)
+        binding.bind_output(LOGITS, "cpu")  # the logits come back to the host every step
         for i in range(self.num_layers):
             for what in ("key", "value"):
-                binding.bind_output(f"present.{i}.{what}", self.device, self.device_id)  # stays where written
+                binding.bind_output(present_name(i, what), self.device, self.device_id)  # stays where written
         self.sess.run_with_iobinding(binding)
         outs = dict(zip(self.output_names, binding.get_outputs()))
-        cache = DeviceCache([(outs[f"present.{i}.key"], outs[f"present.{i}.value"]) for i in range(self.num_layers)])
-        return StepOutput(ortvalue_to_numpy(outs["logits"]), cache)
+        cache = DeviceCache([(outs[present_name(i, "key")], outs[present_name(i, "value")])
+                             for i in range(self.num_layers)])
+        return StepOutput(ortvalue_to_numpy(outs[LOGITS]), cache)
 
 
 def cuda_unusable() -> str | None:
