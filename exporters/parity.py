@@ -50,6 +50,9 @@ class ParityReport:
     seconds: float
     notes: list[str] = field(default_factory=list)
     export_seconds: float | None = None  # when the target was a model exported on the fly
+    # Where the time went: session creation, reference load, onnxruntime and reference forward passes
+    # (prefill and decode), and for a streamed reference the part spent reading weights from disk.
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -147,12 +150,15 @@ def _verify(onnx_path: Path, target: ParityTarget, prompts: list[list[int]] | No
     assert meta is not None, "the graph's metadata is read before it is run"
     cfg = meta.config
     prompts = prompts or default_prompts(cfg.vocab_size, meta.seed)
+    clock = _Clock()
     run = create_session(onnx_path, provider, tf32=tf32)
+    clock.lap("session")
     onnx_lm = OnnxLM(run, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
     session_bytes = _weight_bytes(onnx_path) if run.provider == "cpu" else 0  # the session's copy is in host RAM
     # A checkpoint's reference streams one fp32 layer at a time; refused up front when even that will not fit.
     ref_model = reference_model(target.source, seed=target.seed, progress=progress, batch=len(prompts),
                                 seq=max(map(len, prompts)), steps=steps, extra_bytes=session_bytes)
+    clock.lap("reference load")
     tol = tolerance or TOLERANCES[(meta.dtype, _tolerance_key(meta.dtype, run.provider, run.options))]
     # The K cache holds q/k rows in the weights' RoPE layout: compare the graph's in the reference's order.
     k_order = _channel_order(meta.rope_layout, ref_model.cfg.rope_layout, cfg.head_dim)
@@ -161,9 +167,11 @@ def _verify(onnx_path: Path, target: ParityTarget, prompts: list[list[int]] | No
     pos = positions(mask, ids.shape[1])
     valid = mask.astype(bool)  # [batch, seq]
     got = onnx_lm(ids, mask, pos, onnx_lm.empty_cache(len(prompts)))
+    clock.lap("onnxruntime prefill")
     with torch.no_grad():
         ref = ref_model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                         position_ids=torch.from_numpy(pos))
+    clock.lap("reference prefill")
     checks = [compare("logits", got.logits, ref.logits.numpy(), valid, tol, logits=True)]
     first_bad_layer = None
     for i, ((gk, gv), (rk, rv)) in enumerate(zip(got.presents, ref.past_key_values)):
@@ -174,7 +182,8 @@ def _verify(onnx_path: Path, target: ParityTarget, prompts: list[list[int]] | No
             if not c.passed and first_bad_layer is None:
                 first_bad_layer = i
 
-    decode, decode_check = _decode(onnx_lm, ref_model, got, ref, mask, steps, tol, progress)
+    clock.lap("compare prefill")
+    decode, decode_check = _decode(onnx_lm, ref_model, got, ref, mask, steps, tol, progress, clock)
     if decode_check is not None:
         checks.append(decode_check)
     notes = [f"max relative error = max abs error / max |reference|; tolerance {tol}"]
@@ -188,8 +197,27 @@ def _verify(onnx_path: Path, target: ParityTarget, prompts: list[list[int]] | No
         provider_options=dict(run.options),
         dtype=meta.dtype, reference="PyTorch float32", prompt_lengths=[len(p) for p in prompts], tolerance=tol,
         checks=checks, first_bad_layer=first_bad_layer, decode=decode, seconds=time.perf_counter() - start,
-        notes=notes,
+        notes=notes, timings=clock.laps | _read_seconds(ref_model),
     )
+
+
+class _Clock:
+    """Seconds per named phase, summed over repeats."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
+        self.last = now
+
+
+def _read_seconds(ref_model: Any) -> dict[str, float]:
+    """A streamed reference's seconds spent reading weights (part of its load and forward times)."""
+    times = getattr(ref_model, "times", None)
+    return {"of which reading weights": times.read} if times is not None else {}
 
 
 def _tolerance_key(dtype: str, provider: str, options: dict[str, str]) -> str:
@@ -226,7 +254,7 @@ def _check_same_config(exported: Any, reference: Any, onnx_path: Any, source: An
 
 
 def _decode(onnx_lm: OnnxLM, ref_model: Any, got: Any, ref: Any, mask: np.ndarray, steps: int, tol: Tolerance,
-            progress: Progress) -> tuple[DecodeCheck, TensorCheck | None]:
+            progress: Progress, clock: "_Clock") -> tuple[DecodeCheck, TensorCheck | None]:
     """Greedy decode through both caches, both fed the reference's choice; compare every step's argmax."""
     import torch
 
@@ -254,10 +282,13 @@ def _decode(onnx_lm: OnnxLM, ref_model: Any, got: Any, ref: Any, mask: np.ndarra
         mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)  # [batch, past + 1]
         ids = r_tok[:, None].astype(np.int64)  # [batch, 1]: the reference's token, fed to both
         pos = positions(mask, 1)
+        clock.lap("decode bookkeeping")
         out = onnx_lm(ids, mask, pos, past_onnx)
+        clock.lap("onnxruntime decode")
         with torch.no_grad():
             r = ref_model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                           position_ids=torch.from_numpy(pos), past_key_values=past_ref)
+        clock.lap("reference decode")
         past_onnx, past_ref = out.cache, r.past_key_values  # the graph's cache stays on its device
         onnx_next, ref_next = out.logits[:, -1], r.logits[:, -1].numpy()
         errors.append((out.logits, r.logits.numpy()))

@@ -448,6 +448,7 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
                    f"{rep.reference} from {rep.source}; prompts of {rep.prompt_lengths} tokens, left-padded")
         click.echo(render(parity_rows(rep, all_layers), "table", numparse=False))
         took = f" (after a {rep.export_seconds:.1f} s export)" if rep.export_seconds is not None else ""
+        click.echo("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in rep.timings.items()))
         click.echo(f"{'PASS' if rep.passed else 'FAIL'}: checks ran in {rep.seconds:.1f} s{took}")
     if not rep.passed:
         sys.exit(1)
