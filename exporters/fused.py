@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import resource
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,33 +53,14 @@ from llama_tools.source import resolve
 
 from . import rope_ops
 from .graph_io import io_names
-from .onnx_export import (DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD_BYTES, META, check_args, real_weights, save_model,
-                          set_metadata)
+from .onnx_export import (DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD_BYTES, META, ExportResult, check_args, real_weights,
+                          save_model, set_metadata)
 
 GRAPH = "fused"  # the llama_tools.graph metadata value
 FUSED_ROPE_OPS = (rope_ops.OURS.name, "contrib")  # ops that take 3-D [b, s, heads*n6] input
 GQA_HEAD_DIM_MULTIPLE = 8  # group_query_attention_helper: "head_size must be a multiple of 8"
 _IR = {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16,
        torch.int64: ir.DataType.INT64}
-
-
-@dataclass
-class FusedExportResult:
-    """What export_fused wrote."""
-
-    path: Path
-    external_data: Path | None  # OUT.onnx.data, or None when the weights are inside OUT
-    bytes: int  # on disk, both files
-    params: int
-    num_nodes: int
-    op_counts: dict[str, int]  # "com.microsoft.GroupQueryAttention": 12, "MatMul": 49, ...
-    opset: int
-    dtype: str
-    rope_op: str
-    static_kv: int | None  # max_length of the shared past/present buffer; None: past grows by concatenation
-    seconds: float
-    peak_rss_bytes: int  # the process's high-water mark (ru_maxrss), export included
-    notes: list[str] = field(default_factory=list)
 
 
 def check_fusable(cfg: ModelConfig) -> None:
@@ -313,7 +293,7 @@ def _layer(g: _Graph, cfg: ModelConfig, state: dict[str, torch.Tensor], j: int, 
 
 def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rope_op: str = rope_ops.OURS.name,
                  static_kv: bool | int = False, seed: int = 0, progress: Progress = silent,
-                 external_data_threshold_bytes: int = EXTERNAL_DATA_THRESHOLD_BYTES) -> FusedExportResult:
+                 external_data_threshold_bytes: int = EXTERNAL_DATA_THRESHOLD_BYTES) -> ExportResult:
     """Write the fused graph of a preset, config.json, checkpoint directory, ModelConfig or Llama (+ .data)."""
     t0 = time.perf_counter()
     output = Path(output)
@@ -342,10 +322,12 @@ def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rop
     for node in model.graph:
         key = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
         counts[key] = counts.get(key, 0) + 1
-    return FusedExportResult(
+    return ExportResult(
         path=output, external_data=data, bytes=size, params=weights.params, num_nodes=len(model.graph),
-        op_counts=counts, opset=opset, dtype=dt.name, rope_op=rope_op, static_kv=max_length,
-        seconds=time.perf_counter() - t0, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        rope_nodes=sum(n.op_type == rope_ops.OP_TYPE for n in model.graph), opset=opset,
+        dtype=dt.name, rope_op=rope_op, seconds=time.perf_counter() - t0,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, graph=GRAPH, op_counts=counts,
+        static_kv=max_length)
 
 
 def _static_length(static_kv: bool | int, cfg: ModelConfig) -> int | None:

@@ -226,10 +226,10 @@ def _write_tokenizer(tokenizer_dir: Path, w: _OwnedWriter, cfg: ModelConfig) -> 
     model_file = tokenizer_dir / "tokenizer.model"
     tokenizer, config = sentencepiece_to_tokenizer_json(model_file)
     ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
-    for field, piece in (("bos_token_id", config["bos_token"]), ("eos_token_id", config["eos_token"])):
-        if piece is not None and ids.get(piece) != getattr(cfg, field):
+    for key, piece in (("bos_token_id", config["bos_token"]), ("eos_token_id", config["eos_token"])):
+        if piece is not None and ids.get(piece) != getattr(cfg, key):
             raise ValueError(f"{model_file}: {piece} is id {ids.get(piece)} but the model's config says "
-                             f"{field} = {getattr(cfg, field)}; fix config.json or the tokenizer")
+                             f"{key} = {getattr(cfg, key)}; fix config.json or the tokenizer")
     w.json("tokenizer.json", tokenizer)
     w.json("tokenizer_config.json", config)
     if not same_dir:

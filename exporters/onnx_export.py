@@ -17,7 +17,7 @@ import logging
 import resource
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -49,7 +49,7 @@ META = "llama_tools."  # prefix of our metadata_props keys
 
 @dataclass
 class ExportResult:
-    """What export_onnx wrote."""
+    """What export_onnx (plain graph) or export_fused (fused graph) wrote."""
 
     path: Path
     external_data: Path | None  # OUT.onnx.data, or None when the weights are inside OUT
@@ -62,6 +62,9 @@ class ExportResult:
     rope_op: str
     seconds: float
     peak_rss_bytes: int  # the process's high-water mark (ru_maxrss), export included
+    graph: str = "plain"  # the llama_tools.graph metadata value: "plain" or "fused"
+    op_counts: dict[str, int] = field(default_factory=dict)  # fused: "com.microsoft.GroupQueryAttention": 12, ...
+    static_kv: int | None = None  # fused: max_length of the shared past/present buffer; None: past grows
 
 
 @dataclass
@@ -274,6 +277,22 @@ def _apply_weights(program: torch.onnx.ONNXProgram, hidden: list[ir.Value], stat
     program.apply_weights({v.name: state[v.name] for v in hidden})
 
 
+def _checkpoint_source(reader: Any, cfg: ModelConfig, hidden: list[ir.Value],
+                       tables: dict[str, torch.Tensor]) -> onnx_save.Source:
+    """Initializer name -> its weight read from the checkpoint when it is written, a RoPE table, or None
+    (a constant the exporter made, which keeps its own data)."""
+    alias = {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_word_embeddings else {}
+    names = {alias.get(v.name, v.name) for v in hidden}
+    assert names <= set(reader.where) | set(tables), f"initializers the checkpoint lacks: {names - set(reader.where)}"
+
+    def read(name: str) -> torch.Tensor | None:
+        if name in tables:
+            return tables[name]
+        name = alias.get(name, name)
+        return reader.read([name])[name] if name in reader.where else None
+    return read
+
+
 def set_metadata(model: ir.Model, cfg: ModelConfig, rope_op: str, dtype: str, source: str,
                   seed: int | None) -> None:
     """The llama_tools.* keys read_metadata reads back."""
@@ -359,19 +378,8 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
         cos, sin = rope_cache(cfg)
         tables = {"cos_cache": cos.to(_table_dtype(torch_dtype, rope_op)),
                   "sin_cache": sin.to(_table_dtype(torch_dtype, rope_op))}
-    lazy = None
-    if streamed:
-        alias = {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_word_embeddings else {}
-        names = {alias.get(v.name, v.name) for v in hidden}
-        assert names <= set(reader.where) | set(tables), f"initializers the checkpoint lacks: {names - set(reader.where)}"
-
-        def lazy(name: str) -> torch.Tensor | None:
-            """A weight from the checkpoint, a RoPE table, or None: a constant the exporter made (its own data)."""
-            if name in tables:
-                return tables[name]
-            name = alias.get(name, name)
-            return reader.read([name])[name] if name in reader.where else None
-    else:
+    lazy = _checkpoint_source(reader, cfg, hidden, tables) if streamed else None
+    if not streamed:
         _apply_weights(program, hidden, {**state, **tables})
     _attach_rope_function(graph, rope_op, opset)
     rope_nodes = _name_nodes(graph)

@@ -26,6 +26,7 @@ from llama_tools.config import ModelConfig
 from llama_tools.progress import Progress, silent
 from llama_tools.rope import HALF, INTERLEAVED
 from llama_tools.source import ModelSource, resolve
+from llama_tools.tokenizer import check_vocab
 
 from .compare import TOLERANCES, DecodeCheck, TensorCheck, Tolerance, compare, margin
 from .onnx_export import ExportMetadata, export_onnx, read_metadata
@@ -108,9 +109,7 @@ def check_inputs(prompts: list[list[int]], steps: int, cfg: ModelConfig) -> None
     if steps < 0:
         raise ValueError(f"--steps must be >= 0, got {steps}")
     for p in prompts:
-        bad = next((t for t in p if not 0 <= t < cfg.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+        check_vocab(p, cfg.vocab_size, "prompt")
     longest = max((len(p) for p in prompts), default=11)
     if longest + steps > cfg.max_position_embeddings:
         raise ValueError(f"prompt of {longest} tokens + --steps {steps} exceeds the model's context of "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from llama_tools import files
 from llama_tools.progress import Progress, silent
@@ -18,7 +18,7 @@ from llama_tools.source import ModelSource
 
 from .fused import check_fusable, export_fused
 from .genai import ClientFiles, write_client_files
-from .onnx_export import export_onnx
+from .onnx_export import ExportResult, export_onnx
 from .quantize import QuantizeResult, quantize_int4
 
 QUANTIZE = ("int4",)
@@ -30,7 +30,7 @@ class ExportReport:
 
     path: Path
     graph: str  # "plain" or "fused"
-    result: Any  # ExportResult or FusedExportResult
+    result: ExportResult  # of the full-precision graph, plain or fused
     quantized: QuantizeResult | None
     client_files: ClientFiles | None
     notes: list[str] = field(default_factory=list)

@@ -8,9 +8,7 @@ Presets live in presets.py, the HF/Meta file readers in config_files.py. No torc
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from . import dtypes

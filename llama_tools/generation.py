@@ -9,6 +9,7 @@ import torch
 
 from .config import ModelConfig
 from .model import Llama
+from .tokenizer import check_vocab
 
 
 @dataclass
@@ -77,9 +78,7 @@ def check_sampling(cfg: ModelConfig, prompt_ids: list[int], *, max_new_tokens: i
 
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token id (e.g. BOS)")
-    bad = next((t for t in prompt_ids if not 0 <= t < cfg.vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"--ids: token id {bad} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    check_vocab(prompt_ids, cfg.vocab_size)
     if max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     if len(prompt_ids) + max_new_tokens > cfg.max_position_embeddings:

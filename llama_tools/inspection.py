@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ModelConfig
-from .formats import BENIGN_SUFFIXES, CheckpointTensor, checkpoint_tensors, detect_format, merge_meta_shards
+from .formats import (BENIGN_SUFFIXES, CheckpointFormat, CheckpointTensor, checkpoint_tensors, detect_format,
+                      merge_meta_shards)
 from .header_readers import TensorInfo
-from .weight_files import NO_WEIGHTS, checkpoint_config, find_weight_files, read_headers
+from .weight_files import NO_WEIGHTS, WeightFiles, checkpoint_config, find_weight_files, read_headers
 from .weights import weight_specs
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -75,9 +76,20 @@ class CheckpointInspection:
                     [t for t in self.unexplained if not t.name.endswith(BENIGN_SUFFIXES)])
 
 
-def inspect_checkpoint(path: str | Path) -> CheckpointInspection:
-    """Read every header of a checkpoint directory (no tensor data) and compare with its config."""
-    start = time.perf_counter()
+@dataclass(frozen=True)
+class CheckpointHeaders:
+    """A checkpoint directory read as far as its headers go: files, config, whole tensors, format."""
+
+    directory: Path
+    files: WeightFiles
+    per_file: list[list[TensorInfo]]  # as each file stores them
+    cfg: ModelConfig  # the config file's, q/k rows as the config says
+    tensors: list[TensorInfo]  # Meta shards merged into whole tensors
+    format: CheckpointFormat
+
+
+def read_checkpoint_headers(path: str | Path) -> CheckpointHeaders:
+    """Find the weight files, validate every header, read the config and recognize the format; no tensor data."""
     d = Path(path)
     if not d.is_dir():
         raise ValueError(f"{d}: not a checkpoint directory")
@@ -87,8 +99,15 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInspection:
     per_file = read_headers(wf)
     cfg = checkpoint_config(d, wf, per_file)
     tensors = merged_infos(cfg, per_file, wf.files) if wf.kind == "meta" else [t for infos in per_file for t in infos]
-    fmt = detect_format(wf.kind, [t.name for t in tensors])
-    _check_layer_count(d, cfg, tensors)  # before building n8 layers' worth of expected names
+    _check_layer_count(d, cfg, tensors)  # before anyone builds n8 layers' worth of expected names
+    return CheckpointHeaders(d, wf, per_file, cfg, tensors, detect_format(wf.kind, [t.name for t in tensors]))
+
+
+def inspect_checkpoint(path: str | Path) -> CheckpointInspection:
+    """Read every header of a checkpoint directory (no tensor data) and compare with its config."""
+    start = time.perf_counter()
+    h = read_checkpoint_headers(path)
+    d, wf, per_file, cfg, tensors, fmt = h.directory, h.files, h.per_file, h.cfg, h.tensors, h.format
     expected = checkpoint_tensors(cfg, fmt)
     exp_by_name = {ct.name: ct for ct in expected}
     spec_by_name = {s.name: s for s in weight_specs(cfg)}

@@ -161,6 +161,15 @@ def attention_bias(cfg: ModelConfig, n3: int, past: int, attention_mask: torch.T
     return bias.to(dtype)
 
 
+def positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, past: int) -> torch.Tensor:
+    """Position i of each new token: [b, n3]. Left padding counts real tokens only, so a padded row
+    gets the positions (and the numbers) of its unpadded run."""
+    b, n3 = input_ids.shape
+    if attention_mask is not None:
+        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]  # [b, past + n3] -> [b, n3]
+    return torch.arange(past, past + n3, device=input_ids.device).expand(b, n3)
+
+
 # --- Section 6: the decoder --------------------------------------------------------------------
 
 class Attention(nn.Module):
@@ -301,14 +310,10 @@ class Llama(nn.Module):
 
         rope_tables: cos/sin caches to use instead of the model's own (the exporter passes them as inputs).
         """
-        b, n3 = input_ids.shape
+        n3 = input_ids.shape[1]
         past = past_key_values[0][0].shape[2] if past_key_values else 0
         if position_ids is None:
-            if attention_mask is not None:
-                # Left padding: positions count real tokens only, so a padded row matches its unpadded run.
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]  # [b, n3]
-            else:
-                position_ids = torch.arange(past, past + n3, device=input_ids.device).expand(b, n3)
+            position_ids = positions(input_ids, attention_mask, past)  # t: [b, n3]
         z = self.model.embed_tokens(input_ids)  # Z^0: [b, n3, n2], row t_i = row \hat t_i of D
         bias = attention_bias(self.cfg, n3, past, attention_mask, z.dtype, z.device)  # M: [b or 1, 1 or n5, n3, past + n3]
         tables = rope_tables if rope_tables is not None else self.rope_tables(z.device)

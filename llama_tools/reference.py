@@ -18,20 +18,19 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .formats import BENIGN_SUFFIXES, checkpoint_tensors, detect_format
+from .formats import BENIGN_SUFFIXES, checkpoint_tensors
 from .header_readers import TensorInfo
-from .inspection import merged_infos
+from .inspection import read_checkpoint_headers
 from .layouts import split_qkv
-from .model import CausalLMOutput, DecoderLayer, KVCache, RMSNorm, attention_bias, rope_cache
+from .model import CausalLMOutput, DecoderLayer, KVCache, RMSNorm, attention_bias, positions, rope_cache
 from .progress import Progress, silent
 from .source import ModelSource, resolve
-from .weight_files import NO_WEIGHTS, checkpoint_config, find_weight_files, read_headers
 from .weights import weight_specs
 
 LM_HEAD_CHUNK_BYTES = 64 * 2**20  # fp32 rows of W^8 (and D) materialized at once
@@ -125,15 +124,9 @@ class CheckpointReader:
     """
 
     def __init__(self, directory: str | Path):
-        d = Path(directory)
-        wf = find_weight_files(d)
-        if wf is None:
-            raise ValueError(f"{d}: {NO_WEIGHTS}")
-        headers = read_headers(wf)
-        cfg = checkpoint_config(d, wf, headers)
-        infos = merged_infos(cfg, headers, wf.files) if wf.kind == "meta" else [t for h in headers for t in h]
-        self.directory, self.files = d, wf
-        self.format = detect_format(wf.kind, [t.name for t in infos])
+        h = read_checkpoint_headers(directory)
+        d, wf, cfg, infos = h.directory, h.files, h.cfg, h.tensors
+        self.directory, self.files, self.format = d, wf, h.format
         self.cfg = cfg.replace(rope_layout=self.format.rope_layout)  # as stored
         self.info: dict[str, TensorInfo] = {t.name: t for t in infos}
         self.where: dict[str, _Stored] = {}
@@ -304,12 +297,7 @@ class StreamedReference:
         attention_mask = attention_mask.to(dev) if attention_mask is not None else None
         b, n3 = input_ids.shape
         past = past_key_values[0][0].shape[2] if past_key_values else 0
-        if position_ids is None:
-            if attention_mask is not None:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]  # [b, n3]
-            else:
-                position_ids = torch.arange(past, past + n3, device=dev).expand(b, n3)
-        position_ids = position_ids.to(dev)
+        position_ids = (position_ids if position_ids is not None else positions(input_ids, attention_mask, past)).to(dev)
         t0 = time.perf_counter()
         z = self._embed(input_ids)  # Z^0: [b, n3, n2]
         self.times.read += time.perf_counter() - t0

@@ -48,9 +48,7 @@ class Tokenizer:
 
     def check_ids(self, ids: list[int]) -> None:
         """ValueError naming the first id outside the vocabulary."""
-        for i in ids:
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} is outside the vocabulary of {self.path} (0..{self.vocab_size - 1})")
+        check_vocab(ids, self.vocab_size, str(self.path))
 
     def decode(self, ids: list[int]) -> str:
         self.check_ids(ids)

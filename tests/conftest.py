@@ -1,4 +1,4 @@
-"""Shared pytest setup: the `gpu` marker, skipped with a reason where onnxruntime cannot run CUDA.
+"""Shared pytest setup: `gpu` tests skipped with a reason where onnxruntime cannot run CUDA; the umask fixture.
 
 GPU tests and the GPU benchmark, on a machine with onnxruntime-gpu and a GPU:
     python -m pytest -m gpu -q && python benchmarks/bench_gpu.py
@@ -7,12 +7,20 @@ GPU tests and the GPU benchmark, on a machine with onnxruntime-gpu and a GPU:
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
+# The `gpu` marker itself is registered once, in pyproject.toml.
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs onnxruntime's CUDA provider on a real GPU (skipped elsewhere)")
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test; restored after."""
+    old = os.umask(0o022)
+    os.umask(old)
+    yield lambda m: os.umask(m)
+    os.umask(old)
 
 
 @functools.lru_cache(maxsize=1)

@@ -25,15 +25,6 @@ def ours(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith(files.TEMP_PREFIX))
 
 
-@pytest.fixture
-def umask():
-    """Set the umask for one test; restored after."""
-    old = os.umask(0o022)
-    os.umask(old)
-    yield lambda m: os.umask(m)
-    os.umask(old)
-
-
 # --- atomic writes -----------------------------------------------------------------------------------------
 
 def test_write_text_replaces_atomically_and_leaves_only_the_destination(tmp_path):

@@ -151,15 +151,6 @@ def tripwires(monkeypatch):
 
 
 @pytest.fixture
-def umask():
-    """Set the process umask for one test; restored after."""
-    old = os.umask(0o022)
-    os.umask(old)
-    yield lambda m: os.umask(m)
-    os.umask(old)
-
-
-@pytest.fixture
 def guard_dev_null(monkeypatch):
     """Even if the code regressed, never let a test replace this machine's /dev/null (we may run as root)."""
     real_replace, real_rename = os.replace, os.rename
