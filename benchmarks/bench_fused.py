@@ -227,7 +227,8 @@ def main() -> None:
 
             from llama_tools.exporters.genai import sentencepiece_to_tokenizer_json
             from llama_tools.convert import save_checkpoint
-            from llama_tools.tokenizer import train_tiny_tokenizer
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/
+            from tests.helpers import train_tiny_tokenizer
 
             save_checkpoint(cfg, model.state_dict(), tmp / "hf")
             # The builder saves the checkpoint's tokenizer beside its graph and fails without one.

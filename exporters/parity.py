@@ -104,24 +104,31 @@ def is_int4(onnx_path: Path) -> bool:
     return any(n.op_type == "MatMulNBits" for n in onnx.load(str(onnx_path), load_external_data=False).graph.node)
 
 
-def check_inputs(prompts: list[list[int]], steps: int, cfg: ModelConfig) -> None:
-    """Cheap checks before any export or session: ids in the vocabulary, prompt + steps within the context."""
+def check_inputs(prompts: list[list[int]], steps: int, target: ParityTarget) -> None:
+    """Cheap checks before any export or session: ids in the vocabulary, prompt + steps within the context.
+
+    A static-KV graph's buffer is its context: the prompt and the decode must fit in it.
+    """
+    cfg = target.meta.config if target.meta is not None else target.source.cfg
     if steps < 0:
         raise ValueError(f"--steps must be >= 0, got {steps}")
     for p in prompts:
         check_vocab(p, cfg.vocab_size, "prompt")
-    longest = max((len(p) for p in prompts), default=11)
+    longest = max((len(p) for p in prompts), default=len(max(default_prompts(cfg.vocab_size, 0), key=len)))
     if longest + steps > cfg.max_position_embeddings:
         raise ValueError(f"prompt of {longest} tokens + --steps {steps} exceeds the model's context of "
                          f"{cfg.max_position_embeddings} positions; use fewer steps or a shorter prompt")
+    static = target.meta.static_kv if target.meta is not None else None
+    if static is not None and longest + steps > static:
+        raise ValueError(f"prompt of {longest} tokens + --steps {steps} exceeds {target.onnx_path}'s static KV "
+                         f"buffer of {static} positions; use fewer steps, or export with a larger --static-kv")
 
 
 def verify_parity(target: ParityTarget, *, prompts: list[list[int]] | None = None, provider: str = "auto",
                   steps: int = 8, dtype: str = "float32", rope_op: str = "llama_tools", tf32: bool = False,
                   tolerance: Tolerance | None = None, progress: Progress = silent) -> ParityReport:
     """Export on the fly when the target is a MODEL, then compare; see the module docstring for the checks."""
-    cfg = target.meta.config if target.meta is not None else target.source.cfg
-    check_inputs(prompts or [], steps, cfg)
+    check_inputs(prompts or [], steps, target)
     if target.onnx_path is not None and is_int4(target.onnx_path):
         raise ValueError(f"{target.onnx_path}: weight-only int4 (MatMulNBits): fp32 tolerances do not apply to it; "
                          f"measure it with `llama-tools verify int4 {target.onnx_path}` (top-1, KL, perplexity)")

@@ -255,16 +255,21 @@ class StepOutput:
 
     logits: np.ndarray  # [batch, seq, vocab]: float32 for fp32 and bf16 graphs, float16 for fp16
     cache: Cache
+    filled: int | None = None  # a static KV buffer's slots written so far (past + seq); None: the whole cache
     _host: HostCache | None = field(default=None, repr=False)
 
     @property
     def presents(self) -> HostCache:
-        """Per layer (K, V) as numpy: [batch, kv_heads, past + seq, n6]; a device cache is copied once."""
-        if isinstance(self.cache, DeviceCache):
-            if self._host is None:
-                self._host = self.cache.to_numpy()
-            return self._host
-        return self.cache
+        """Per layer (K, V) as numpy: [batch, kv_heads, past + seq, n6]; a device cache is copied once.
+
+        A static buffer is cut to its written slots: the rest is whatever the buffer held, not a key.
+        """
+        if self._host is None:
+            host = self.cache.to_numpy() if isinstance(self.cache, DeviceCache) else self.cache
+            if self.filled is not None:
+                host = [(k[:, :, :self.filled], v[:, :, :self.filled]) for k, v in host]
+            self._host = host
+        return self._host
 
 
 class OnnxLM:
@@ -272,6 +277,9 @@ class OnnxLM:
 
     io="device" (default): IOBinding, the presents stay on the session's device and are bound as the next
     past; io="numpy": `session.run` with numpy in and out (the cache crosses to the host every step).
+    A static-KV graph (past/present [batch, kv_heads, max_length, n6], `export onnx --static-kv`) gets
+    buffers of max_length from `empty_cache`; bound, each layer's buffer is both past and present, so
+    GroupQueryAttention writes the new slots in place (as onnxruntime-genai's past_present_share_buffer).
     """
 
     def __init__(self, session: Session, num_layers: int, num_kv_heads: int, head_dim: int, io: str = "device"):
@@ -280,9 +288,12 @@ class OnnxLM:
         self.session = session
         self.sess = session.session
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
-        types = {i.name: i.type for i in self.sess.get_inputs()}
+        inputs = {i.name: i for i in self.sess.get_inputs()}
+        types = {name: i.type for name, i in inputs.items()}
         assert past_name(0, "key") in types, f"not a llama-tools decoder graph: inputs {sorted(types)}"
         self.onnx_type = types[past_name(0, "key")]
+        slots = inputs[past_name(0, "key")].shape[2]  # "past_sequence_length", or max_length for a static buffer
+        self.static_length: int | None = slots if isinstance(slots, int) else None
         self.dtype = dtypes.from_onnx_type_string(self.onnx_type).name
         self.cache_dtype = _numpy(self.onnx_type)  # what numpy caches hold (float32 for bf16)
         self.input_names = set(types)
@@ -293,26 +304,35 @@ class OnnxLM:
         self.device_id = int(getattr(session, "options", {}).get("device_id", 0))
 
     def empty_cache(self, batch: int) -> Cache:
-        """Past length 0, for the prefill: numpy arrays, or zero-size OrtValues on the device."""
-        shape = (batch, self.num_kv_heads, 0, self.head_dim)  # [batch, kv_heads, 0, n6]
+        """Past length 0, for the prefill: numpy arrays, or OrtValues on the device (zero-filled static buffers)."""
+        shape = (batch, self.num_kv_heads, self.static_length or 0, self.head_dim)  # [batch, kv_heads, 0 or max, n6]
         if self.io == "numpy":
             return [(np.zeros(shape, self.cache_dtype), np.zeros(shape, self.cache_dtype))
                     for _ in range(self.num_layers)]
         ort = onnxruntime()
 
         def empty() -> Any:
-            return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtypes.from_onnx_type_string(self.onnx_type).onnx, self.device,
-                                                             self.device_id)
+            # Memory onnxruntime owns (not a numpy array's, which outputs that alias it would not keep alive).
+            value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtypes.from_onnx_type_string(self.onnx_type).onnx,
+                                                              self.device, self.device_id)
+            if self.static_length:  # the unwritten slots are read (and masked): zeros, not stale memory
+                bits = self.onnx_type == "tensor(bfloat16)"  # zero bits are bf16 zeros
+                value.update_inplace(np.zeros(shape, np.uint16 if bits else self.cache_dtype))
+            return value
         return DeviceCache([(empty(), empty()) for _ in range(self.num_layers)])
 
     def __call__(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                  past: Cache) -> StepOutput:
+        if self.static_length is not None and attention_mask.shape[1] > self.static_length:
+            raise ValueError(f"{self.session.path or 'the ONNX model'}: {attention_mask.shape[1]} positions do not fit "
+                             f"its static KV buffer of {self.static_length}; export with a larger --static-kv")
         small = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         small = {k: np.ascontiguousarray(v, dtype=np.int64) for k, v in small.items() if k in self.input_names}
         try:
-            if self.io == "numpy":
-                return self._run_numpy(small, past)
-            return self._run_bound(small, past)
+            out = self._run_numpy(small, past) if self.io == "numpy" else self._run_bound(small, past)
+            if self.static_length is not None:
+                out.filled = attention_mask.shape[1]
+            return out
         except DeviceOutOfMemory:
             raise
         except Exception as e:  # noqa: BLE001  onnxruntime's own exception types
@@ -336,19 +356,27 @@ class OnnxLM:
         binding = self.sess.io_binding()
         for name, arr in feed.items():
             binding.bind_cpu_input(name, arr)  # a few int64s: onnxruntime copies them where needed
+        bound_past = {}
         for i, (k, v) in enumerate(past.values if isinstance(past, DeviceCache) else past):
             for what, t in (("key", k), ("value", v)):
                 if isinstance(t, np.ndarray):
                     t = numpy_to_ortvalue(t, self.onnx_type, self.device, self.device_id)  # uploaded once
                 binding.bind_ortvalue_input(past_name(i, what), t)
+                bound_past[i, what] = t
         binding.bind_output(LOGITS, "cpu")  # the logits come back to the host every step
         for i in range(self.num_layers):
             for what in ("key", "value"):
-                binding.bind_output(present_name(i, what), self.device, self.device_id)  # stays where written
+                if self.static_length is not None:  # the past's own buffer: GQA sees one pointer, writes in place
+                    binding.bind_ortvalue_output(present_name(i, what), bound_past[i, what])
+                else:
+                    binding.bind_output(present_name(i, what), self.device, self.device_id)  # stays where written
         self.sess.run_with_iobinding(binding)
         outs = dict(zip(self.output_names, binding.get_outputs()))
-        cache = DeviceCache([(outs[present_name(i, "key")], outs[present_name(i, "value")])
-                             for i in range(self.num_layers)])
+        # A static buffer is handed back as the value that was bound (it keeps a numpy-backed buffer alive;
+        # get_outputs' view of the same memory would not).
+        take = bound_past if self.static_length is not None else {
+            (i, w): outs[present_name(i, w)] for i in range(self.num_layers) for w in ("key", "value")}
+        cache = DeviceCache([(take[i, "key"], take[i, "value"]) for i in range(self.num_layers)])
         return StepOutput(ortvalue_to_numpy(outs[LOGITS]), cache)
 
 

@@ -437,7 +437,7 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
     check_args(dtype, rope_op, None)
     tgt = resolve_target(target, source)
     batch = [prompt_ids(tgt.source, t, None)[0] for t in prompts] + [list(i) for i in ids]
-    check_inputs(batch, steps, tgt.meta.config if tgt.meta else tgt.source.cfg)
+    check_inputs(batch, steps, tgt)
     rep = run_parity(tgt, prompts=batch or None, provider=provider, steps=steps, dtype=dtype, rope_op=rope_op,
                      tf32=tf32, progress=terminal("parity", quiet=quiet))
     if fmt == "json":

@@ -53,8 +53,8 @@ def exports(model, tmp_path_factory):
     return get
 
 
-def lm(path) -> OnnxLM:
-    return OnnxLM(create_session(path, "cpu"), CFG.num_hidden_layers, CFG.num_key_value_heads, CFG.head_dim)
+def lm(path, io="device") -> OnnxLM:
+    return OnnxLM(create_session(path, "cpu"), CFG.num_hidden_layers, CFG.num_key_value_heads, CFG.head_dim, io=io)
 
 
 def reference(model, ids, mask, pos, past=None):
@@ -321,20 +321,56 @@ def test_static_buffer_is_written_in_place(model, exports):
 
 def test_static_buffer_with_plain_feeds(model, exports):
     """The same graph fed numpy arrays: present is the whole buffer (a copy), the numbers are the same."""
-    run = lm(exports(static=MAX_LENGTH).path)
+    run = lm(exports(static=MAX_LENGTH).path, io="numpy")
     ids, mask = left_pad(PROMPTS)
     pos = positions(mask, ids.shape[1])
-    empty = [tuple(np.zeros((2, 2, MAX_LENGTH, 16), np.float32) for _ in "kv")] * CFG.num_hidden_layers
+    empty = run.empty_cache(2)
+    assert empty[0][0].shape == (2, 2, MAX_LENGTH, 16) and not empty[0][0].any()
     got = run(ids, mask, pos, empty)
-    assert got.presents[0][0].shape == (2, 2, MAX_LENGTH, 16)
+    assert got.cache[0][0].shape == (2, 2, MAX_LENGTH, 16)  # the whole buffer comes back...
+    assert got.presents[0][0].shape == (2, 2, mask.shape[1], 16)  # ...and is compared over its written slots
     tok = got.logits[:, -1].argmax(-1)[:, None]
     mask2 = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
-    nxt = run(tok, mask2, positions(mask2, 1), got.presents)
+    nxt = run(tok, mask2, positions(mask2, 1), got.cache)
     ref = reference(model, ids, mask, pos)
     ref2 = reference(model, tok, mask2, positions(mask2, 1), ref.past_key_values)
     checks = check_step("prefill", got.logits, got.presents, ref, mask.astype(bool))
     checks += check_step("decode", nxt.logits, nxt.presents, ref2, mask2.astype(bool))
     assert all(c.passed for c in checks), [c for c in checks if not c.passed][0]
+
+
+def test_onnx_lm_binds_the_static_buffer_as_past_and_present(model, exports):
+    """OnnxLM (what `verify parity` runs) on a static graph: prefill + decode write one buffer per layer in place."""
+    run = lm(exports(static=MAX_LENGTH).path)
+    assert run.static_length == MAX_LENGTH
+    ids, mask = left_pad(PROMPTS)
+    pos = positions(mask, ids.shape[1])
+    cache = run.empty_cache(2)
+    buffers = [t.data_ptr() for kv in cache.values for t in kv]
+    got, ref = run(ids, mask, pos, cache), reference(model, ids, mask, pos)
+    tok = ref.logits[:, -1].argmax(-1).numpy()[:, None]
+    mask2 = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+    nxt = run(tok, mask2, positions(mask2, 1), got.cache)
+    ref2 = reference(model, tok, mask2, positions(mask2, 1), ref.past_key_values)
+    assert [t.data_ptr() for kv in nxt.cache.values for t in kv] == buffers  # no new cache was allocated
+    assert nxt.presents[0][0].shape == (2, 2, mask2.shape[1], 16)
+    checks = check_step("prefill", got.logits, got.presents, ref, mask.astype(bool))
+    checks += check_step("decode", nxt.logits, nxt.presents, ref2, mask2.astype(bool))
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed][0]
+    with pytest.raises(ValueError, match=f"do not fit its static KV buffer of {MAX_LENGTH}"):
+        run(tok, np.ones((2, MAX_LENGTH + 1), np.int64), positions(mask2, 1), nxt.cache)
+
+
+def test_verify_parity_runs_a_static_graph(tmp_path):
+    """`verify parity` on an `--static-kv` export: the buffer's written slots are compared, and decode passes."""
+    res = export_fused("tiny", tmp_path / "static.onnx", static_kv=MAX_LENGTH)
+    target = resolve_target(str(res.path), None)
+    rep = verify_parity(target, provider="cpu", steps=6)
+    assert rep.passed, [c for c in rep.checks if not c.passed]
+    assert rep.decode.agreed == 6
+    assert {c.name for c in rep.checks} >= {"logits", "present.0.key", f"present.{CFG.num_hidden_layers - 1}.value"}
+    with pytest.raises(ValueError, match=f"static KV buffer of {MAX_LENGTH} positions; use fewer steps"):
+        verify_parity(target, provider="cpu", steps=MAX_LENGTH)  # 11 prompt tokens + 24 steps > 24 slots
 
 
 # --- What the fused graph refuses ---------------------------------------------------------------------------------

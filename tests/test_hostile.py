@@ -431,6 +431,22 @@ def test_an_onnx_target_refuses_bad_inputs_before_running(exported, extra, names
     assert tree(cwd) == []
 
 
+@pytest.fixture(scope="module")
+def static_graph(tmp_path_factory) -> Path:
+    """`export onnx tiny --optimize --static-kv 16` (module scope: made before the tripwires are set)."""
+    path = tmp_path_factory.mktemp("static") / "static.onnx"
+    assert_ok(invoke(["export", "onnx", "tiny", "-o", str(path), "--optimize", "--static-kv", "16",
+                      "--no-client-files"]))
+    return path
+
+
+def test_a_static_graph_refuses_more_than_its_buffer_before_running(static_graph, cwd, tripwires):
+    """11 prompt tokens + 8 steps do not fit 16 slots: said before any session, naming the option."""
+    path = static_graph
+    line = assert_one_line(invoke(["verify", "parity", str(path), "--steps", "8"]), str(path), "static KV buffer of 16")
+    assert "--static-kv" in line and tree(cwd) == []
+
+
 def test_an_empty_onnx_says_empty_file(inputs, cwd, tripwires):
     assert_one_line(invoke(["verify", "parity", inputs["empty_onnx"]]), inputs["empty_onnx"], "empty file")
     assert tree(cwd) == []
