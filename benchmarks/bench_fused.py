@@ -5,12 +5,14 @@
 One seeded ~125M LLaMA (768 wide, 12 layers, 12 q / 4 kv heads of 64, vocab 32000, fp32), in one process:
   plain    exporters.onnx_export.export_onnx (Concat KV cache, our RoPE node)
   fused    exporters.fused.export_fused (GroupQueryAttention, packed QKV and gate/up, our RoPE node)
+  fused, contrib RoPE   the same with onnxruntime's com.microsoft.RotaryEmbedding on q and k
   int4     exporters.quantize.quantize_int4 of the fused graph (MatMulNBits, block 32, symmetric, accuracy 4)
   int4 asym  the same with zero points (to justify the symmetric default)
   builder fp32 / int4   `python -m onnxruntime_genai.models.builder -i HF_DIR -p fp32|int4 -e cpu` on the same
            weights written as an HF checkpoint (where onnxruntime-genai is installed)
 Each graph on onnxruntime's CPU provider (same SessionOptions, numpy feeds): prefill of 128 tokens and one
-decode step over a cache of each context length (median of rounds). Then each graph run by onnxruntime-genai
+decode step over a cache of each context length (median of rounds; within a round every graph takes its
+turn at each job, so the machine's drift falls on all of them). Then each graph run by onnxruntime-genai
 itself (genai_config.json beside it): ms per generated token after a 128-token prompt. Bytes on disk, and
 ratios against the plain graph, the fused graph and the builder's graph. int4's parity against fp32 PyTorch
 (top-1, KL, perplexity change) is printed beside it: measured, not passed against fp32 tolerances.
@@ -90,19 +92,26 @@ def feeds(sess: ort.InferenceSession, cfg: ModelConfig, seq: int, past: int) -> 
     return out
 
 
-def time_graph(v: Variant, cfg: ModelConfig, contexts: list[int], prefill: int, rounds: int, repeat: int) -> None:
-    sess = session(v.path)
-    jobs = [("prefill", feeds(sess, cfg, prefill, 0))] + [(c, feeds(sess, cfg, 1, c)) for c in contexts]
-    times: dict[object, list[float]] = {k: [] for k, _ in jobs}
+def time_graphs(variants: list[Variant], cfg: ModelConfig, contexts: list[int], prefill: int, rounds: int,
+                repeat: int) -> None:
+    """Every variant's session open at once; each round times each job on every variant in turn (one warm-up
+    call, then `repeat` timed calls), so a drift in the machine's speed falls on all variants alike."""
+    sessions = [(v, session(v.path)) for v in variants]
+    jobs = {v.name: [("prefill", feeds(s, cfg, prefill, 0))] + [(c, feeds(s, cfg, 1, c)) for c in contexts]
+            for v, s in sessions}
+    times: dict[tuple[str, object], list[float]] = {}
     for _ in range(rounds):
-        for key, feed in jobs:
-            sess.run(None, feed)  # warm-up, untimed
-            for _ in range(1 if key == "prefill" else repeat):
-                t = time.perf_counter()
-                sess.run(None, feed)
-                times[key].append(time.perf_counter() - t)
-    v.prefill_ms = statistics.median(times["prefill"]) * 1e3
-    v.decode_ms = {c: statistics.median(times[c]) * 1e3 for c in contexts}
+        for j in range(1 + len(contexts)):
+            for v, sess in sessions:
+                key, feed = jobs[v.name][j]
+                sess.run(None, feed)  # warm-up, untimed
+                for _ in range(1 if key == "prefill" else repeat):
+                    t = time.perf_counter()
+                    sess.run(None, feed)
+                    times.setdefault((v.name, key), []).append(time.perf_counter() - t)
+    for v, _ in sessions:
+        v.prefill_ms = statistics.median(times[v.name, "prefill"]) * 1e3
+        v.decode_ms = {c: statistics.median(times[v.name, c]) * 1e3 for c in contexts}
 
 
 def time_genai(v: Variant, cfg: ModelConfig, prompt_len: int, new: int) -> None:
@@ -210,6 +219,9 @@ def main() -> None:
             t = time.perf_counter()
             export_fused(model, tmp / "fused/model.onnx")
             fused = add("fused", tmp / "fused/model.onnx", t)
+            t = time.perf_counter()
+            export_fused(model, tmp / "contrib/model.onnx", rope_op="contrib")
+            add("fused, contrib RoPE", tmp / "contrib/model.onnx", t, "onnxruntime's RotaryEmbedding")
             if og is not None and not args.no_genai:
                 t = time.perf_counter()
                 export_fused(model, tmp / "static/model.onnx", static_kv=args.prefill + args.genai_new)
@@ -244,11 +256,8 @@ def main() -> None:
                     continue
                 builder.append(add(f"builder {prec}", path, t))
 
-        for v in variants:
-            if v.genai_only:
-                continue
-            time_graph(v, cfg, contexts, args.prefill, args.rounds, args.repeat)
-            print(f"  timed {v.name}", file=sys.stderr)
+        time_graphs([v for v in variants if not v.genai_only], cfg, contexts, args.prefill, args.rounds, args.repeat)
+        print("  timed every graph", file=sys.stderr)
         if og is not None and not args.no_genai:
             for v in variants:
                 if not v.name.startswith("builder"):
@@ -297,9 +306,9 @@ def main() -> None:
             print(f"builder int4 vs builder fp32: bytes {ref_b4.bytes / ref_b.bytes:.2f}x, decode @{mid} "
                   f"{ref_b.decode_ms[mid] / ref_b4.decode_ms[mid]:.2f}x faster")
         if fused and ref_b:
-            print(f"fused vs builder fp32: decode @{mid} {ref_b.decode_ms[mid] / fused.decode_ms[mid]:.2f}x, prefill "
-                  f"{ref_b.prefill_ms / fused.prefill_ms:.2f}x, genai {ref_b.genai_ms / fused.genai_ms:.2f}x "
-                  f"(above 1: fused faster)")
+            decode = ", ".join(f"@{c} {ref_b.decode_ms[c] / fused.decode_ms[c]:.3f}x" for c in contexts)
+            print(f"fused vs builder fp32: decode {decode}, prefill {ref_b.prefill_ms / fused.prefill_ms:.3f}x, "
+                  f"genai {ref_b.genai_ms / fused.genai_ms:.3f}x (above 1: fused faster)")
         if fused and ref_b and ref_b4:  # the same quantizer in both tools: the same damage is expected
             print(f"mean KL of int4 against its own fp32 graph on onnxruntime: ours (sym) "
                   f"{graph_kl(fused.path, int4.path, cfg):.4f}, ours (asym) {graph_kl(fused.path, int4a.path, cfg):.4f}, "

@@ -16,6 +16,9 @@ in contrib_ops/cpu/bert/gqa_attention_base.h and group_query_attention_helper.h,
     (the model's own mask value). Causality stays GQA's own.
   - do_rotary = 0: q and k arrive rotated by our RoPE node, from the caller's position_ids (left padding:
     real tokens counted). GQA's own position_ids input is not fed (it only serves its own rotary).
+  - query = the packed QKV [b, s, (q + 2 kv heads) * head_dim] with key and value omitted (GQA's packed
+    form): our RoPE node rotates its q and k heads in place and passes v through (rotary_heads), so no
+    Split runs. onnxruntime's RotaryEmbedding has no such attribute: with it, q, k, v are split first.
   - past/present in BNSH [batch, kv_heads, slots, head_dim]; GQA writes the new keys at slots
     [total - seq, total) of every row. GQA needs head_dim % 8 == 0 (its own rotary would need % 16).
   - A prompt (seq > 1) continuing a non-empty cache needs batch 1 (GQA refuses otherwise); decode (seq = 1)
@@ -209,9 +212,10 @@ def _layer(g: _Graph, cfg: ModelConfig, state: dict[str, torch.Tensor], j: int, 
            out_names: list[str]) -> tuple[ir.Value, ir.Value, list[ir.Value]]:
     """Decoder j: (Zbar^j, Z^j) -> (Zbar^{j+1}, Z^{j+1}), the next norm fused with the residual add.
 
-    zbar [b, s, n2] ──MatMul W_qkv [n2, q + 2 kv] (+ bias)──Split──► q [b, s, q], k [b, s, kv], v [b, s, kv]
-    q, k ──RotaryEmbedding (position_ids, num_heads)──► rotated, still [b, s, heads * head_dim]
-    (q, k, v, past K/V, seqlens_k, total, attention_bias) ──GroupQueryAttention──► u [b, s, q], present K/V
+    zbar [b, s, n2] ──MatMul W_qkv [n2, q + 2 kv] (+ bias)──► qkv [b, s, q + 2 kv]
+    ours:    qkv ──RotaryEmbedding (num_heads q + 2 kv heads, rotary_heads q + kv)──► q, k rotated, v as it was
+    contrib: qkv ──Split──► q, k, v;  q, k ──RotaryEmbedding (num_heads)──► rotated, still 3-D
+    (packed qkv, or q, k, v; past K/V, seqlens_k, total, attention_bias) ──GroupQueryAttention──► u [b, s, q], K/V
     u ──MatMul W_o──► r ──SkipSimplifiedLayerNormalization(skip z)──► ybar, y = z + r
     ybar ──MatMul W_gate_up [n2, 2 n7] (+ bias)──Split──► gate, up
     gate ──Sigmoid──Mul gate──► silu ──Mul up──MatMul W_down (+ bias)──► d
@@ -241,22 +245,23 @@ def _layer(g: _Graph, cfg: ModelConfig, state: dict[str, torch.Tensor], j: int, 
     attn = f"{path}/self_attn"
     w, b = linear("self_attn", ["q_proj", "k_proj", "v_proj"], cfg.qkv_bias)
     qkv = matmul("self_attn/qkv_proj", zbar, w, b)  # [b, s, q + 2 kv]
-    split = g.const(f"{attn}/qkv_split", [cfg.q_size, cfg.kv_size, cfg.kv_size], i64)
-    q, k, v = g.op(attn, "Split", [qkv, split], {"axis": -1}, outputs=3)  # [b, s, q], [b, s, kv], [b, s, kv]
     interleaved = int(cfg.rope_layout == INTERLEAVED)
-    rotated = []
-    for which, x, heads in (("q", q, nq), ("k", k, nkv)):
-        if rope_op == rope_ops.OURS.name:
-            attrs = {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads}
-            domain = rope_ops.DOMAIN
-        else:  # ORT's op takes the same 3-D [b, s, heads * head_dim] with num_heads
-            attrs = {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads, "rotary_embedding_dim": cfg.head_dim}
-            domain = "com.microsoft"
-        rotated.append(g.op(attn, rope_ops.OP_TYPE, [x, position_ids, cos_cache, sin_cache], attrs, domain=domain,
-                            name=f"rope_{which}"))
+    if rope_op == rope_ops.OURS.name:
+        # One node rotates the q and k heads of the packed projection and passes v through; GQA takes it packed.
+        attrs = {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": nq + 2 * nkv, rope_ops.ATTR_ROTARY_HEADS: nq + nkv}
+        packed = g.op(attn, rope_ops.OP_TYPE, [qkv, position_ids, cos_cache, sin_cache], attrs, domain=rope_ops.DOMAIN,
+                      name="rope_qk")  # [b, s, q + 2 kv]
+        qkv_in = [packed, None, None]
+    else:  # ORT's op has no pass-through heads: q and k apart, 3-D [b, s, heads * head_dim] with num_heads
+        split = g.const(f"{attn}/qkv_split", [cfg.q_size, cfg.kv_size, cfg.kv_size], i64)
+        q, k, v = g.op(attn, "Split", [qkv, split], {"axis": -1}, outputs=3)  # [b, s, q], [b, s, kv], [b, s, kv]
+        qkv_in = [g.op(attn, rope_ops.OP_TYPE, [x, position_ids, cos_cache, sin_cache],
+                       {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads, "rotary_embedding_dim": cfg.head_dim},
+                       domain="com.microsoft", name=f"rope_{which}") for which, x, heads in (("q", q, nq), ("k", k, nkv))]
+        qkv_in.append(v)
     u, present_k, present_v = g.op(
         attn, "GroupQueryAttention",
-        [*rotated, v, past_k, past_v, seqlens_k, total, None, None, None, attention_bias],
+        [*qkv_in, past_k, past_v, seqlens_k, total, None, None, None, attention_bias],
         {"num_heads": nq, "kv_num_heads": nkv, "do_rotary": 0}, domain="com.microsoft",
         outputs=[None, out_names[1 + 2 * j], out_names[2 + 2 * j]])
     w, b = linear("self_attn", ["o_proj"], cfg.o_bias)

@@ -19,6 +19,7 @@ DOMAIN = "llama_tools"
 OP_TYPE = "RotaryEmbedding"
 VERSION = 1
 ATTR_INTERLEAVED = "interleaved"  # the attribute that picks the channel pairs, in all three ops
+ATTR_ROTARY_HEADS = "rotary_heads"  # ours only: rotate the first heads of a packed QKV, pass the V heads through
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,12 @@ def our_schema() -> "onnx.defs.OpSchema":
         "llama_tools.model.rope: x [batch, heads, seq, head_dim] rotated by the angles of position_ids [batch, seq], "
         "in fp32 from fp32 tables [max_pos, head_dim / 2], cast back to x's type. interleaved 1: pairs (x0, x1), "
         "(x2, x3)... (Meta); 0: halves (HF). num_heads > 0 (optional, default 0): x is 3-D "
-        "[batch, seq, num_heads * head_dim] instead, as a packed projection leaves it.",
+        "[batch, seq, num_heads * head_dim] instead, as a packed projection leaves it. rotary_heads > 0 (optional, "
+        "with num_heads): only the first rotary_heads heads are rotated, the others pass through unchanged (the V "
+        "heads of a packed QKV).",
         [("x", "T"), ("position_ids", "tensor(int64)"), ("cos_cache", "tensor(float)"), ("sin_cache", "tensor(float)")],
         ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"],
-        [(ATTR_INTERLEAVED, True), ("num_heads", False)],
+        [(ATTR_INTERLEAVED, True), ("num_heads", False), (ATTR_ROTARY_HEADS, False)],
     )
 
 
@@ -93,75 +96,102 @@ def ort_schema() -> "onnx.defs.OpSchema":
 
 # --- The function body: the same math as llama_tools.model.rope, in ONNX ------------------------------
 #
-#   x [b, h, s, d] ──Cast fp32──Reshape [0, 0, 0, -1] (a no-op)──► xf [b, h, s, d]
-#   x [b, s, h d] (num_heads = h > 0) ──Cast fp32──Reshape [0, 0, h, -1]──► xf [b, s, h, d]   (no Transpose)
-#   position_ids [b, s] ──Gather(cos_cache)──Unsqueeze 1 (4-D) or 2 (3-D)──► cos [b, 1, s, d/2] or [b, s, 1, d/2]
-#   (fp32, likewise sin): either way it broadcasts over the heads axis.
-#   The layout only says which channels pair up; the rotation itself is written once:
-#   If interleaved:  xf ──Reshape [.., d/2, 2]──Split──Squeeze──► x0, x1 [.., d/2]   (evens, odds)
-#   else (halves):   xf ──Split──► x0, x1 [.., d/2]                                   (first, second half)
-#   (x0 cos - x1 sin, x1 cos + x0 sin) ──► y0, y1 [.., d/2]
-#   If interleaved:  (y0, y1) ──Unsqueeze──Concat -1──Reshape──► rotated [.., d]   (pairs back in place)
-#   else (halves):   (y0, y1) ──Concat -1──► rotated [.., d]
-#   rotated ──Reshape Shape(x)──CastLike x──► y, x's own shape
+# Channel i of a head is rotated with its partner channel p(i) by the angle in column c(i) of the tables:
+#   halves (HF):        p(i) = (i + d/2) mod d,   c(i) = i mod d/2,   x0 = the first half
+#   interleaved (Meta): p(i) = i xor 1,           c(i) = i div 2,     x0 = the even channels
+#   y_i = x_i cos_c(i) + x_p(i) (s_i sin_c(i)),   s_i = -1 where channel i is an x0, else +1
+# i.e. y0 = x0 cos - x1 sin, y1 = x1 cos + x0 sin, bit for bit (a sign flip is exact; the products and the
+# one add are the model's own). Over the last axis of x ([.., d], or [.., h d] with num_heads = h), channel
+# j = head * d + i. With rotary_heads = r, the heads from r on (a packed QKV's V) get cos 1 and sin 0:
+# y = x * 1 + partner * 0 = x, unchanged. c and s depend only on the tables' shape and the attributes, cos and sin only on
+# position_ids: onnxruntime folds the first at load and computes the second once per run for every node of
+# the graph (common subexpressions). The partners come from one block swap: x viewed [.., h, X, 2, Y], the
+# two Y-wide blocks of each pair trade places (halves: X = 1, Y = d/2, each half moves as one block;
+# interleaved: X = d/2, Y = 1). What is left per node at run time: Reshape, Gather, Reshape, Mul, Mul, Add.
 #
-# The Ifs see a 4-D tensor either way; subgraph outputs need a declared shape, whose dim names are labels only.
+#   position_ids [b, s] ──Gather(cos_cache) [b, s, d/2]──Gather c, axis -1──► [b, s, h d] ──Reshape──► cos
+#   position_ids [b, s] ──Gather(sin_cache)──Gather c──Mul s──Reshape──► sin     (signed)
+#       cos, sin: [b, s, h d] for 3-D x, [b, 1, s, d] for 4-D x [b, h, s, d] (broadcast over the heads)
+#   x ──Cast fp32──► xf ──Reshape [0, 0, h | 0, X, 2, Y]──Gather [1, 0], axis -2──Reshape x's shape──► partner
+#   xf cos + partner sin ──CastLike x──► y, x's own shape
 _FUNCTION_TEXT = """
 <domain: "llama_tools", opset_import: ["": {opset}]>
-RotaryEmbedding <interleaved, num_heads: int = 0> (x, position_ids, cos_cache, sin_cache) => (y) {{
-    x32 = Cast <to = 1> (x)
-    one = Constant <value_ints = [1]> ()
-    last = Constant <value_ints = [-1]> ()
-    heads_scalar = Constant <value_int: int = @num_heads> ()
-    heads = Reshape (heads_scalar, one)  # [] -> [1]
-    zero_zero = Constant <value_ints = [0, 0]> ()
-    view_shape = Concat <axis = 0> (zero_zero, heads, last)  # [0, 0, 0, -1] keeps 4-D x; [0, 0, h, -1] splits heads
-    xf = Reshape (x32, view_shape)  # [b, h, s, d] as is, or [b, s, h d] -> [b, s, h, d]
-    zero_scalar = Constant <value_int = 0> ()
-    is_3d = Greater (heads_scalar, zero_scalar)
-    is_3d_int = Cast <to = 7> (is_3d)
-    one_scalar = Constant <value_int = 1> ()
-    heads_axis_scalar = Add (one_scalar, is_3d_int)  # 1 for [b, h, s, d], 2 for [b, s, h, d]
-    heads_axis = Reshape (heads_axis_scalar, one)
-    cos_rows = Gather (cos_cache, position_ids)
-    sin_rows = Gather (sin_cache, position_ids)
-    cos = Unsqueeze (cos_rows, heads_axis)  # [b, s, d/2] -> [b, 1, s, d/2] or [b, s, 1, d/2]: every head
-    sin = Unsqueeze (sin_rows, heads_axis)
+RotaryEmbedding <interleaved, num_heads: int = 0, rotary_heads: int = 0> (x, position_ids, cos_cache, sin_cache) => (y) {{
+    zero = Constant <value_int = 0> ()
+    one = Constant <value_int = 1> ()
+    two = Constant <value_int = 2> ()
+    one_1d = Constant <value_ints = [1]> ()
+    heads_attr = Constant <value_int: int = @num_heads> ()
     flag = Constant <value_int: int = @interleaved> ()
     is_interleaved = Cast <to = 9> (flag)
-    x0, x1 = If (is_interleaved) <
-        then_branch = split_pairs () => (float[batch, heads, seq, half] evens, float[batch, heads, seq, half] odds) {{
-            pair_shape = Constant <value_ints = [0, 0, 0, -1, 2]> ()
-            pairs = Reshape (xf, pair_shape)  # [b, h, s, d] -> [b, h, s, d/2, 2]
-            e5, o5 = Split <axis = -1, num_outputs = 2> (pairs)
-            evens = Squeeze (e5, last)  # [b, h, s, d/2, 1] -> [b, h, s, d/2]
-            odds = Squeeze (o5, last)
-        }},
-        else_branch = split_halves () => (float[batch, heads, seq, half] first, float[batch, heads, seq, half] second) {{
-            first, second = Split <axis = -1, num_outputs = 2> (xf)
-        }}
-    >
-    x0c = Mul (x0, cos)
-    x1s = Mul (x1, sin)
-    x1c = Mul (x1, cos)
-    x0s = Mul (x0, sin)
-    y0 = Sub (x0c, x1s)
-    y1 = Add (x1c, x0s)
-    rotated = If (is_interleaved) <
-        then_branch = join_pairs () => (float[batch, heads, seq, dim] joined_pairs) {{
-            y0_5 = Unsqueeze (y0, last)  # [b, h, s, d/2] -> [b, h, s, d/2, 1]
-            y1_5 = Unsqueeze (y1, last)
-            pairs_out = Concat <axis = -1> (y0_5, y1_5)
-            flat_shape = Constant <value_ints = [0, 0, 0, -1]> ()
-            joined_pairs = Reshape (pairs_out, flat_shape)  # [b, h, s, d/2, 2] -> [b, h, s, d]
-        }},
-        else_branch = join_halves () => (float[batch, heads, seq, dim] joined_halves) {{
-            joined_halves = Concat <axis = -1> (y0, y1)
-        }}
-    >
-    x_shape = Shape (x)
-    out = Reshape (rotated, x_shape)  # back to x's own shape: a no-op for 4-D x
-    y = CastLike (out, x)
+    is_3d = Greater (heads_attr, zero)
+    is_3d_int = Cast <to = 7> (is_3d)
+    heads = Max (heads_attr, one)  # heads along x's last axis: 1 for 4-D x
+
+    half_1d = Shape <start = 1, end = 2> (cos_cache)  # [d/2]
+    half = Squeeze (half_1d)
+    dim = Mul (half, two)  # d
+    width = Mul (dim, heads)  # x's last axis
+    j = Range (zero, width, one)
+    i = Mod (j, dim)  # the channel within its head
+    i_mod_2 = Mod (i, two)
+    pair_column = Div (i, two)
+    half_column = Mod (i, half)
+    column = Where (is_interleaved, pair_column, half_column)  # c(i)
+    minus = Constant <value_float = -1.0> ()
+    plus = Constant <value_float = 1.0> ()
+    is_even = Equal (i_mod_2, zero)
+    in_first_half = Less (i, half)
+    pair_sign = Where (is_even, minus, plus)
+    half_sign = Where (in_first_half, minus, plus)
+    rotary_sign = Where (is_interleaved, pair_sign, half_sign)  # s(i): -1 on the x0 channels
+    rotary_attr = Constant <value_int: int = @rotary_heads> ()
+    some_heads = Greater (rotary_attr, zero)
+    rotated_heads = Where (some_heads, rotary_attr, heads)  # r: every head unless told
+    head = Div (j, dim)
+    is_rotated = Less (head, rotated_heads)
+    zero_float = Constant <value_float = 0.0> ()
+    sign = Where (is_rotated, rotary_sign, zero_float)  # sin 0 on the heads passed through
+    width_1d = Reshape (width, one_1d)
+    zero_1d = Constant <value_ints = [0]> ()
+    three_1d = Constant <value_ints = [3]> ()
+    is_3d_1d = Reshape (is_3d_int, one_1d)
+    four_d_shape = Constant <value_ints = [0, 1, -1]> ()  # [b, 1, s, ..]; 3-D x drops the 1: [b, s, ..]
+    lead = Slice (four_d_shape, zero_1d, one_1d)
+    skip = Add (one_1d, is_3d_1d)
+    rest = Slice (four_d_shape, skip, three_1d)
+    table_shape = Concat <axis = 0> (lead, rest, width_1d)
+
+    cos_rows = Gather (cos_cache, position_ids)  # [b, s, d/2]
+    sin_rows = Gather (sin_cache, position_ids)
+    cos_wide = Gather <axis = -1> (cos_rows, column)  # [b, s, h d]
+    sin_unsigned = Gather <axis = -1> (sin_rows, column)
+    sin_wide = Mul (sin_unsigned, sign)
+    cos_rotated = Where (is_rotated, cos_wide, plus)  # cos 1 on the heads passed through
+    cos = Reshape (cos_rotated, table_shape)
+    sin = Reshape (sin_wide, table_shape)
+
+    # The partner of every channel, as a swap of blocks: x viewed [.., h, X, 2, Y], the two Y-wide blocks of
+    # each pair trade places. Halves: X = 1, Y = d/2 (each half moves as one block); interleaved: X = d/2, Y = 1.
+    lead_zeros = Constant <value_ints = [0, 0]> ()
+    heads_1d = Reshape (heads_attr, one_1d)  # h; 0 keeps 4-D x's third axis (its sequence)
+    two_1d = Constant <value_ints = [2]> ()
+    outer = Where (is_interleaved, half_1d, one_1d)  # X
+    inner = Where (is_interleaved, one_1d, half_1d)  # Y
+    pair_view = Concat <axis = 0> (lead_zeros, heads_1d, outer, two_1d, inner)  # [0, 0, h | 0, X, 2, Y]
+    back_full = Constant <value_ints = [0, 0, 0, -1]> ()
+    four_1d = Constant <value_ints = [4]> ()
+    back_shape = Slice (back_full, is_3d_1d, four_1d)  # x's own shape again: [0, 0, -1] for 3-D x
+    swap = Constant <value_ints = [1, 0]> ()
+
+    xf = Cast <to = 1> (x)
+    pairs = Reshape (xf, pair_view)
+    swapped = Gather <axis = -2> (pairs, swap)
+    partner_x = Reshape (swapped, back_shape)  # channel j holds x_p(j)
+    x_cos = Mul (xf, cos)
+    partner_sin = Mul (partner_x, sin)
+    rotated = Add (x_cos, partner_sin)
+    y = CastLike (rotated, x)
 }}
 """
 

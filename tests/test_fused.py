@@ -92,11 +92,20 @@ def test_node_census(exports, rope_op):
     assert [x.name for x in gqa] == [f"/model/layers.{j}/self_attn/GroupQueryAttention" for j in range(n)]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa[0].attribute}
     assert attrs == {"num_heads": 4, "kv_num_heads": 2, "do_rotary": 0}  # RoPE is not GQA's
-    rope_domain = DOMAIN if rope_op == "llama_tools" else "com.microsoft"
-    ropes = by_type[(rope_domain, OP_TYPE)]
-    assert [x.name for x in ropes] == [f"/model/layers.{j}/self_attn/rope_{w}" for j in range(n) for w in "qk"]
-    assert [onnx.helper.get_attribute_value(next(a for a in x.attribute if a.name == "num_heads"))
-            for x in ropes] == [4, 2] * n
+    def attr(node, name):
+        return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
+
+    if rope_op == "llama_tools":  # one node per layer: the q and k heads of the packed QKV, v passed through
+        ropes = by_type[(DOMAIN, OP_TYPE)]
+        assert [x.name for x in ropes] == [f"/model/layers.{j}/self_attn/rope_qk" for j in range(n)]
+        assert [(attr(x, "num_heads"), attr(x, "rotary_heads")) for x in ropes] == [(4 + 2 * 2, 4 + 2)] * n
+        assert [x.input[0] for x in ropes] == [f"/model/layers.{j}/self_attn/qkv_proj/MatMul/output_0" for j in range(n)]
+        assert all(list(x.input[1:3]) == ["", ""] for x in gqa)  # GQA takes the rotated QKV packed
+        assert ("", "Split") not in by_type or all("/mlp/" in x.name for x in by_type[("", "Split")])
+    else:  # onnxruntime's op rotates every head it is given: q and k split apart
+        ropes = by_type[("com.microsoft", OP_TYPE)]
+        assert [x.name for x in ropes] == [f"/model/layers.{j}/self_attn/rope_{w}" for j in range(n) for w in "qk"]
+        assert [attr(x, "num_heads") for x in ropes] == [4, 2] * n
     # Packed projections: one MatMul for q/k/v and one for gate/up per layer, plus o, down and lm_head.
     weights = {i.name: tuple(i.dims) for i in g.initializer}
     matmuls = by_type[("", "MatMul")]
@@ -155,6 +164,34 @@ def test_rope_op_3d_input_is_model_rope():
         ref = rope(view, pos, angles.cos(), angles.sin(), bool(interleaved)).transpose(1, 2).reshape(2, 5, 48)
         assert y.shape == (2, 5, 48)
         np.testing.assert_allclose(y, ref.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_rope_op_passes_the_heads_after_rotary_heads_through():
+    """num_heads 3, rotary_heads 2 (a packed QKV of one q, one k, one v head): q, k as model.rope; v exactly as given."""
+    h = onnx.helper
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 3 * 16, generator=gen)  # [b, s, (q + k + v heads) * head_dim]
+    x[0, 0, 40] = 1e30  # a v channel the rotation would spoil if it touched v (1e30 * cos + partner * sin)
+    pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 30, 31]])
+    angles = torch.rand(32, 8, generator=gen) * 40
+    for interleaved in (0, 1):
+        node = h.make_node(OP_TYPE, ["x", "pos", "cos", "sin"], ["y"], domain=DOMAIN, interleaved=interleaved,
+                           num_heads=3, rotary_heads=2)
+        graph = h.make_graph([node], "rope", [
+            h.make_tensor_value_info("x", 1, ["b", "s", 48]), h.make_tensor_value_info("pos", 7, ["b", "s"]),
+            h.make_tensor_value_info("cos", 1, ["m", 8]), h.make_tensor_value_info("sin", 1, ["m", 8])],
+            [h.make_tensor_value_info("y", 1, ["b", "s", 48])])
+        m = h.make_model(graph, opset_imports=[h.make_opsetid("", 20), h.make_opsetid(DOMAIN, 1)],
+                         functions=[rope_function(20)], ir_version=10)
+        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        y = sess.run(None, {"x": x.numpy(), "pos": pos.numpy(), "cos": angles.cos().numpy(),
+                            "sin": angles.sin().numpy()})[0]
+        qk = x[..., :32].reshape(2, 5, 2, 16).transpose(1, 2)  # [b, s, 2 h d] -> [b, 2, s, d]
+        ref = rope(qk, pos, angles.cos(), angles.sin(), bool(interleaved)).transpose(1, 2).reshape(2, 5, 32)
+        assert y.shape == (2, 5, 48)
+        np.testing.assert_array_equal(y[..., :32], ref.numpy())  # bit for bit: the same products and add
+        np.testing.assert_array_equal(y[..., 32:], x[..., 32:].numpy())  # v untouched
+        assert not np.array_equal(y[..., :32], x[..., :32].numpy())  # and q, k were rotated
 
 
 # --- Numbers against PyTorch ------------------------------------------------------------------------------------
