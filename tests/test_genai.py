@@ -297,3 +297,34 @@ def test_genai_tokenizer_from_converted_files(plain, tokenizer_dir, tmp_path):
         ids = ref.encode(text)
         assert [int(i) for i in tok.encode(text)] == ids, text
         assert tok.decode(ids) == text
+
+
+# --- Optimum's ORTModelForCausalLM runs the files ---------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("graph", ["plain", "fused"])
+def test_optimum_runs_the_export_as_the_readme_shows(graph, plain, tmp_path):
+    """README's Optimum snippet on our files: greedy tokens equal `generate`'s; a left-padded row equals it alone."""
+    pytest.importorskip("optimum.onnxruntime", reason="optimum-onnx not installed (pip install optimum-onnx)")
+    from optimum.onnxruntime import ORTModelForCausalLM
+
+    if graph == "plain":
+        path = plain
+    else:
+        from llama_tools.exporters.fused import export_fused
+
+        path = export_fused("tiny", tmp_path / "fused" / "model.onnx").path
+    write_client_files(path)  # config.json: without it Optimum cannot tell which library the model is for
+    model = ORTModelForCausalLM.from_pretrained(str(path.parent), provider="CPUExecutionProvider")
+    reference = build_model(CFG, seed=0)
+    want = generate(reference, PROMPT, max_new_tokens=NEW).new_ids
+    out = model.generate(torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+                         max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, len(PROMPT) + NEW)
+    assert out[0, len(PROMPT):].tolist() == want
+    other = [1, 5, 6, 7, 8, 9]  # a longer row: PROMPT is left-padded by two
+    ids = torch.tensor([[0, 0, *PROMPT], other])
+    mask = torch.tensor([[0, 0] + [1] * len(PROMPT), [1] * len(other)])
+    batch = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert batch[0, len(other):].tolist() == want[:10]
+    assert batch[1, len(other):].tolist() == generate(reference, other, max_new_tokens=10).new_ids

@@ -22,16 +22,26 @@ SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+
+
+def rope_kwargs(params: dict) -> dict:
+    """transformers 5 nests rope_theta and the scaling under rope_parameters; 4.x takes rope_theta, rope_scaling."""
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return {"rope_parameters": params}
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return {"rope_theta": params["rope_theta"], "rope_scaling": None if scaling["rope_type"] == "default" else scaling}
+
+
 CASES = {
     "llama-mha": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=4,
                                                           attention_bias=True)),
     "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2,
-                                                          rope_parameters=LLAMA3_ROPE)),
+                                                          **rope_kwargs(LLAMA3_ROPE))),
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2,
                                                                    sliding_window=5)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2,
                                                       tie_word_embeddings=True,
-                                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+                                                      **rope_kwargs({"rope_type": "default", "rope_theta": 1e6}))),
 }
 IDS = torch.tensor([[1, 17, 200, 5, 99, 42, 7, 250, 3, 64, 128, 11, 33, 90]])
 
@@ -57,7 +67,8 @@ def hf_model(case: str, directory):
 def test_logits_and_greedy_generation_match_transformers(tmp_path, case):
     hf = hf_model(case, tmp_path)
     ours = load_model(tmp_path)
-    assert ours.cfg.rope_theta == hf.config.rope_parameters["rope_theta"]  # transformers 5 nests it
+    theta = (getattr(hf.config, "rope_parameters", None) or {}).get("rope_theta") or hf.config.rope_theta
+    assert ours.cfg.rope_theta == theta
     assert (ours.cfg.rope_scaling is not None) == (case == "llama-gqa")
     with torch.no_grad():
         expected = hf(IDS).logits
