@@ -262,7 +262,9 @@ def write_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
                          f"reject present.0.key's shape. Leave share_buffer off")
     gconfig = genai_config(cfg, filename=onnx_path.name, share_buffer=share_buffer, provider=provider)
     if static is not None:  # genai allocates past/present at max_length: the graph's buffer length
-        gconfig["search"]["max_length"] = static
+        # context_length too: genai then refuses a longer max_length in one line ("cannot be greater than model
+        # context_length") instead of failing inside GroupQueryAttention on a present one slot too long.
+        gconfig["search"]["max_length"] = gconfig["model"]["context_length"] = static
     w = _OwnedWriter(onnx_path.parent)
     w.json("config.json", hf_config(cfg))
     w.json("generation_config.json", generation_config(cfg))

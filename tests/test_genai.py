@@ -266,6 +266,9 @@ def test_genai_runs_plain_fused_static_and_int4(plain, int4, tmp_path):
             client = write_client_files(path)
             assert client.share_buffer is bool(static)
             assert _genai_greedy(og, path.parent, PROMPT, NEW) == want, name
+            if static:  # past the buffer: genai's own one-line refusal, not a failure inside the graph
+                with pytest.raises(Exception, match=r"max_length \(65\) cannot be greater than model context_length \(64\)"):
+                    _genai_greedy(og, path.parent, PROMPT, 65 - len(PROMPT))
     # int4 is not fp32: genai must reproduce the int4 graph's own greedy tokens (onnxruntime, our runner).
     write_client_files(int4)
     assert _genai_greedy(og, int4.parent, PROMPT, NEW) == _onnx_greedy(int4, PROMPT, NEW)
