@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 import onnxruntime as ort
 import pytest
 import torch
@@ -143,6 +144,22 @@ def test_graph_has_one_custom_rope_node_per_q_and_k(half_export):
     onnx.checker.check_model(str(half_export.path), full_check=True)
 
 
+def test_linear_weights_are_stored_transposed_for_their_matmul(half_model, half_export):
+    """No Transpose(W) left for onnxruntime to fold: each Linear's weight is W^T [in, out] under its module's name."""
+    m = onnx.load(str(half_export.path))
+    inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    assert not [n.name for n in m.graph.node if n.op_type == "Transpose" and n.input[0] in inits]
+    state = half_model.state_dict()
+    linears = [k for k, v in state.items() if v.ndim == 2 and k != "model.embed_tokens.weight"]
+    assert len(linears) == 7 * TINY.num_hidden_layers + 1  # q k v o gate up down, and lm_head
+    for name in linears:
+        stored = inits.pop(name.removesuffix(".weight") + ".MatMul.weight")
+        np.testing.assert_array_equal(stored, state[name].numpy().T)  # [in, out], the same numbers
+        assert name not in inits  # not kept beside it
+    by_input = {i for n in m.graph.node if n.op_type == "MatMul" for i in n.input}
+    assert all(name.removesuffix(".weight") + ".MatMul.weight" in by_input for name in linears)
+
+
 def test_inputs_outputs_names_and_dtypes(half_export, half_session):
     inputs, outputs = io_names(TINY.num_hidden_layers)
     got_in = {i.name: (i.type, i.shape) for i in half_session.get_inputs()}
@@ -259,6 +276,7 @@ def test_tied_embeddings_biases_and_sliding_window(tmp_path):
     res = export_onnx(model, tmp_path / "qwen.onnx")
     names = {t.name for t in onnx.load(str(res.path)).graph.initializer}
     assert len(names & {"lm_head.weight", "model.embed_tokens.weight"}) == 1  # one matrix, stored once
+    assert "lm_head.MatMul.weight" not in names  # its Transpose is kept: folding would store it twice
     _, err = cached_decode_vs_torch(session(res.path), model, token_ids(2, 9, seed=12), prefill=6)
     assert err < ATOL
 
@@ -355,7 +373,7 @@ def test_bf16_exports_but_the_cpu_provider_refuses_it_in_one_line(tmp_path):
 
     res = export_onnx("tiny", tmp_path / "bf16.onnx", dtype="bfloat16")  # checked with full_check
     model = onnx.load(str(res.path))
-    weight = next(i for i in model.graph.initializer if i.name == "model.layers.0.self_attn.q_proj.weight")
+    weight = next(i for i in model.graph.initializer if i.name == "model.layers.0.self_attn.q_proj.MatMul.weight")
     assert weight.data_type == onnx.TensorProto.BFLOAT16
     cos = next(i for i in model.graph.initializer if i.name == "cos_cache")
     assert cos.data_type == onnx.TensorProto.FLOAT  # our op keeps the tables in fp32

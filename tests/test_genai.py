@@ -167,8 +167,8 @@ def test_int4_weights_are_block32_symmetric(plain, int4):
     for node in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert (attrs["bits"], attrs["block_size"]) == (4, 32) and len(node.input) == 3  # no zero points
-        weight = node.input[1].removesuffix("_t_Q4")
-        w = src[weight].T  # [K, N]
+        weight = node.input[1].removesuffix("_Q4")  # the export's `<module>.MatMul.weight`, stored [in, out]
+        w = src[weight[:-2]].T if weight.endswith("_t") else src[weight]  # [K, N] ("_t": folded by quantize)
         deq = _dequantize(inits[node.input[1]], inits[node.input[2]], attrs["K"], 32)
         step = np.abs(np.repeat(inits[node.input[2]].reshape(attrs["N"], -1), 32, axis=1)[:, :attrs["K"]].T)  # scales carry the sign
         assert deq.shape == w.shape == (attrs["K"], attrs["N"])
