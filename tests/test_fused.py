@@ -141,25 +141,31 @@ def test_io_names_and_metadata(exports):
     assert props["llama_tools.graph"] == "fused" and props["llama_tools.static_kv"] == ""
 
 
+def run_rope_node(x: torch.Tensor, pos: torch.Tensor, angles: torch.Tensor, **attributes) -> np.ndarray:
+    """One llama_tools.RotaryEmbedding node on 3-D x [b, s, width] through its function body on onnxruntime."""
+    h = onnx.helper
+    width = x.shape[-1]
+    node = h.make_node(OP_TYPE, ["x", "pos", "cos", "sin"], ["y"], domain=DOMAIN, **attributes)
+    graph = h.make_graph([node], "rope", [
+        h.make_tensor_value_info("x", 1, ["b", "s", width]), h.make_tensor_value_info("pos", 7, ["b", "s"]),
+        h.make_tensor_value_info("cos", 1, ["m", angles.shape[1]]),
+        h.make_tensor_value_info("sin", 1, ["m", angles.shape[1]])],
+        [h.make_tensor_value_info("y", 1, ["b", "s", width])])
+    m = h.make_model(graph, opset_imports=[h.make_opsetid("", 20), h.make_opsetid(DOMAIN, 1)],
+                     functions=[rope_function(20)], ir_version=10)
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x.numpy(), "pos": pos.numpy(), "cos": angles.cos().numpy(),
+                           "sin": angles.sin().numpy()})[0]
+
+
 def test_rope_op_3d_input_is_model_rope():
     """Our op with num_heads on [b, s, h d] equals llama_tools.model.rope on the [b, h, s, d] view."""
-    h = onnx.helper
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 3 * 16, generator=gen)  # [b, s, heads * head_dim]
     pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 30, 31]])
     angles = torch.rand(32, 8, generator=gen) * 40
     for interleaved in (0, 1):
-        node = h.make_node(OP_TYPE, ["x", "pos", "cos", "sin"], ["y"], domain=DOMAIN, interleaved=interleaved,
-                           num_heads=3)
-        graph = h.make_graph([node], "rope", [
-            h.make_tensor_value_info("x", 1, ["b", "s", 48]), h.make_tensor_value_info("pos", 7, ["b", "s"]),
-            h.make_tensor_value_info("cos", 1, ["m", 8]), h.make_tensor_value_info("sin", 1, ["m", 8])],
-            [h.make_tensor_value_info("y", 1, ["b", "s", 48])])
-        m = h.make_model(graph, opset_imports=[h.make_opsetid("", 20), h.make_opsetid(DOMAIN, 1)],
-                         functions=[rope_function(20)], ir_version=10)
-        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-        y = sess.run(None, {"x": x.numpy(), "pos": pos.numpy(), "cos": angles.cos().numpy(),
-                            "sin": angles.sin().numpy()})[0]
+        y = run_rope_node(x, pos, angles, interleaved=interleaved, num_heads=3)
         view = x.view(2, 5, 3, 16).transpose(1, 2)  # [b, s, h d] -> [b, h, s, d]
         ref = rope(view, pos, angles.cos(), angles.sin(), bool(interleaved)).transpose(1, 2).reshape(2, 5, 48)
         assert y.shape == (2, 5, 48)
@@ -168,24 +174,13 @@ def test_rope_op_3d_input_is_model_rope():
 
 def test_rope_op_passes_the_heads_after_rotary_heads_through():
     """num_heads 3, rotary_heads 2 (a packed QKV of one q, one k, one v head): q, k as model.rope; v exactly as given."""
-    h = onnx.helper
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 5, 3 * 16, generator=gen)  # [b, s, (q + k + v heads) * head_dim]
     x[0, 0, 40] = 1e30  # a v channel the rotation would spoil if it touched v (1e30 * cos + partner * sin)
     pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 30, 31]])
     angles = torch.rand(32, 8, generator=gen) * 40
     for interleaved in (0, 1):
-        node = h.make_node(OP_TYPE, ["x", "pos", "cos", "sin"], ["y"], domain=DOMAIN, interleaved=interleaved,
-                           num_heads=3, rotary_heads=2)
-        graph = h.make_graph([node], "rope", [
-            h.make_tensor_value_info("x", 1, ["b", "s", 48]), h.make_tensor_value_info("pos", 7, ["b", "s"]),
-            h.make_tensor_value_info("cos", 1, ["m", 8]), h.make_tensor_value_info("sin", 1, ["m", 8])],
-            [h.make_tensor_value_info("y", 1, ["b", "s", 48])])
-        m = h.make_model(graph, opset_imports=[h.make_opsetid("", 20), h.make_opsetid(DOMAIN, 1)],
-                         functions=[rope_function(20)], ir_version=10)
-        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-        y = sess.run(None, {"x": x.numpy(), "pos": pos.numpy(), "cos": angles.cos().numpy(),
-                            "sin": angles.sin().numpy()})[0]
+        y = run_rope_node(x, pos, angles, interleaved=interleaved, num_heads=3, rotary_heads=2)
         qk = x[..., :32].reshape(2, 5, 2, 16).transpose(1, 2)  # [b, s, 2 h d] -> [b, 2, s, d]
         ref = rope(qk, pos, angles.cos(), angles.sin(), bool(interleaved)).transpose(1, 2).reshape(2, 5, 32)
         assert y.shape == (2, 5, 48)
