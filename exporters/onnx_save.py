@@ -3,11 +3,13 @@
 `ir.save` of a single file serializes every weight into one protobuf in memory, and `onnx.checker` on the
 path loads them all again: 4.8x the weights at peak on a 150M model. Here
 
-    initializer 0 --(fetch, cast to its declared dtype)--> append to OUT.data --> ExternalTensor(offset, length)
+    initializer 0 --(fetch; cast, made contiguous 64 MiB of rows at a time)--> append to OUT.data
+                  --> ExternalTensor(offset, length)
     initializer 1 --(...)--> append --> ...                  (one tensor in memory at a time)
     graph + ExternalTensor references --> OUT (a few MB) --> onnx.checker(full_check) on that proto alone
 
-so the peak is the largest tensor plus the graph, and the check reads no weight. A `source` callable can
+so the peak is the largest tensor as the source hands it (a memory-mapped file's pages), one slab of its
+cast or transposed copy, and the graph; the check reads no weight. A `source` callable can
 hand each weight over only when it is written (e.g. from the memory-mapped checkpoint), so the model
 never has to be in memory whole. The caller owns the directory (temp dir, atomic rename).
 """
@@ -50,8 +52,11 @@ def _nbytes(v: ir.Value) -> int:
     return int(math.prod(int(d) for d in v.shape) * v.dtype.itemsize)
 
 
-def _as_torch(data: Any, v: ir.Value) -> torch.Tensor:
-    """A tensor-like (torch, numpy, ir tensor) -> a contiguous CPU torch tensor of v's declared dtype."""
+def _as_torch(data: Any, v: ir.Value, materialize: bool = True) -> torch.Tensor:
+    """A tensor-like (torch, numpy, ir tensor) -> a contiguous CPU torch tensor of v's declared dtype.
+
+    materialize=False: the tensor as it came (a view, another dtype): `_write` casts it a slab at a time.
+    """
     raw = getattr(data, "raw", data)  # onnx_ir's TorchTensor / Tensor wrap the real array in .raw
     if isinstance(raw, torch.Tensor):
         t = raw
@@ -66,6 +71,8 @@ def _as_torch(data: Any, v: ir.Value) -> torch.Tensor:
     assert want is not None, f"{v.name}: no torch dtype for {v.dtype}"
     shape = tuple(int(d) for d in v.shape)
     assert tuple(t.shape) == shape, f"{v.name}: tensor {list(t.shape)} vs initializer {list(shape)}"
+    if not materialize:
+        return t.detach()
     return t.detach().to(device="cpu", dtype=want).contiguous()  # the per-tensor cast to the export dtype
 
 
@@ -83,11 +90,24 @@ def _ir_tensor(t: torch.Tensor, v: ir.Value) -> ir.Tensor:
     return ir.Tensor(arr, dtype=v.dtype, name=v.name)
 
 
-def _write(f: Any, t: torch.Tensor) -> int:
-    """Append t's bytes (little-endian, as ONNX stores them); no copy beyond the tensor itself."""
-    data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
-    f.write(memoryview(data))
-    return data.nbytes
+SLAB_BYTES = 64 * 2**20  # a transposed or cast tensor is written this much at a time
+
+
+def _write(f: Any, t: torch.Tensor, dtype: torch.dtype) -> int:
+    """Append t's bytes in `dtype`, row-major and little-endian as ONNX stores them, a slab of rows at a time:
+    a transposed view (W^T for a MatMul) or a cast is never made whole, only SLAB_BYTES of it."""
+    if t.numel() == 0:
+        return 0
+    rows = t if t.dim() > 1 else t.reshape(1, -1)  # [rows, ...]
+    per_row = rows[0].numel() * dtype.itemsize
+    step = max(1, SLAB_BYTES // per_row)
+    n = 0
+    for start in range(0, rows.shape[0], step):
+        slab = rows[start:start + step].to(device="cpu", dtype=dtype).contiguous()  # [step, ...]: the only copy
+        data = slab.reshape(-1).view(torch.uint8).numpy()
+        f.write(memoryview(data))
+        n += data.nbytes
+    return n
 
 
 def check_weightless(path: Path) -> None:
@@ -137,16 +157,17 @@ def save_model(model: ir.Model, directory: str | Path, name: str = "model.onnx",
     written = offset = 0
     with open(directory / data_name, "wb") as f:
         for i, v in enumerate(inits):
-            t = _as_torch(fetch(v), v)
-            if t.nbytes < INLINE_MAX_BYTES:
-                v.const_value = _ir_tensor(t, v)  # shape constants, norms of toy models: inside the graph
+            t = _as_torch(fetch(v), v, materialize=False)
+            dtype = _TORCH_DTYPES[v.dtype]
+            if t.numel() * dtype.itemsize < INLINE_MAX_BYTES:
+                v.const_value = _ir_tensor(_as_torch(t, v), v)  # shape constants, toy norms: inside the graph
             else:
-                n = _write(f, t)
+                n = _write(f, t, dtype)
                 v.const_value = ir.ExternalTensor(data_name, offset, n, v.dtype, name=v.name, base_dir=directory,
                                                   shape=ir.Shape([int(d) for d in v.shape]))
                 offset += n
                 written += 1
-            del t  # the only copy this function made: gone before the next tensor is fetched
+            del t  # the source's tensor (a view of its file): dropped before the next is fetched
             if callback is not None:
                 callback(i + 1, len(inits))
     path.write_bytes(ir.serde.serialize_model(model).SerializeToString())  # references only: a few MB

@@ -139,3 +139,28 @@ def test_a_tensor_of_the_wrong_shape_is_refused(tmp_path, small):
     with pytest.raises(AssertionError, match="model.norm.weight: tensor \\[3\\]"):
         save_model(model, tmp_path / "new", external=True,
                    source=lambda name: torch.ones(3) if name == "model.norm.weight" else None)
+
+
+def test_transposed_and_cast_views_are_written_a_slab_at_a_time(tmp_path, monkeypatch):
+    """W^T handed over as a view of fp32 W into an fp16 graph, 1 KiB slabs: the bytes of W.T cast whole."""
+    import llama_tools.exporters.onnx_save as onnx_save
+
+    monkeypatch.setattr(onnx_save, "SLAB_BYTES", 1024)
+    w = torch.randn(48, 80, generator=torch.Generator().manual_seed(0))  # [out, in]
+    value = ir.Value(name="w_t", shape=ir.Shape([80, 48]), type=ir.TensorType(ir.DataType.FLOAT16))  # [in, out]
+    y = ir.Value(name="y", shape=ir.Shape([2, 48]), type=ir.TensorType(ir.DataType.FLOAT16))
+    x = ir.Value(name="x", shape=ir.Shape([2, 80]), type=ir.TensorType(ir.DataType.FLOAT16))
+    graph = ir.Graph([x], [y], nodes=[ir.Node("", "MatMul", [x, value], outputs=[y])], initializers=[value],
+                     opset_imports={"": 20}, name="slabs")
+    seen = []
+
+    def source(name):
+        seen.append(name)
+        return w.T  # a non-contiguous fp32 view, never made contiguous whole
+    saved = save_model(ir.Model(graph, ir_version=10), tmp_path, source=source, external=True)
+    assert seen == ["w_t"] and saved.data_bytes == 80 * 48 * 2
+    got = numpy_helper.to_array(onnx.load(str(saved.path)).graph.initializer[0], base_dir=str(tmp_path))
+    assert got.shape == (80, 48) and got.dtype == np.float16
+    np.testing.assert_array_equal(got, w.T.contiguous().half().numpy())
+    with pytest.raises(AssertionError):  # the check can fail: W itself is not what was stored
+        np.testing.assert_array_equal(got, w.half().numpy().reshape(80, 48))
