@@ -261,6 +261,12 @@ def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt
     onnx_path = Path(onnx_path)
     meta = read_metadata(onnx_path)
     cfg = meta.config
+    rng = np.random.default_rng(0)
+    prompt = list(prompt) if prompt else rng.integers(3, cfg.vocab_size, size=8).tolist()
+    longest = max(len(prompt) + steps, len(sequence) if sequence else 0)
+    if meta.static_kv is not None and longest > meta.static_kv:
+        raise ValueError(f"{onnx_path}: its static KV buffer holds {meta.static_kv} positions, but the prompt and "
+                         f"{steps} steps need {longest}; use fewer steps, or export with a larger --static-kv")
     if reference is None:
         if meta.seed is None and not Path(meta.source).is_dir():
             raise ValueError(f"{onnx_path}: exported from weights no seed reproduces; pass the fp32 model as reference")
@@ -269,8 +275,6 @@ def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt
         reference = load_model(reference, dtype="float32", seed=meta.seed or 0)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    rng = np.random.default_rng(0)
-    prompt = list(prompt) if prompt else rng.integers(3, cfg.vocab_size, size=8).tolist()
     lm = OnnxLM(create_session(onnx_path, "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
     reference = reference.float().eval()
 
@@ -293,13 +297,13 @@ def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt
     for tok in ref_ids:
         agree += int(got.logits[0, -1].argmax() == tok)
         total += 1
-        got = onnx_step([tok], got.presents, total)
+        got = onnx_step([tok], got.cache, total)
     own = onnx_step(prompt, lm.empty_cache(1), len(prompt))
     int4_ids, total = [], len(prompt)
     for _ in range(steps):
         int4_ids.append(int(own.logits[0, -1].argmax()))
         total += 1
-        own = onnx_step([int4_ids[-1]], own.presents, total)
+        own = onnx_step([int4_ids[-1]], own.cache, total)
     same = next((i for i, (a, b) in enumerate(zip(ref_ids, int4_ids)) if a != b), steps)
 
     # The fixed sequence in one prefill: KL per position and perplexity.

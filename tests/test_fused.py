@@ -206,7 +206,7 @@ def test_padded_prefill_and_decode_match_torch(model, exports, rope_op, layout):
         assert (got.logits[:, -1].argmax(-1) == tok[:, 0]).all(), f"step {step}: greedy choice differs"
         mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)  # [batch, past + 1]
         pos = positions(mask, 1)
-        got, ref = run(tok, mask, pos, got.presents), reference(m, tok, mask, pos, ref.past_key_values)
+        got, ref = run(tok, mask, pos, got.cache), reference(m, tok, mask, pos, ref.past_key_values)
         checks += check_step(f"decode {step}", got.logits, got.presents, ref, mask.astype(bool))
     bad = [c for c in checks if not c.passed]
     assert not bad, bad[0]

@@ -215,6 +215,21 @@ def test_int4_parity_verdict_and_its_negative(tmp_path):
     assert not q.faithful and q.mean_kl > p.mean_kl * 3 and q.ppl_change > 0.1, q.failures
 
 
+def test_int4_of_a_static_graph_measures_the_same(tmp_path):
+    """verify int4 through a static KV buffer gives the figures of the same int4 weights with a growing cache."""
+    from llama_tools.exporters.fused import export_fused
+
+    good = decisive()
+    for name, static in (("grow", False), ("static", 64)):
+        export_fused(good, tmp_path / f"{name}.onnx", static_kv=static)
+        quantize_int4(tmp_path / f"{name}.onnx", tmp_path / f"{name}4.onnx")
+    grow, static = (measure_quant_parity(tmp_path / f"{n}4.onnx", good, steps=40) for n in ("grow", "static"))
+    assert static.top1_agreement == grow.top1_agreement and static.free_run_same == grow.free_run_same
+    assert static.mean_kl == pytest.approx(grow.mean_kl, abs=1e-6)
+    with pytest.raises(ValueError, match="static KV buffer holds 64 positions, but the prompt and 60 steps need 68"):
+        measure_quant_parity(tmp_path / "static4.onnx", good, steps=60)
+
+
 # --- onnxruntime-genai runs the files ------------------------------------------------------------------------
 
 def _genai_greedy(og, directory: Path, prompt: list[int], new: int) -> list[int]:
@@ -241,7 +256,7 @@ def _onnx_greedy(path: Path, prompt: list[int], new: int) -> list[int]:
     for _ in range(new):
         mask = np.ones((1, len(ids)), np.int64)
         res = lm(np.array([step]), mask, positions(mask, len(step)), past)
-        past, tok = res.presents, int(res.logits[0, -1].argmax())
+        past, tok = res.cache, int(res.logits[0, -1].argmax())
         out.append(tok)
         ids.append(tok)
         step = [tok]
