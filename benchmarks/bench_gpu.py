@@ -1,19 +1,26 @@
-"""Prefill and decode on one GPU: onnxruntime CUDA with IOBinding vs numpy feeds vs eager PyTorch CUDA.
+"""Prefill and decode on one GPU: the plain, fused and static-KV graphs on onnxruntime CUDA against eager PyTorch.
 
     python benchmarks/bench_gpu.py [--layers 2] [--dtype float16] [--prompt 512] [--steps 64] [--batch 1]
+                                   [--provider cuda|cpu]
 
 LLaMA-7B width (n2 4096, n7 11008, 32 heads, vocab 32000) with `--layers` decoders, seeded weights,
-exported once to a temp dir. Decode runs `--steps` greedy steps after a 128-token prefill, the cache fed
-back each step: as OrtValues on the GPU (IOBinding, `exporters.runtime.OnnxLM(io="device")`), as numpy
-(`io="numpy"`: the cache crosses to the host and back every step), and through PyTorch's own cache.
+exported once to a temp dir three ways: the plain graph (`export onnx`), the fused graph (`--optimize`:
+GroupQueryAttention, packed QKV, our RoPE node) and the fused graph with a static KV buffer (`--static-kv`,
+past and present one buffer per layer, written in place). Decode runs `--steps` greedy steps after a
+128-token prefill, the cache fed back each step: as OrtValues on the device (IOBinding,
+`exporters.runtime.OnnxLM(io="device")`), for the plain graph also as numpy (`io="numpy"`: the cache crosses
+to the host and back every step), and through PyTorch's own cache.
 Roofline for decode: a step must read every weight and the whole KV cache once, so
 bytes/step / seconds/step against the device-to-device copy bandwidth measured here.
-On a machine where onnxruntime cannot run CUDA it says why and exits 0.
+On a machine where onnxruntime cannot run CUDA it says why and exits 0; `--provider cpu` runs the same
+code on the host (a smoke run: no roofline).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import sys
 import tempfile
 import time
@@ -54,14 +61,16 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=512, help="prefill length")
     ap.add_argument("--steps", type=int, default=64, help="decode steps after a 128-token prefill")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--provider", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run on the host")
     args = ap.parse_args()
 
     from llama_tools.exporters.runtime import OnnxLM, create_session, cuda_unusable
 
-    why = cuda_unusable()
     import torch
 
-    if why is None and not torch.cuda.is_available():
+    gpu = args.provider == "cuda"
+    why = cuda_unusable() if gpu else None
+    if why is None and gpu and not torch.cuda.is_available():
         why = "PyTorch has no CUDA here"
     if why is not None:
         print(f"bench_gpu: skipped: {why}")
@@ -69,80 +78,96 @@ def main() -> int:
 
     import onnxruntime as ort
 
+    from llama_tools.exporters.fused import export_fused
     from llama_tools.exporters.onnx_export import export_onnx
     from llama_tools.presets import get_preset
     from llama_tools.model import build_model
 
     cfg = get_preset("llama-7b").replace(num_hidden_layers=args.layers)
     tdtype = getattr(torch, args.dtype)
+    device = "cuda" if gpu else "cpu"
     model = build_model(cfg, dtype=tdtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    b, n = args.batch, args.prompt
+    rng = np.random.default_rng(0)
+
+    def sync() -> None:
+        if gpu:
+            torch.cuda.synchronize()
+
+    def ort_prefill(lm, n):
+        ids = rng.integers(3, cfg.vocab_size, (b, n))
+        mask = np.ones((b, n), np.int64)
+        return lm(ids, mask, np.tile(np.arange(n), (b, 1)), lm.empty_cache(b)), mask
+
+    def ort_decode(lm):
+        out, mask = ort_prefill(lm, 128)
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)  # [b, past + 1]
+            nxt = out.logits[:, -1].argmax(-1)[:, None]
+            out = lm(nxt, mask, mask.sum(-1, keepdims=True) - 1, out.cache)
+        return (time.perf_counter() - t) / args.steps
+
+    rows: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
-        path = Path(tmp) / "model.onnx"
-        export_onnx(model, path, dtype=args.dtype)
-        session = create_session(path, "cuda")
-        bound = OnnxLM(session, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, io="device")
-        plain = OnnxLM(session, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, io="numpy")
-        model = model.cuda()
-        rng = np.random.default_rng(0)
-        b = args.batch
-
-        def ort_prefill(lm, n):
-            ids = rng.integers(3, cfg.vocab_size, (b, n))
-            mask = np.ones((b, n), np.int64)
-            return lm(ids, mask, np.tile(np.arange(n), (b, 1)), lm.empty_cache(b)), mask
-
-        def ort_decode(lm):
-            out, mask = ort_prefill(lm, 128)
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)  # [b, past + 1]
-                nxt = out.logits[:, -1].argmax(-1)[:, None]
-                out = lm(nxt, mask, mask.sum(-1, keepdims=True) - 1, out.cache)
-            return (time.perf_counter() - t) / args.steps
+        graphs = {"plain": export_onnx(model, Path(tmp) / "plain.onnx", dtype=args.dtype).path,
+                  "fused": export_fused(model, Path(tmp) / "fused.onnx", dtype=args.dtype).path,
+                  "fused, static KV": export_fused(model, Path(tmp) / "static.onnx", dtype=args.dtype,
+                                                   static_kv=max(n, 128 + args.steps)).path}
+        for name, path in graphs.items():
+            session = create_session(path, args.provider)
+            ios = ("device", "numpy") if name == "plain" else ("device",)
+            for io in ios:
+                lm = OnnxLM(session, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, io=io)
+                label = f"{name}, {'IOBinding' if io == 'device' else 'numpy feeds'}"
+                rows[label] = (timed(lambda: ort_prefill(lm, n), 5), float(np.median([ort_decode(lm) for _ in range(3)])))
+                print(f"  timed {label}", file=sys.stderr)
+            provider_options = session.options
+            del session
+        model = model.to(device)
 
         @torch.no_grad()
         def torch_prefill(n):
-            ids = torch.randint(3, cfg.vocab_size, (b, n), device="cuda")
+            ids = torch.randint(3, cfg.vocab_size, (b, n), device=device)
             out = model(ids)
-            torch.cuda.synchronize()
+            sync()
             return out
 
         @torch.no_grad()
         def torch_decode():
             out = torch_prefill(128)
-            torch.cuda.synchronize()
             t = time.perf_counter()
             for _ in range(args.steps):
                 nxt = out.logits[:, -1].argmax(-1)[:, None]
                 out = model(nxt, past_key_values=out.past_key_values)
-            torch.cuda.synchronize()
+            sync()
             return (time.perf_counter() - t) / args.steps
 
-        n = args.prompt
-        rows = {
-            "onnxruntime CUDA, IOBinding": (timed(lambda: ort_prefill(bound, n), 5), np.median(
-                [ort_decode(bound) for _ in range(3)])),
-            "onnxruntime CUDA, numpy feeds": (timed(lambda: ort_prefill(plain, n), 5), np.median(
-                [ort_decode(plain) for _ in range(3)])),
-            "PyTorch eager CUDA": (timed(lambda: torch_prefill(n), 5), np.median([torch_decode() for _ in range(3)])),
-        }
-        bw = copy_bandwidth(torch)
+        rows["PyTorch eager"] = (timed(lambda: torch_prefill(n), 5), float(np.median([torch_decode() for _ in range(3)])))
+        bw = copy_bandwidth(torch) if gpu else None
     item = torch.finfo(tdtype).bits // 8
     kv_bytes = 2 * cfg.num_hidden_layers * b * cfg.num_key_value_heads * (128 + args.steps // 2) * cfg.head_dim * item
     step_bytes = weight_bytes + kv_bytes  # every weight and (on average) half-grown cache, read once per step
-    print(f"device: {torch.cuda.get_device_name(0)}; onnxruntime {ort.__version__}, torch {torch.__version__}; "
-          f"provider options {session.options}")
+    where = torch.cuda.get_device_name(0) if gpu else f"host CPU ({platform_name()})"
+    print(f"device: {where}; onnxruntime {ort.__version__}, torch {torch.__version__}; "
+          f"provider options {provider_options}")
     print(f"LLaMA-7B width, {args.layers} layers, {args.dtype}, weights {weight_bytes / 2**30:.2f} GiB; "
-          f"batch {b}; prefill {n} tokens; decode {args.steps} steps after 128; "
-          f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    eager_p, eager_d = rows["PyTorch eager CUDA"]
-    print(f"{'path':<32} {'prefill ms':>10} {'tok/s':>9} {'vs eager':>8} {'decode ms':>10} {'vs eager':>8} "
-          f"{'% roofline':>10}")
+          f"batch {b}; prefill {n} tokens; decode {args.steps} steps after 128"
+          + (f"; copy bandwidth {bw / 1e12:.2f} TB/s" if bw else ""))
+    eager_p, eager_d = rows["PyTorch eager"]
+    plain_d = rows["plain, IOBinding"][1]
+    print(f"{'path':<28} {'prefill ms':>10} {'tok/s':>9} {'vs eager':>8} {'decode ms':>10} {'vs eager':>8} "
+          f"{'vs plain':>8} {'% roofline':>10}")
     for name, (p, d) in rows.items():
-        print(f"{name:<32} {p * 1e3:>10.2f} {b * n / p:>9.0f} {eager_p / p:>7.2f}x {d * 1e3:>10.3f} "
-              f"{eager_d / d:>7.2f}x {100 * step_bytes / d / bw:>9.1f}%")
+        roof = f"{100 * step_bytes / d / bw:>9.1f}%" if bw else f"{'-':>10}"
+        print(f"{name:<28} {p * 1e3:>10.2f} {b * n / p:>9.0f} {eager_p / p:>7.2f}x {d * 1e3:>10.3f} "
+              f"{eager_d / d:>7.2f}x {plain_d / d:>7.2f}x {roof}")
     return 0
+
+
+def platform_name() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores"
 
 
 if __name__ == "__main__":
