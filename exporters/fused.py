@@ -17,7 +17,7 @@ in contrib_ops/cpu/bert/gqa_attention_base.h and group_query_attention_helper.h,
   - do_rotary = 0: q and k arrive rotated by our RoPE node, from the caller's position_ids (left padding:
     real tokens counted). GQA's own position_ids input is not fed (it only serves its own rotary).
   - query = the packed QKV [b, s, (q + 2 kv heads) * head_dim] with key and value omitted (GQA's packed
-    form): our RoPE node rotates its q and k heads in place and passes v through (rotary_heads), so no
+    form): our RoPE node rotates its q and k heads and passes v through unchanged (rotary_heads), so no
     Split runs. onnxruntime's RotaryEmbedding has no such attribute: with it, q, k, v are split first.
   - past/present in BNSH [batch, kv_heads, slots, head_dim]; GQA writes the new keys at slots
     [total - seq, total) of every row. GQA needs head_dim % 8 == 0 (its own rotary would need % 16).
