@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import exporters.runtime as runtime
+import llama_tools.exporters.runtime as runtime
 from llama_tools.exporters.onnx_export import export_onnx
 from llama_tools.exporters.compare import TOLERANCES, Tolerance, compare
 from llama_tools.exporters.parity import resolve_target, verify_parity
