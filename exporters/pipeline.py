@@ -78,7 +78,8 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
         if not output.is_file():  # a device or FIFO was written through: there is no directory of ours
             notes.append(f"no client files: {output} is not a regular file")
         else:
-            clients = write_client_files(output)
+            # The source's tokenizer wherever it lives (a checkpoint's, or the one a preset ships as package data).
+            clients = write_client_files(output, tokenizer_dir=source.tokenizer.parent if source.tokenizer else None)
             for path in clients.kept:
                 notes.append(f"kept {path}: it is not a file llama-tools wrote, so it was not replaced")
     return ExportReport(output, graph, result, quantized, clients, notes)

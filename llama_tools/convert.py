@@ -175,7 +175,9 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
             state.pop("lm_head.weight")
     emb = state["model.embed_tokens.weight"]
     cfg = cfg.replace(torch_dtype=dtypes.get(emb.dtype).name)
-    extra = (source.tokenizer,) if source.tokenizer is not None else ()
+    # The tokenizer travels with the weights (tiny's is package data): tokenizer.model and its config, if any.
+    extra = tuple(p for p in ((source.tokenizer, source.tokenizer.parent / "tokenizer_config.json")
+                              if source.tokenizer is not None else ()) if p.is_file())
     layout, written = save_checkpoint(cfg, state, dst, to=to, shards=shards, extra_files=extra)
     return ConvertResult(
         source=source.label, destination=str(dst), to=to, layout=layout, files=written, tensors=len(state),

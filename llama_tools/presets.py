@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from . import dtypes
@@ -74,12 +75,22 @@ ALIASES = {
     "llama3-70b": "llama-3-70b", "mistral-7b-v0.1": "mistral-7b", "mixtral-8x7b-v0.1": "mixtral-8x7b",
 }
 
+# Presets that ship a tokenizer as package data, so --prompt, tokenize and the export's clients work on them.
+# tiny's: 512 BPE pieces with byte fallback, trained once by scripts/train_tiny_tokenizer.py on the paper's text.
+PRESET_TOKENIZERS = {"tiny": "data/tiny/tokenizer.model"}
+
 # The four models the paper counts (section 10).
 PAPER_MODELS = ("llama-7b", "llama-13b", "baichuan-7b", "baichuan-13b")
 
 
 def preset_names() -> list[str]:
     return list(PRESETS)
+
+
+def preset_tokenizer(name: str) -> Path | None:
+    """The packaged tokenizer.model of preset NAME, or None when it has none."""
+    rel = PRESET_TOKENIZERS.get(ALIASES.get(name.lower(), name.lower()))
+    return Path(__file__).resolve().parent / rel if rel else None
 
 
 def get_preset(name: str) -> ModelConfig:

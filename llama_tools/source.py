@@ -8,6 +8,7 @@ from typing import Literal
 
 from .config import ModelConfig
 from .config_files import load_config, looks_like_path
+from .presets import preset_tokenizer
 from .weight_files import NO_WEIGHTS, WeightFiles, checkpoint_config, find_weight_files
 
 SourceKind = Literal["preset", "config", "checkpoint"]
@@ -60,4 +61,5 @@ def resolve(spec: str | Path, *, weights_required_in_dir: bool = False) -> Model
         cfg = load_config(p)
         tok = p.resolve().parent / "tokenizer.model"
         return ModelSource(text, "config", cfg, p.resolve(), None, tok if tok.is_file() else None)
-    return ModelSource(text, "preset", load_config(text), None, None, None)
+    cfg = load_config(text)
+    return ModelSource(text, "preset", cfg, None, None, preset_tokenizer(cfg.name))  # tiny ships one
