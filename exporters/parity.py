@@ -13,7 +13,6 @@ reference's own top-2 margin is larger than the tolerance (a near-tie is reporte
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from llama_tools import dtypes
+from llama_tools import dtypes, files
 from llama_tools.config import ModelConfig
 from llama_tools.progress import Progress, silent
 from llama_tools.rope import HALF, INTERLEAVED
@@ -134,7 +133,8 @@ def verify_parity(target: ParityTarget, *, prompts: list[list[int]] | None = Non
                          f"measure it with `llama-tools verify int4 {target.onnx_path}` (top-1, KL, perplexity)")
     if target.onnx_path is not None:
         return _verify(target.onnx_path, target, prompts, provider, steps, tf32, tolerance, progress)
-    with tempfile.TemporaryDirectory(prefix="llama-tools-parity-") as tmp:
+    # A temp dir of ours (llama_tools.files): removed on SIGTERM too, and after a SIGKILL by the next run.
+    with files.temp_dir("parity") as tmp:
         exported = export_onnx(target.source, Path(tmp) / "model.onnx", dtype=dtype, rope_op=rope_op,
                                seed=target.seed, progress=progress)
         meta = read_metadata(exported.path)

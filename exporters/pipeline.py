@@ -8,17 +8,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
-from llama_tools import files
+from llama_tools import dtypes, files
 from llama_tools.progress import Progress, silent
 from llama_tools.source import ModelSource
 
 from .fused import check_fusable, export_fused
 from .genai import ClientFiles, write_client_files
-from .onnx_export import ExportResult, export_onnx
+from .onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES, ExportResult, export_onnx
 from .quantize import QuantizeResult, quantize_int4
 
 QUANTIZE = ("int4",)
@@ -45,9 +47,9 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
            client_files: bool = True, progress: Progress = silent,
            say: Callable[[str], None] = lambda msg: None) -> ExportReport:
     """Export SOURCE to OUTPUT: fused when asked and possible (else plain, said in a note), int4 when asked."""
-    output = Path(output)
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"--quantize {quantize!r}: choose one of {', '.join(QUANTIZE)}")
+    output = check_output(source, output, dtype=dtype, quantize=quantize)
     optimize = optimize or quantize is not None or static_kv is not None
     notes: list[str] = []
     graph = "plain"
@@ -60,22 +62,25 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
                 raise
             notes.append(f"{e}: wrote the plain graph")
     kwargs = dict(dtype=dtype, rope_op=rope_op, seed=seed, progress=progress)
-    if quantize is None:
-        result = (export_fused(source, output, static_kv=static_kv or False, **kwargs) if graph == "fused"
-                  else export_onnx(source, output, say=say, **kwargs))
-        quantized = None
-    else:
-        # The full-precision graph goes to a scratch dir of ours beside OUTPUT (removed at the end, or by the
-        # next run after a kill), then onnxruntime's quantizer writes OUTPUT from it.
-        with files.scratch_dir(output) as tmp:
-            full = tmp / output.name
-            result = (export_fused(source, full, static_kv=static_kv or False, **kwargs) if graph == "fused"
-                      else export_onnx(source, full, say=say, **kwargs))
-            say("quantizing to int4 (onnxruntime MatMulNBits)")
-            quantized = quantize_int4(full, output)
+    with _long_name(output) as target:  # OUTPUT itself, or a short name of ours moved onto it at the end
+        if quantize is None:
+            result = (export_fused(source, target, static_kv=static_kv or False, **kwargs) if graph == "fused"
+                      else export_onnx(source, target, say=say, **kwargs))
+            quantized = None
+        else:
+            # The full-precision graph goes to a scratch dir of ours beside OUTPUT (removed at the end, or by
+            # the next run after a kill), then onnxruntime's quantizer writes OUTPUT from it. Beside a stream,
+            # device or FIFO there is no directory of ours: the system's temp directory then.
+            scratch = files.temp_dir("int4") if files.written_through(output) else files.scratch_dir(output)
+            with scratch as tmp:
+                full = tmp / "model.onnx"
+                result = (export_fused(source, full, static_kv=static_kv or False, **kwargs) if graph == "fused"
+                          else export_onnx(source, full, say=say, **kwargs))
+                say("quantizing to int4 (onnxruntime MatMulNBits)")
+                quantized = quantize_int4(full, target)
     clients = None
     if client_files:
-        if not output.is_file():  # a device or FIFO was written through: there is no directory of ours
+        if files.written_through(output):  # a stream, device or FIFO: there is no directory of ours
             notes.append(f"no client files: {output} is not a regular file")
         else:
             # The source's tokenizer wherever it lives (a checkpoint's, or the one a preset ships as package data).
@@ -83,3 +88,87 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
             for path in clients.kept:
                 notes.append(f"kept {path}: it is not a file llama-tools wrote, so it was not replaced")
     return ExportReport(output, graph, result, quantized, clients, notes)
+
+
+# --- Before any work: where the export goes, and what is there ----------------------------------------------
+
+def check_output(source: ModelSource, output: str | Path, *, dtype: str = "float32",
+                 quantize: str | None = None) -> Path:
+    """OUTPUT resolved (a symlink's target) and checked before any work; one-line ValueErrors.
+
+    Refused: an OUTPUT or OUTPUT.data that is one of the files the export reads; an OUTPUT.data there that
+    no graph of ours refers to (someone else's file: never replaced or deleted); a terminal; a stream when
+    the weights need a .data file beside the graph; less free space than the weights take.
+    """
+    given = Path(output)
+    # "-" is standard output; the exporters want a path that stats (/dev/stdout, written through fd 1)
+    output = Path("/dev/stdout") if str(given) == "-" else files.resolve_output(given)
+    files.check_name(output)
+    data = output.parent / (output.name + ".data")
+    if not files.written_through(output):  # a stream, device or FIFO has no .data beside it
+        files.check_output_path(data)
+    files.check_writes([given, data], source.files)  # named as typed; symlinks followed there
+    nbytes = _weight_bytes(source, dtype)
+    fd = files.stream_fd(output)
+    if fd is not None and os.isatty(fd):
+        raise ValueError(f"{output}: a terminal; an ONNX graph is binary: redirect it (> model.onnx) or give a "
+                         f"file path")
+    if files.written_through(output):
+        if nbytes > EXTERNAL_DATA_THRESHOLD_BYTES and quantize is None:
+            raise ValueError(f"{output}: not a regular file, and the weights (~{nbytes:,} bytes) need an "
+                             f"external-data file beside the graph; give a file path")
+    else:
+        _check_data_is_ours(output, data)
+        too_long = len(data.name.encode("utf-8", "surrogateescape")) > files.NAME_MAX
+        if too_long and nbytes > EXTERNAL_DATA_THRESHOLD_BYTES and quantize is None:
+            raise ValueError(f"{output}: the weights (~{nbytes:,} bytes) need {output.name}.data beside it, a name "
+                             f"longer than {files.NAME_MAX} bytes; choose a shorter output name")
+        # int4: the full-precision graph in a scratch dir beside OUTPUT, then the int4 one (~1/6 of it)
+        files.check_space(output, nbytes + (nbytes // 4 if quantize else 0))
+    return output
+
+
+def _weight_bytes(source: ModelSource, dtype: str) -> int:
+    """The graph's weights at `dtype`, exactly from the config (constant time in the number of layers)."""
+    from llama_tools.accounting import count_params
+
+    return count_params(source.cfg).total * int(dtypes.get(dtypes.model_dtype(dtype).name).bytes)
+
+
+def _refers_to(graph: Path, data_name: str) -> bool:
+    """Whether `graph` is an ONNX file whose initializers live in `data_name` (a .data file we wrote for it)."""
+    import onnx
+
+    try:
+        model = onnx.load(str(graph), load_external_data=False)
+    except Exception:  # not an ONNX file (protobuf's DecodeError, ...): it refers to nothing  # noqa: BLE001
+        return False
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            if any(e.key == "location" and e.value == data_name for e in t.external_data):
+                return True
+    return False
+
+
+def _check_data_is_ours(output: Path, data: Path) -> None:
+    """OUTPUT.data may be replaced (or removed as stale) only when the graph at OUTPUT refers to it."""
+    try:
+        present = os.path.lexists(data)
+    except OSError:
+        return
+    if present and not (output.is_file() and _refers_to(output, data.name)):
+        raise ValueError(f"{data}: is there beside {output}, and no graph of ours refers to it: it is not ours to "
+                         f"replace or delete; move it, or choose another output path")
+
+
+@contextlib.contextmanager
+def _long_name(output: Path) -> Iterator[Path]:
+    """A name too long for OUTPUT.data to exist (NAME_MAX) is exported under a short name in a scratch dir of
+    ours and moved onto OUTPUT (the graph holds its weights, so nothing refers to the name)."""
+    if files.written_through(output) or len((output.name + ".data").encode("utf-8", "surrogateescape")) \
+            <= files.NAME_MAX:
+        yield output
+        return
+    with files.scratch_dir(output) as tmp:
+        yield tmp / "model.onnx"
+        files.move_onto(tmp / "model.onnx", output)

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -16,7 +17,7 @@ from typing import Any, Callable
 import click
 
 from . import __version__, dtypes
-from .files import check_output_path, cleanup_on_signals
+from .files import check_output_path, check_writes, cleanup_on_signals, guard_std_streams, stream_fd
 from .formats import BENIGN_SUFFIXES, WRITABLE
 from .output import FORMATS, render
 from .progress import terminal
@@ -40,7 +41,7 @@ class Group(click.Group):
 
 
 class ModelArg(click.ParamType):
-    """MODEL (a preset, a config.json/params.json, a checkpoint directory), resolved once into a ModelSource."""
+    """MODEL (a preset, a config.json/params.json, a checkpoint directory, a .gguf), resolved once into a ModelSource."""
 
     name = "MODEL"
 
@@ -106,6 +107,8 @@ def say(msg: str) -> None:
 
 
 DTYPE_CHOICE = click.Choice(dtypes.MODEL_DTYPES)
+# What every seeded generator takes (torch's manual_seed and numpy's default_rng both): 0 .. 2^64 - 1.
+SEED = click.IntRange(min=0, max=2**64 - 1)
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -180,7 +183,9 @@ def checkpoint_rows(insp: Any) -> list[dict[str, Any]]:
                      "note": note})
 
     for t in insp.by_dtype:
-        row("dtype", t.dtype, t.params, "", t.bytes, f"{t.tensors} tensors")
+        per = (f"{t.block_bytes} bytes per weight" if t.block_weights == 1 else
+               f"{t.block_bytes} bytes per {t.block_weights} weights")
+        row("dtype", t.dtype, t.params, "", t.bytes, f"{t.tensors} tensors, {per}")
     for c in insp.by_component:
         note = "" if c.found_params == c.expected_params else ("not in config" if not c.expected_params else "differs")
         row("component", c.component, c.found_params, c.expected_params, "", note)
@@ -228,6 +233,7 @@ def report_shapes(model: Any, seq_len: int, batch: int, past: int, dtype: str | 
     fmt = infer_format(output, fmt)
     if output is not None:
         check_output_path(output)
+        check_writes([output], model.files)  # never over the config (or anything else) the report reads
     rep = shape_report(model.cfg, seq_len, batch, past, dtype, layers, only)
     if output is None:
         click.echo(render_report(rep, fmt), nl=False)
@@ -255,13 +261,16 @@ def report_regenerate(out: str | None, fmt: str) -> None:
               help="hf: config.json + safetensors; meta: params.json + consolidated.NN.pth.")
 @click.option("--shards", type=click.IntRange(min=1), default=1, show_default=True,
               help="Number of files (HF shards with an index, or Meta model-parallel shards).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Random init of a preset or config.json.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Random init of a preset or config.json.")
+@click.option("--dtype", type=DTYPE_CHOICE, default=None,
+              help="Cast the weights [default: as stored; a GGUF is dequantized to float32].")
 @output_options(("table", "json"))
-def convert(src: Any, dst: Path, to: str, shards: int, seed: int, fmt: str) -> None:
-    """Rewrite SRC (a checkpoint, or a preset/config with its seeded weights) in another layout at DST."""
+def convert(src: Any, dst: Path, to: str, shards: int, seed: int, dtype: str | None, fmt: str) -> None:
+    """Rewrite SRC (a checkpoint, a GGUF file, or a preset/config with its seeded weights) in another layout at DST."""
     from .convert import convert as run_convert
 
-    res = run_convert(src, dst, to=to, shards=shards, seed=seed)
+    check_writes([dst], src.files)
+    res = run_convert(src, dst, to=to, shards=shards, seed=seed, dtype=dtype)
     rows = [{"destination": res.destination, "layout": res.layout, "files": len(res.files),
              "tensors": res.tensors, "params": res.params, "bytes": res.bytes}]
     click.echo(render(rows, fmt, json_payload=res))
@@ -275,14 +284,14 @@ def convert(src: Any, dst: Path, to: str, shards: int, seed: int, fmt: str) -> N
 @output_options()
 def tokenize(model: Any, text: str | None, ids: list[int] | None, no_bos: bool, fmt: str) -> None:
     """Encode TEXT (or decode --ids) with MODEL's tokenizer.model: one row per token."""
-    from .tokenizer import Tokenizer
+    from .tokenizer import load_tokenizer, no_tokenizer
 
-    if model.tokenizer is None:
-        raise ValueError(f"{model.spec}: no tokenizer.model there")
     if (text is None) == (ids is None):
         raise ValueError("give exactly one of TEXT or --ids '1 2 3'")
-    tok = Tokenizer(model.tokenizer)
-    token_ids = ids if ids is not None else tok.encode(text or "", bos=not no_bos)
+    tok = load_tokenizer(model)
+    if tok is None:
+        raise no_tokenizer(model, "decode --ids" if ids is not None else "encode TEXT")
+    token_ids = ids if ids is not None else tok.encode(text or "", bos=False if no_bos else None)
     rows = [{"position": i, "id": t, "piece": p} for i, (t, p) in enumerate(zip(token_ids, tok.pieces(token_ids)))]
     click.echo(render(rows, fmt, json_payload={"ids": token_ids, "text": tok.decode(token_ids), "tokens": rows}))
 
@@ -296,7 +305,7 @@ def tokenize(model: Any, text: str | None, ids: list[int] | None, no_bos: bool, 
 @click.option("--repetition-penalty", type=Finite(), default=1.0, show_default=True, help="7.1's alpha1.")
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 keeps every token.")
 @click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@click.option("--seed", type=SEED, default=None)
 @click.option("--dtype", type=DTYPE_CHOICE, default=dtypes.FLOAT32.name, show_default=True)
 @output_options(("table", "json"))
 def generate(model: Any, prompt: str | None, ids: str | None, max_new_tokens: int, temperature: float,
@@ -309,9 +318,9 @@ def generate(model: Any, prompt: str | None, ids: str | None, max_new_tokens: in
 
     token_ids, tok = prompt_ids(model, prompt, ids)
     check_sampling(model.cfg, token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                   repetition_penalty=repetition_penalty, top_k=top_k, top_p=top_p)
+                   repetition_penalty=repetition_penalty, top_k=top_k, top_p=top_p, dtype=dtype)
     llama = load_model(model, dtype=dtype, progress=terminal("loading"))
-    eos = tok.eos_id if tok is not None and tok.eos_id >= 0 else llama.cfg.eos_token_id
+    eos = tok.eos_ids if tok is not None and tok.eos_ids else llama.cfg.eos_token_id  # the checkpoint's EOS ids
     out = run_generate(llama, token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                        repetition_penalty=repetition_penalty, top_k=top_k, top_p=top_p, seed=seed,
                        eos_token_id=eos)
@@ -357,19 +366,18 @@ def export() -> None:
               help="Weight-only int4 (onnxruntime's MatMulNBits quantizer, block 32); implies --optimize.")
 @click.option("--no-client-files", is_flag=True, help="Do not write config.json, genai_config.json and the "
                                                       "tokenizer files beside OUTPUT.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Random init of a preset or config.json.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Random init of a preset or config.json.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on the terminal.")
 @output_options(("table", "json"))
 def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bool, static_kv: int | None,
                 quantize: str | None, no_client_files: bool, seed: int, quiet: bool, fmt: str) -> None:
     """Write MODEL (preset, config.json or checkpoint directory) as one ONNX graph for prefill and decode."""
     from .exporters.onnx_export import check_args
-    from .exporters.pipeline import export
+    from .exporters.pipeline import check_output, export
     from .exporters.rope_ops import ROPE_OPS
 
     check_args(dtype, rope_op, None)
-    check_output_path(output)
-    check_output_path(output.parent / (output.name + ".data"))
+    check_output(model, output, dtype=dtype, quantize=quantize)  # inputs, streams, a .data not ours, free space
     if model.kind == "config":  # a preset is random by name; a config file gets random weights by asking
         click.echo(f"note: {model.spec} is a config without weights: exporting seeded random weights (seed {seed})",
                    err=True)
@@ -382,7 +390,7 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
     mb = lambda n: f"{n / 1e6:,.1f} MB"  # noqa: E731
     data = rep.path.parent / (rep.path.name + ".data")
     rows = [("model", str(rep.path)), ("graph", rep.graph + (" + int4" if rep.quantized else "")),
-            ("weights", str(data) if data.is_file() else "inside the model"), ("size", mb(rep.bytes)),
+            ("weights", str(data) if os.path.isfile(data) else "inside the model"), ("size", mb(rep.bytes)),
             ("parameters", f"{res.params:,}"), ("dtype", res.dtype), ("opset", res.opset),
             ("nodes", res.num_nodes), ("RoPE", ROPE_OPS[res.rope_op].display)]
     if rep.quantized:
@@ -395,7 +403,9 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
                **{k: v for k, v in dataclasses.asdict(res).items() if k not in ("path", "bytes")},
                "quantized": dataclasses.asdict(rep.quantized) if rep.quantized else None,
                "client_files": [str(p) for p in rep.client_files.written] if rep.client_files else []}
-    click.echo(render([{"field": k, "value": v} for k, v in rows], fmt, json_payload=payload))
+    # The graph itself went to standard output (-o -, /dev/stdout): the summary goes to stderr, not into it.
+    click.echo(render([{"field": k, "value": v} for k, v in rows], fmt, json_payload=payload),
+               err=stream_fd(output) == 1)
 
 
 @cli.group(cls=Group)
@@ -516,6 +526,7 @@ def verify_int4(target: Path, source: Any, steps: int, fmt: str) -> None:
 
 
 def main() -> None:
+    guard_std_streams()  # a closed stdout (`>&-`) is an error when written, not a silent success
     with cleanup_on_signals():  # SIGTERM / SIGINT anywhere: finally blocks run, temp files go
         cli(prog_name="llama-tools")
 

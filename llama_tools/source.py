@@ -8,15 +8,19 @@ from typing import Literal
 
 from .config import ModelConfig
 from .config_files import load_config, looks_like_path
+from .gguf_files import is_gguf, read_gguf_headers
 from .presets import preset_tokenizer
 from .weight_files import NO_WEIGHTS, WeightFiles, checkpoint_config, find_weight_files
 
 SourceKind = Literal["preset", "config", "checkpoint"]
+# What commands read beside the weights or a config file: configs, tokenizers (genai copies them).
+READ_BESIDE = ("config.json", "params.json", "generation_config.json", "tokenizer.model", "tokenizer.json",
+               "tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A preset name, a config file, or a checkpoint directory: what it is, its config, weights and tokenizer."""
+    """A preset name, a config file, a checkpoint directory or a GGUF file: what it is, its config, weights and tokenizer."""
 
     spec: str  # as the user typed it
     kind: SourceKind
@@ -29,6 +33,19 @@ class ModelSource:
     def label(self) -> str:
         """What export metadata records: the preset's name or the absolute path, found again from anywhere."""
         return str(self.path) if self.path is not None else self.cfg.name
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """Every file a command may read for this model (weights, index, config, tokenizer): never an output."""
+        if self.path is None:
+            return ()
+        d = self.path if self.path.is_dir() else self.path.parent
+        found = [*(self.weights.files if self.weights else ()), *([self.weights.index] if self.weights and
+                                                                   self.weights.index else [])]
+        if not self.path.is_dir():
+            found.append(self.path)  # a config file given by name
+        found += [d / n for n in READ_BESIDE if (d / n).is_file()]
+        return tuple(dict.fromkeys(found))
 
     @property
     def seeded(self) -> bool:
@@ -57,6 +74,9 @@ def resolve(spec: str | Path, *, weights_required_in_dir: bool = False) -> Model
             raise ValueError(f"{p}: {NO_WEIGHTS}; to run seeded random weights, pass its config file "
                              f"({p / Path(cfg.source).name}) instead")
         return ModelSource(text, "config", cfg, path, None, tok if tok.is_file() else None)
+    if is_gguf(p):  # one file that holds config, vocabulary and weights
+        h = read_gguf_headers(p)
+        return ModelSource(text, "checkpoint", h.cfg, p.resolve(), h.files, None)
     if looks_like_path(text):
         cfg = load_config(p)
         tok = p.resolve().parent / "tokenizer.model"

@@ -43,8 +43,8 @@ def test_temp_names_are_ours_and_name_the_destination(tmp_path):
     assert seen == [tmp.name]
     prefix, rest = tmp.name[:len(files.TEMP_PREFIX) + len("model.onnx.")], tmp.name[len(files.TEMP_PREFIX) + 11:]
     assert prefix == ".llama-tools-tmp.model.onnx."
-    pid, hex_ = rest.split(".")
-    assert int(pid) == os.getpid() and len(hex_) == 8
+    pid, ns, hex_ = rest.split(".")
+    assert int(pid) == os.getpid() and ns == files.namespace_tag() and len(hex_) == 8
 
 
 def test_a_failed_write_leaves_the_old_file_and_removes_directories_it_made(tmp_path):
@@ -334,9 +334,9 @@ def test_after_a_sigkill_the_next_write_removes_the_stale_temp_and_says_so(tmp_p
     stale = ours(tmp_path)
     assert len(stale) == 1 and f".{p.pid}." in stale[0]  # SIGKILL cannot be caught: debris, as expected
     # Another process's temp for a different destination, and one of a live process, must survive.
-    other = tmp_path / f"{files.TEMP_PREFIX}other.onnx.{p.pid}.0123abcd"
+    other = tmp_path / f"{files.TEMP_PREFIX}other.onnx.{p.pid}.{files.namespace_tag()}.0123abcd"
     other.mkdir()
-    live = tmp_path / f"{files.TEMP_PREFIX}model.onnx.{os.getppid()}.89abcdef"
+    live = tmp_path / f"{files.TEMP_PREFIX}model.onnx.{os.getppid()}.{files.namespace_tag()}.89abcdef"
     live.mkdir()
     notes: list[str] = []
     files.write_text(dest, "graph", report=notes.append)
@@ -348,10 +348,10 @@ def test_after_a_sigkill_the_next_write_removes_the_stale_temp_and_says_so(tmp_p
 def test_the_stale_note_goes_to_stderr_by_default(tmp_path, capsys):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(dead.stdout)
-    (tmp_path / f"{files.TEMP_PREFIX}r.csv.{pid}.00000000").write_text("half")
+    (tmp_path / f"{files.TEMP_PREFIX}r.csv.{pid}.{files.namespace_tag()}.00000000").write_text("half")
     files.write_text(tmp_path / "r.csv", "x")
     err = capsys.readouterr().err
-    assert f"{files.TEMP_PREFIX}r.csv.{pid}.00000000" in err and err.startswith("note: removed")
+    assert f"{files.TEMP_PREFIX}r.csv.{pid}.{files.namespace_tag()}.00000000" in err and err.startswith("note: removed")
     assert ours(tmp_path) == []
 
 
