@@ -394,10 +394,10 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     torch_dtype = dtypes.to_torch(dt.name)
     streamed = isinstance(source, ModelSource) and source.weights is not None
     if streamed:  # a checkpoint: each weight is read from its file when it is written, one at a time
-        from llama_tools.reference import CheckpointReader
+        from llama_tools.reference import open_reader
 
         assert isinstance(source, ModelSource) and source.path is not None, "a checkpoint source has a path"
-        reader = CheckpointReader(source.path)
+        reader = open_reader(source.path)
         weights = Weights({}, reader.cfg, sum(s.numel for s in weight_specs(reader.cfg)), source.label, None)
     else:
         weights = real_weights(source, torch_dtype, seed, progress)

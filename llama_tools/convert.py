@@ -1,8 +1,10 @@
 """Write a checkpoint in HF (config.json + safetensors) or Meta (params.json + consolidated.NN.pth) layout.
 
-Conversions are exact: only row orders change (RoPE q/k rows, W_pack fusing) and no value is cast,
-so HF -> Meta -> HF gives back the same bytes. Output appears all at once: files are written to a
-temporary directory beside DST, which is renamed onto DST only when everything is written.
+Conversions are exact: only row orders change (RoPE q/k rows, W_pack fusing) and no value is cast unless
+--dtype asks, so HF -> Meta -> HF gives back the same bytes. A GGUF file is dequantized (float32 unless
+--dtype asks otherwise) one tensor at a time, and its vocabulary becomes tokenizer.json beside the weights.
+Output appears all at once: files are written to a temporary directory beside DST, which is renamed onto
+DST only when everything is written.
 """
 
 from __future__ import annotations
@@ -133,8 +135,12 @@ def _write_meta(cfg: ModelConfig, state: dict[str, torch.Tensor], tmp: Path, sha
 
 
 def save_checkpoint(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str | Path, *, to: str = "hf",
-                    shards: int = 1, extra_files: tuple[Path, ...] = ()) -> tuple[str, list[str]]:
-    """Write module-named tensors (q/k rows in cfg.rope_layout) as a checkpoint directory, atomically."""
+                    shards: int = 1, extra_files: tuple[Path, ...] = (),
+                    extra_texts: dict[str, str] | None = None) -> tuple[str, list[str]]:
+    """Write module-named tensors (q/k rows in cfg.rope_layout) as a checkpoint directory, atomically.
+
+    extra_files are copied beside the weights; extra_texts (file name -> text) are written there.
+    """
     check_target(to, shards, len(state))
     with files.atomic_dir(dst) as tmp:  # all files appear at once, or none; a kill leaves nothing
         writer = _write_hf if to == "hf" else _write_meta
@@ -142,6 +148,9 @@ def save_checkpoint(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str |
         for f in extra_files:
             shutil.copyfile(f, tmp / f.name)
             written.append(f.name)
+        for name, text in (extra_texts or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+            written.append(name)
     return layout, written
 
 
@@ -155,17 +164,43 @@ def check_target(to: str, shards: int, tensors: int) -> None:
         raise ValueError(f"--shards {shards} is more than the {tensors} tensors to write; give at most {tensors}")
 
 
-def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shards: int = 1, seed: int = 0) -> ConvertResult:
-    """SRC (a checkpoint, or a preset/config with seeded weights) -> DST in `to` layout; values copied bit for bit."""
+def _gguf_weights(path: Path, dtype: str | None) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, str]]:
+    """A GGUF's weights dequantized to `dtype` (float32 by default), and its vocabulary as tokenizer files."""
+    from .gguf_files import read_gguf_checkpoint
+    from .tokenizer_files import tokenizer_json_from_gguf
+
+    ck = read_gguf_checkpoint(path, dtypes.to_torch(dtype or dtypes.FLOAT32.name))
+    return ck.cfg, ck.state, tokenizer_json_from_gguf(ck.tokenizer_fields)
+
+
+def _stored_weights(path: Path, dtype: str | None) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, str]]:
+    """A checkpoint directory's weights as stored (cast only when `dtype` is given)."""
+    from .checkpoints import read_checkpoint
+
+    ck = read_checkpoint(path)
+    state = ck.state if dtype is None else {k: v.to(dtypes.to_torch(dtype)) for k, v in ck.state.items()}
+    return ck.cfg, state, {}
+
+
+# WeightFiles.kind -> how `convert` reads those weights (default: a checkpoint directory's files).
+_WEIGHT_READERS = {"gguf": _gguf_weights}
+
+
+def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shards: int = 1, seed: int = 0,
+            dtype: str | None = None) -> ConvertResult:
+    """SRC (a checkpoint, a GGUF file, or a preset/config with seeded weights) -> DST in `to` layout.
+
+    Values are copied bit for bit unless `dtype` asks for a cast; a GGUF is dequantized (float32 by default).
+    """
     source = resolve(src)
+    if dtype is not None:
+        dtype = dtypes.model_dtype(dtype).name  # a ValueError line before any weight is read
     check_target(to, shards, len(weight_specs(source.cfg)))
     files.check_output_path(dst, directory=True)
+    texts: dict[str, str] = {}
     if source.weights is not None:
-        from .checkpoints import read_checkpoint
-
         assert source.path is not None, "a checkpoint source has a path"
-        ck = read_checkpoint(source.path)
-        cfg, state = ck.cfg, ck.state
+        cfg, state, texts = _WEIGHT_READERS.get(source.weights.kind, _stored_weights)(source.path, dtype)
     else:  # a preset or config: the seeded weights `export onnx` and `generate` would use
         from .loading import load_model
 
@@ -173,12 +208,14 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
         cfg, state = model.cfg, dict(model.state_dict())
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight")
+        if dtype is not None:
+            state = {k: v.to(dtypes.to_torch(dtype)) for k, v in state.items()}
     emb = state["model.embed_tokens.weight"]
     cfg = cfg.replace(torch_dtype=dtypes.get(emb.dtype).name)
     # The tokenizer travels with the weights (tiny's is package data): tokenizer.model and its config, if any.
     extra = tuple(p for p in ((source.tokenizer, source.tokenizer.parent / "tokenizer_config.json")
                               if source.tokenizer is not None else ()) if p.is_file())
-    layout, written = save_checkpoint(cfg, state, dst, to=to, shards=shards, extra_files=extra)
+    layout, written = save_checkpoint(cfg, state, dst, to=to, shards=shards, extra_files=extra, extra_texts=texts)
     return ConvertResult(
         source=source.label, destination=str(dst), to=to, layout=layout, files=written, tensors=len(state),
         params=sum(v.numel() for v in state.values()),

@@ -9,6 +9,7 @@ conversion (convert.py) and the CLI's choices read them from here. No torch impo
 | meta      | layers.j.attention.wq           | interleaved | none; model-parallel shards to merge    |
 | baichuan  | hf, q/k/v as self_attn.W_pack   | half        | rows cat(q, k, v)                       |
 | internlm2 | attention.wqkv, feed_forward.w1 | half        | per KV head: its n_rep q heads, k, v    |
+| gguf      | blk.j.attn_q                    | interleaved | none; one .gguf file, mostly quantized  |
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class CheckpointFormat:
     renames: tuple[tuple[str, str], ...] = ()  # HF name fragment -> this format's
     marker: str | None = None  # a tensor name (suffix) that only this format has
     meta_names: bool = False  # names from WeightSpec.meta_name instead of HF's
+    file_kind: str | None = None  # a WeightFiles.kind whose files are always in this format
 
     def tensor_name(self, spec: WeightSpec) -> str:
         """The stored name of an unfused weight."""
@@ -61,7 +63,7 @@ class CheckpointFormat:
 FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in [
     CheckpointFormat("hf", "HF transformers: config.json + model*.safetensors or pytorch_model*.bin", HALF, None, None),
     CheckpointFormat("meta", "Meta: params.json + consolidated.NN.pth model-parallel shards", INTERLEAVED, None, None,
-                     marker="tok_embeddings.weight", meta_names=True),
+                     marker="tok_embeddings.weight", meta_names=True, file_kind="meta"),
     CheckpointFormat("baichuan", "Baichuan: HF names, q/k/v rows fused as W_pack", HALF, "concat",
                      "self_attn.W_pack.weight", marker="self_attn.W_pack.weight"),
     CheckpointFormat("internlm2", "InternLM2: own names, q/k/v grouped per KV head as wqkv", HALF, "grouped",
@@ -70,6 +72,15 @@ FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in [
                          ("mlp.gate_proj.", "feed_forward.w1."), ("mlp.up_proj.", "feed_forward.w3."),
                          ("mlp.down_proj.", "feed_forward.w2."), ("input_layernorm.", "attention_norm."),
                          ("post_attention_layernorm.", "ffn_norm."), ("lm_head.", "output."))),
+    # llama.cpp's names (gguf.TensorNameMap, tested); its converter permutes HF's q/k rows to Meta's order.
+    CheckpointFormat("gguf", "GGUF (llama.cpp): one .gguf file, config and vocabulary in its metadata", INTERLEAVED,
+                     None, None, file_kind="gguf", renames=(
+                         ("model.embed_tokens.", "token_embd."), ("model.layers.", "blk."),
+                         ("self_attn.q_proj.", "attn_q."), ("self_attn.k_proj.", "attn_k."),
+                         ("self_attn.v_proj.", "attn_v."), ("self_attn.o_proj.", "attn_output."),
+                         ("mlp.gate_proj.", "ffn_gate."), ("mlp.up_proj.", "ffn_up."), ("mlp.down_proj.", "ffn_down."),
+                         ("input_layernorm.", "attn_norm."), ("post_attention_layernorm.", "ffn_norm."),
+                         ("model.norm.", "output_norm."), ("lm_head.", "output."))),
 ]}
 HF, META = FORMATS["hf"], FORMATS["meta"]
 # What `convert --to` writes: the family's own HF-style format, or Meta's.
@@ -92,9 +103,10 @@ def family_format(cfg: ModelConfig) -> CheckpointFormat:
 
 
 def detect_format(file_kind: str, names: list[str] | set[str]) -> CheckpointFormat:
-    """Which format a set of stored tensor names is in (Meta's .pth shards are Meta by their file kind)."""
-    if file_kind == "meta":
-        return META
+    """Which format a set of stored tensor names is in (Meta's .pth shards and GGUF files are so by their file kind)."""
+    by_kind = next((f for f in FORMATS.values() if f.file_kind == file_kind), None)
+    if by_kind is not None:
+        return by_kind
     # Fused formats first: InternLM2's model.tok_embeddings also ends like Meta's tok_embeddings.
     for fmt in sorted(FORMATS.values(), key=lambda f: f.fused_qkv is None):
         if fmt.marker and any(n == fmt.marker or n.endswith("." + fmt.marker) for n in names):

@@ -32,6 +32,8 @@ class DtypeTotal:
     tensors: int
     params: int
     bytes: int
+    block_weights: int = 1  # exactly block_bytes bytes per block_weights weights (GGUF: its quant block)
+    block_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,11 +88,16 @@ class CheckpointHeaders:
     cfg: ModelConfig  # the config file's, q/k rows as the config says
     tensors: list[TensorInfo]  # Meta shards merged into whole tensors
     format: CheckpointFormat
+    blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # dtype -> (weights, bytes) per block
 
 
 def read_checkpoint_headers(path: str | Path) -> CheckpointHeaders:
     """Find the weight files, validate every header, read the config and recognize the format; no tensor data."""
     d = Path(path)
+    if d.is_file():  # a single-file checkpoint: GGUF, its config in its own metadata
+        from .gguf_files import read_gguf_headers
+
+        return read_gguf_headers(d)
     if not d.is_dir():
         raise ValueError(f"{d}: not a checkpoint directory")
     wf = find_weight_files(d)
@@ -145,13 +152,19 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInspection:
         path=str(d), format=wf.kind, layout=fmt.name, config=cfg.source,
         files=[FileSummary(f.name, f.stat().st_size, len(infos)) for f, infos in zip(wf.files, per_file)],
         tensors=tensors,
-        by_dtype=[DtypeTotal(k, *v) for k, v in sorted(by_dtype.items())],
+        by_dtype=[DtypeTotal(k, *v, *h.blocks.get(k, _per_block(v[1], v[2]))) for k, v in sorted(by_dtype.items())],
         by_component=[ComponentTotal(c, comp_expected.get(c, 0), comp_found.get(c, 0)) for c in components],
         unexplained=unexplained, missing=missing, mismatched=mismatched, cfg=cfg,
         total_params=sum(t.numel for t in tensors), total_bytes=sum(t.nbytes for t in tensors),
         expected_params=sum(s.numel for s in spec_by_name.values()),
         seconds=time.perf_counter() - start,
     )
+
+
+def _per_block(params: int, nbytes: int) -> tuple[int, int]:
+    """(weights, bytes) in lowest terms: (1, 2) for bf16."""
+    g = math.gcd(params, nbytes) or 1
+    return params // g, nbytes // g
 
 
 def _check_layer_count(d: Path, cfg: ModelConfig, tensors: list[TensorInfo]) -> None:

@@ -223,6 +223,13 @@ class CheckpointReader:
             return self._owned(torch.cat(parts) if len(parts) > 1 else parts[0], device)  # [sum of rows, n2]
 
 
+def open_reader(path: str | Path) -> Any:
+    """The tensor reader for a checkpoint: a directory's files, or one GGUF file (dequantized per tensor)."""
+    from .gguf_files import GgufReader, is_gguf
+
+    return GgufReader(path) if is_gguf(path) else CheckpointReader(path)
+
+
 # --- The streamed forward --------------------------------------------------------------------------------
 
 @dataclass
@@ -243,7 +250,7 @@ class StreamedReference:
     """
 
     def __init__(self, directory: str | Path, *, device: Any = "cpu", progress: Progress = silent):
-        self.reader = CheckpointReader(directory)
+        self.reader = open_reader(directory)
         self.cfg = self.reader.cfg
         self.device = torch.device(device)
         self.progress = progress

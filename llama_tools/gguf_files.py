@@ -1,0 +1,298 @@
+"""GGUF files (llama.cpp's single-file checkpoints) through the `gguf` library, llama.cpp's own reader.
+
+A .gguf holds the config (llama.* metadata), the vocabulary (tokenizer.ggml.*) and the tensors, most of them
+quantized in blocks (Q4_1: 32 weights in 20 bytes). Read here:
+- `read_gguf_headers`: header and tensor infos only (the file is memory-mapped, no tensor data is touched),
+  the config they describe, checked against the tensors' names and shapes; what `count-params` shows.
+- `GgufReader`: module-named fp32 tensors dequantized one at a time (`gguf.quants.dequantize`), the same
+  interface as `reference.CheckpointReader`, so the streamed reference and the ONNX export read a GGUF as
+  they read a checkpoint directory.
+- `read_gguf_checkpoint`: every weight dequantized to one dtype, tensor by tensor (for `convert`).
+llama.cpp's converter permutes HF's q/k rows into Meta's interleaved order, so a GGUF's q/k rows are
+interleaved (formats.FORMATS["gguf"].rope_layout) and `convert --to hf` permutes them back.
+No torch at import; `gguf` (and numpy) are imported when a file is read.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .config import ModelConfig, RopeScaling
+from .formats import FORMATS, checkpoint_tensors
+from .header_readers import TensorInfo
+from .weight_files import WeightFiles
+from .weights import weight_specs
+
+if TYPE_CHECKING:
+    from .inspection import CheckpointHeaders
+
+SUFFIX = ".gguf"
+MAGIC = b"GGUF"
+KIND = "gguf"  # WeightFiles.kind of a GGUF source
+GGUF = FORMATS[KIND]
+# general.architecture values whose tensors and metadata are LLaMA's (llama.cpp writes Mistral as "llama").
+ARCHITECTURES = {"llama": "llama"}
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A file named .gguf, or any file that starts with GGUF's magic."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    if p.suffix.lower() == SUFFIX:
+        return True
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype(dtype: Any, order: str) -> Any:
+    import numpy as np
+
+    return np.dtype(dtype).newbyteorder(order)
+
+
+def _reader_class() -> type:
+    import gguf
+    import numpy as np
+
+    class FastReader(gguf.GGUFReader):
+        """gguf.GGUFReader with its per-field slicing done on a plain ndarray view of the same memory map.
+
+        The library slices its np.memmap once per vocabulary string (~250k slices for a 49k vocabulary), and
+        memmap's Python-level __array_finalize__/__getitem__ make that 3.8 s; the same slices of a plain view
+        of the map take a fifth of it. Parsing stays the library's; tensor data stays mapped, never copied.
+        """
+
+        @property
+        def data(self) -> Any:
+            return self._mapped
+
+        @data.setter
+        def data(self, value: Any) -> None:
+            self._mapped = value.view(np.ndarray)  # the same pages; the memmap stays alive as its base
+
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            order = self.byte_order if override_order is None else override_order
+            return np.frombuffer(self._mapped, dtype=_dtype(dtype, order), count=int(count), offset=int(offset))
+
+    return FastReader
+
+
+def open_gguf(path: str | Path) -> Any:
+    """The gguf library's reader over `path` (memory-mapped); one ValueError line for what is not a GGUF.
+
+    One parse per file version: resolving MODEL, counting and reading weights share it.
+    """
+    p = Path(path).resolve()
+    st = p.stat()
+    return _open(p, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open(p: Path, inode: int, mtime_ns: int, size: int) -> Any:
+    try:
+        return _reader_class()(p)
+    except (ValueError, KeyError, IndexError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{p}: not a readable GGUF file ({first})") from None
+
+
+def field_value(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata field's Python value (str, int, float, bool or list), `default` when absent."""
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader: Any, path: Path) -> ModelConfig:
+    """The ModelConfig a GGUF's llama.* metadata and tensor names describe; one line for other architectures."""
+    arch = field_value(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not LLaMA-family; llama-tools reads "
+                         f"{', '.join(sorted(ARCHITECTURES))}")
+    names = {t.name for t in reader.tensors}
+
+    def get(key: str, default: Any = None, required: bool = True) -> Any:
+        v = field_value(reader, f"{arch}.{key}", default)
+        if v is None and required:
+            raise ValueError(f"{path}: GGUF metadata has no {arch}.{key}")
+        return v
+
+    if get("expert_count", 0, required=False):
+        raise ValueError(f"{path}: a mixture-of-experts GGUF ({arch}.expert_count); llama-tools reads dense ones")
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"{path}: per-dimension RoPE factors (rope_freqs.weight, Llama 3.1's scaling) are not "
+                         f"read from GGUF yet")
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", 0, required=False) or hidden // max(heads, 1))
+    rotary = get("rope.dimension_count", head_dim, required=False)
+    if int(rotary) != head_dim:
+        raise ValueError(f"{path}: partial rotary ({arch}.rope.dimension_count {rotary} of head width {head_dim}) "
+                         f"is not LLaMA's RoPE")
+    emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size", None, required=False) or (int(emb.shape[-1]) if emb is not None else None) or (
+        len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        raise ValueError(f"{path}: GGUF holds neither {arch}.vocab_size, token_embd.weight nor a vocabulary")
+    scaling = None
+    kind = get("rope.scaling.type", None, required=False)
+    if kind not in (None, "none"):
+        scaling = RopeScaling(type=str(kind), factor=float(get("rope.scaling.factor", 1.0, required=False)),
+                              original_max_position_embeddings=int(get("rope.scaling.original_context_length",
+                                                                       8192, required=False)))
+    bos, eos = field_value(reader, "tokenizer.ggml.bos_token_id"), field_value(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        name=path.stem, source=str(path), family=ARCHITECTURES[arch],
+        vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")), num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads, required=False)),
+        head_dim=head_dim if head_dim != hidden // max(heads, 1) else 0,
+        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
+        rope_theta=_f32(get("rope.freq_base", 10000.0, required=False)), rope_scaling=scaling,
+        rope_layout=GGUF.rope_layout, max_position_embeddings=int(get("context_length", 2048, required=False)),
+        tie_word_embeddings="output.weight" not in names,  # llama.cpp leaves the tied lm_head out
+        qkv_bias="blk.0.attn_q.bias" in names, o_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_up.bias" in names,
+        bos_token_id=int(bos) if bos is not None else 1, eos_token_id=int(eos) if eos is not None else 2,
+    )
+
+
+def _f32(value: Any) -> float:
+    """A float32 field as the shortest decimal that is the same float32 (1e-05, not 9.999999747378752e-06)."""
+    import numpy as np
+
+    return float(str(np.float32(value)))
+
+
+def tensor_infos(reader: Any, path: Path) -> list[TensorInfo]:
+    """Every tensor's name, shape (rows first, as torch has it), GGML type and stored bytes."""
+    return [TensorInfo(t.name, tuple(int(d) for d in reversed(t.shape.tolist())), t.tensor_type.name,
+                       int(t.n_bytes), path.name) for t in reader.tensors]
+
+
+def block_sizes(reader: Any) -> dict[str, tuple[int, int]]:
+    """GGML type name -> (weights per block, bytes per block), as llama.cpp defines them."""
+    from gguf import GGML_QUANT_SIZES
+
+    return {t.tensor_type.name: tuple(int(x) for x in GGML_QUANT_SIZES[t.tensor_type]) for t in reader.tensors}
+
+
+def _check_layers(path: Path, cfg: ModelConfig, infos: list[TensorInfo]) -> None:
+    found = {int(m.group(1)) for t in infos if (m := _LAYER.match(t.name))}
+    held = max(found) + 1 if found else 0
+    if held != cfg.num_hidden_layers:
+        raise ValueError(f"{path}: its metadata says {cfg.num_hidden_layers} decoder layers (block_count), the "
+                         f"file holds tensors of {held}")
+
+
+def read_gguf_headers(path: str | Path) -> "CheckpointHeaders":
+    """A GGUF file as far as its header goes: config from the metadata, tensor infos; no tensor data read."""
+    from .inspection import CheckpointHeaders
+
+    p = Path(path)
+    reader = open_gguf(p)
+    cfg = gguf_config(reader, p)
+    infos = tensor_infos(reader, p)
+    _check_layers(p, cfg, infos)
+    # The file itself stands where a directory would: inspection reports it as the checkpoint's path.
+    return CheckpointHeaders(p, WeightFiles(KIND, (p,)), [infos], cfg, infos, GGUF, blocks=block_sizes(reader))
+
+
+# --- Reading tensors, dequantized -------------------------------------------------------------------------
+
+class GgufReader:
+    """Module-named fp32 tensors of a GGUF file, dequantized on demand; `reference.CheckpointReader`'s interface.
+
+    Names and shapes are checked against the metadata's config up front; no tensor is read until asked.
+    """
+
+    def __init__(self, path: str | Path):
+        p = Path(path)
+        self.path, self.directory = p, p.parent
+        self._gguf = open_gguf(p)
+        cfg = gguf_config(self._gguf, p)
+        infos = tensor_infos(self._gguf, p)
+        _check_layers(p, cfg, infos)
+        self.files, self.format, self.cfg = WeightFiles(KIND, (p,)), GGUF, cfg  # q/k rows as stored: interleaved
+        self.info: dict[str, TensorInfo] = {t.name: t for t in infos}
+        self._tensors = {t.name: t for t in self._gguf.tensors}
+        self.where: dict[str, str] = {}  # module name -> stored name
+        for ct in checkpoint_tensors(cfg, GGUF):
+            t = self.info.get(ct.name)
+            if t is None:
+                raise ValueError(f"{p}: tensor {ct.name!r} that its metadata predicts is not in the file")
+            if t.shape != ct.shape:
+                raise ValueError(f"{p}: tensor {ct.name!r} has shape {list(t.shape)}, its metadata predicts "
+                                 f"{list(ct.shape)}")
+            self.where[ct.parts[0]] = ct.name
+        extra = sorted(set(self.info) - set(self.where.values()))
+        if extra:
+            raise ValueError(f"{p}: tensor {extra[0]!r} is not a weight of the {cfg.family} model its metadata "
+                             f"describes")
+        self.weight_bytes = sum(t.nbytes for t in infos)
+
+    def _dequantized(self, stored: str, rows: slice | None = None) -> Any:
+        """float32 numpy rows of one stored tensor; quantized blocks never span rows, so row slices are exact."""
+        from gguf.quants import dequantize
+
+        t = self._tensors[stored]
+        data = t.data if rows is None else t.data[rows]  # a view of the map: only these pages are read
+        out = dequantize(data, t.tensor_type)
+        shape = self.info[stored].shape
+        return out.reshape(-1, *shape[1:]) if len(shape) > 1 else out.reshape(shape)  # [rows, n2...]
+
+    def read(self, names: list[str], device: Any = "cpu", dtype: Any = None) -> dict[str, Any]:
+        """Module-named weights, dequantized, as tensors that own their memory (fp32 unless `dtype`)."""
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
+        out = {}
+        for n in names:  # one dequantized tensor in flight at a time
+            arr = self._dequantized(self.where[n])
+            out[n] = torch.tensor(arr, dtype=torch.float32).to(device=device, dtype=dtype)  # copied off the map
+            del arr
+        return out
+
+    def rows(self, name: str, ranges: list[tuple[int, int]], device: Any = "cpu") -> Any:
+        """Row ranges [start, stop) of a module-named 2-D weight (embedding, lm_head), dequantized, fp32."""
+        import numpy as np
+        import torch
+
+        parts = [self._dequantized(self.where[name], slice(a, b)) for a, b in ranges]
+        arr = np.concatenate(parts) if len(parts) > 1 else parts[0]  # [sum of rows, n2]
+        return torch.tensor(arr, dtype=torch.float32).to(device)
+
+    def tokenizer_fields(self) -> dict[str, Any]:
+        """The tokenizer.* metadata as Python values."""
+        return {k: f.contents() for k, f in self._gguf.fields.items() if k.startswith("tokenizer.")}
+
+
+@dataclass
+class GgufCheckpoint:
+    """A GGUF's config (q/k rows interleaved, as stored), its weights in one dtype, and its vocabulary fields."""
+
+    cfg: ModelConfig
+    state: dict[str, Any]
+    tokenizer_fields: dict[str, Any]
+    seconds: float
+
+
+def read_gguf_checkpoint(path: str | Path, dtype: Any = None) -> GgufCheckpoint:
+    """Every weight dequantized and cast to `dtype` (default float32) one tensor at a time."""
+    start = time.perf_counter()
+    reader = GgufReader(path)
+    names = [s.name for s in weight_specs(reader.cfg) if s.name in reader.where]  # a tied lm_head is not stored
+    state = {}
+    for n in names:
+        state.update(reader.read([n], dtype=dtype))
+    return GgufCheckpoint(reader.cfg, state, reader.tokenizer_fields(), time.perf_counter() - start)
