@@ -9,7 +9,8 @@
   which only a graph that writes into its past buffer in place (GroupQueryAttention) can honour.
 - `og.Tokenizer(model)` (onnxruntime-extensions) opens `tokenizer_config.json` and `tokenizer.json` in the same
   directory; it never reads a sentencepiece `tokenizer.model`. So a checkpoint that ships only `tokenizer.model`
-  gets a `tokenizer.json` written from it here (the LLaMA-2 layout: BPE with byte fallback, "▁" for spaces).
+  (or a GGUF file) gets a `tokenizer.json` written from it here (llama_tools.tokenizer_files), and a copied
+  `tokenizer_config.json` that names transformers 5's `TokenizersBackend` gets a class transformers 4 also loads.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from typing import Any
 from llama_tools import files
 from llama_tools.config import ModelConfig
 from llama_tools.config_files import config_to_hf
+from llama_tools.tokenizer import JsonTokenizer, find_tokenizer, kind_of
+from llama_tools.tokenizer_files import sentencepiece_files
 
-SPACE = "\u2581"  # sentencepiece's "▁": a space, and the dummy prefix before the first word
 GENAI_TYPE = "llama"  # genai's model type: picks its decoder-only pipeline; our I/O names are the same for every family
 FILES = ("config.json", "generation_config.json", "genai_config.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclass(frozen=True)
@@ -87,82 +88,10 @@ def genai_config(cfg: ModelConfig, *, filename: str = "model.onnx", share_buffer
 
 # --- Tokenizer: sentencepiece tokenizer.model -> HF tokenizer.json ---------------------------------------
 
-def _spm_proto(path: Path) -> Any:
-    """The sentencepiece ModelProto of a tokenizer.model; ValueError when it is not one."""
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
-    proto = pb.ModelProto()
-    try:
-        proto.ParseFromString(path.read_bytes())
-    except Exception as e:  # protobuf's DecodeError  # noqa: BLE001
-        raise ValueError(f"{path}: not a sentencepiece model ({type(e).__name__})") from None
-    if not proto.pieces:
-        raise ValueError(f"{path}: not a sentencepiece model (no pieces)")
-    return proto
-
-
-def _token_entry(i: int, piece: str) -> dict[str, Any]:
-    return {"id": i, "content": piece, "single_word": False, "lstrip": False, "rstrip": False,
-            "normalized": False, "special": True}
-
-
 def sentencepiece_to_tokenizer_json(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(tokenizer.json, tokenizer_config.json) that encode exactly as the LLaMA sentencepiece model does.
-
-    Only the LLaMA kind converts: BPE, identity normalization, spaces kept, a dummy "▁" prefix. The merges
-    are every split a + b of a vocabulary piece into two pieces, ranked as sentencepiece ranks the merged
-    piece (by score), so HF's BPE applies them in sentencepiece's order.
-    """
-    path = Path(path)
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
-    proto = _spm_proto(path)
-    norm, trainer = proto.normalizer_spec, proto.trainer_spec
-    if trainer.model_type != pb.TrainerSpec.ModelType.Value("BPE"):
-        kind = pb.TrainerSpec.ModelType.Name(trainer.model_type)
-        raise ValueError(f"{path}: a sentencepiece {kind} model; only BPE (LLaMA's kind) converts to tokenizer.json")
-    if norm.precompiled_charsmap or norm.remove_extra_whitespaces:
-        raise ValueError(f"{path}: normalization {norm.name!r} (remove_extra_whitespaces="
-                         f"{norm.remove_extra_whitespaces}) has no tokenizer.json equivalent here; only LLaMA's "
-                         f"identity normalization converts")
-    types = pb.ModelProto.SentencePiece.Type
-    normal = {types.Value("NORMAL"), types.Value("USER_DEFINED")}
-    vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
-    score = {p.piece: p.score for p in proto.pieces}
-    mergeable = {p.piece for p in proto.pieces if p.type in normal}
-    merges = []
-    for piece in mergeable:
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in mergeable and right in mergeable:
-                merges.append((-score[piece], vocab[piece], vocab[left], vocab[right], left, right))
-    merges.sort()  # higher score first, then ids: the order sentencepiece's BPE merges in
-    special = [i for i, p in enumerate(proto.pieces) if p.type in (types.Value("CONTROL"), types.Value("UNKNOWN"))]
-    unk = proto.pieces[trainer.unk_id].piece if trainer.unk_id >= 0 else None
-    bos = proto.pieces[trainer.bos_id].piece if trainer.bos_id >= 0 else None
-    eos = proto.pieces[trainer.eos_id].piece if trainer.eos_id >= 0 else None
-    normalizers = [{"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]
-    if norm.add_dummy_prefix:
-        normalizers.insert(0, {"type": "Prepend", "prepend": SPACE})
-    single = ([{"SpecialToken": {"id": bos, "type_id": 0}}] if bos else []) + [{"Sequence": {"id": "A", "type_id": 0}}]
-    tokenizer = {
-        "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [_token_entry(i, proto.pieces[i].piece) for i in special],
-        "normalizer": {"type": "Sequence", "normalizers": normalizers},
-        "pre_tokenizer": None,
-        "post_processor": {"type": "TemplateProcessing", "single": single, "pair": single + single[-1:],
-                           "special_tokens": {bos: {"id": bos, "ids": [vocab[bos]], "tokens": [bos]}} if bos else {}},
-        "decoder": {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": SPACE}, "content": " "}, {"type": "ByteFallback"},
-            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1 if norm.add_dummy_prefix else 0, "stop": 0}]},
-        "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": bool(trainer.byte_fallback),
-                  "vocab": vocab, "merges": [f"{m[4]} {m[5]}" for m in merges]},
-    }
-    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": bos is not None, "add_eos_token": False,
-              "bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": None,
-              "clean_up_tokenization_spaces": False, "legacy": True, "model_max_length": 1 << 30}
-    return tokenizer, config
+    """(tokenizer.json, tokenizer_config.json) that encode exactly as the LLaMA sentencepiece model does."""
+    made = sentencepiece_files(path)
+    return json.loads(made["tokenizer.json"]), json.loads(made["tokenizer_config.json"])
 
 
 # --- Writing ---------------------------------------------------------------------------------------------
@@ -212,29 +141,28 @@ def _static_kv(onnx_path: Path) -> int | None:
     return int(value) if value else None
 
 
-def _write_tokenizer(tokenizer_dir: Path, w: _OwnedWriter, cfg: ModelConfig) -> str:
-    """Copy a tokenizer.json, or convert a tokenizer.model; check its special ids against the config."""
-    same_dir = tokenizer_dir.resolve() == w.out.resolve()
-    if (tokenizer_dir / "tokenizer.json").is_file():
-        if not (tokenizer_dir / "tokenizer_config.json").is_file():
-            raise ValueError(f"{tokenizer_dir}: has tokenizer.json but no tokenizer_config.json, which "
-                             f"onnxruntime-genai also opens; add it (transformers' save_pretrained writes both)")
-        for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
-            if (tokenizer_dir / name).is_file() and not same_dir:
-                w.bytes(name, (tokenizer_dir / name).read_bytes())
-        return "copied tokenizer.json"
-    model_file = tokenizer_dir / "tokenizer.model"
-    tokenizer, config = sentencepiece_to_tokenizer_json(model_file)
-    ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
-    for key, piece in (("bos_token_id", config["bos_token"]), ("eos_token_id", config["eos_token"])):
-        if piece is not None and ids.get(piece) != getattr(cfg, key):
-            raise ValueError(f"{model_file}: {piece} is id {ids.get(piece)} but the model's config says "
-                             f"{key} = {getattr(cfg, key)}; fix config.json or the tokenizer")
-    w.json("tokenizer.json", tokenizer)
-    w.json("tokenizer_config.json", config)
-    if not same_dir:
-        w.bytes("tokenizer.model", model_file.read_bytes())  # for transformers' slow tokenizer
-    return "converted from tokenizer.model"
+def _tokenizer_of(path: Path) -> Path | None:
+    """The tokenizer in a checkpoint directory, or PATH itself when it is one (a GGUF file); None otherwise."""
+    found = find_tokenizer(path)
+    return found if found is not None and (path.is_dir() or found == path) else None
+
+
+def _write_tokenizer(found: Path, w: _OwnedWriter, cfg: ModelConfig) -> str:
+    """The tokenizer files its kind makes (tokenizer.KINDS: copied, converted, built); special ids checked."""
+    kind = kind_of(found)
+    made = kind.client_files(found)
+    if kind.cls is not JsonTokenizer:  # made here: its special ids must be the config's (a copy is the user's)
+        tokenizer, config = json.loads(made["tokenizer.json"]), json.loads(made["tokenizer_config.json"])
+        ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+        for key, piece in (("bos_token_id", config["bos_token"]), ("eos_token_id", config["eos_token"])):
+            if piece is not None and ids.get(piece) != getattr(cfg, key):
+                raise ValueError(f"{found}: {piece} is id {ids.get(piece)} but the model's config says "
+                                 f"{key} = {getattr(cfg, key)}; fix config.json or the tokenizer")
+    for name, data in made.items():
+        there = w.out / name
+        if not (there.is_file() and there.read_bytes() == data):  # never rewrite a file we read (same directory)
+            w.bytes(name, data)
+    return kind.how
 
 
 def write_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
@@ -271,14 +199,12 @@ def write_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
     w.json("genai_config.json", gconfig)
     source = meta.source
     if tokenizer_dir is not None:
-        tdir = Path(tokenizer_dir)
-        if not ((tdir / "tokenizer.json").is_file() or (tdir / "tokenizer.model").is_file()):
-            raise ValueError(f"{tdir}: no tokenizer.json or tokenizer.model there; pass the checkpoint directory "
-                             f"that holds the tokenizer, or leave tokenizer_dir out")
-    elif source and Path(source).is_dir() and any((Path(source) / n).is_file() for n in TOKENIZER_FILES[::2]):
-        tdir = Path(source)
+        found = _tokenizer_of(Path(tokenizer_dir))
+        if found is None:
+            raise ValueError(f"{tokenizer_dir}: no tokenizer.json or tokenizer.model there; pass the checkpoint "
+                             f"directory that holds the tokenizer (or its GGUF file), or leave tokenizer_dir out")
     else:
-        tdir = None
-    how = _write_tokenizer(tdir, w, cfg) if tdir is not None else "none: the source has no tokenizer (genai runs on ids)"
+        found = _tokenizer_of(Path(source)) if source else None
+    how = _write_tokenizer(found, w, cfg) if found is not None else "none: the source has no tokenizer (genai runs on ids)"
     w.close()
     return ClientFiles(w.out, w.written, how, share_buffer, kept=w.kept)

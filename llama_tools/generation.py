@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import dtypes
 from .config import ModelConfig
 from .model import Llama
 from .tokenizer import check_vocab
@@ -72,8 +73,13 @@ def next_token(phi: torch.Tensor, seen: torch.Tensor, *, temperature: float, rep
 
 
 def check_sampling(cfg: ModelConfig, prompt_ids: list[int], *, max_new_tokens: int, temperature: float,
-                   repetition_penalty: float, top_k: int, top_p: float) -> None:
-    """Every sampling option and the prompt checked before any work: one ValueError naming the option."""
+                   repetition_penalty: float, top_k: int, top_p: float, dtype: str | None = None,
+                   weights_loaded: bool = False) -> None:
+    """Every sampling option and the prompt checked before any work: one ValueError naming the option.
+
+    With `dtype`, also what the run would allocate (the model unless `weights_loaded`, RoPE tables, KV cache,
+    activations) against the memory available: refused here, with the figures, rather than by the allocator.
+    """
     import math
 
     if not prompt_ids:
@@ -92,16 +98,22 @@ def check_sampling(cfg: ModelConfig, prompt_ids: list[int], *, max_new_tokens: i
         raise ValueError(f"--top-k must be >= 0 (0 keeps every token), got {top_k}")
     if not 0 < top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
+    if dtype is not None:
+        from .accounting import check_memory, generation_need
+
+        check_memory(generation_need(cfg, len(prompt_ids), max_new_tokens, dtype, weights=not weights_loaded), cfg)
 
 
 @torch.no_grad()
 def generate(model: Llama, prompt_ids: list[int], *, max_new_tokens: int, temperature: float = 0.0,
              repetition_penalty: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-             eos_token_id: int | None = None) -> Generation:
+             eos_token_id: int | tuple[int, ...] | None = None) -> Generation:
     """Append tokens until </s> or max_new_tokens: prefill the prompt once, then one token per step."""
-    check_sampling(model.cfg, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                   repetition_penalty=repetition_penalty, top_k=top_k, top_p=top_p)
     device = next(model.parameters()).device
+    check_sampling(model.cfg, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                   repetition_penalty=repetition_penalty, top_k=top_k, top_p=top_p,
+                   dtype=dtypes.get(next(model.parameters()).dtype).name if device.type == "cpu" else None,
+                   weights_loaded=True)
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     seq = list(prompt_ids)
     new: list[int] = []
@@ -109,6 +121,8 @@ def generate(model: Llama, prompt_ids: list[int], *, max_new_tokens: int, temper
     past = None
     step_ids = torch.tensor([seq], dtype=torch.long, device=device)
     stopped_by = "length"
+    # generation_config.json may list several EOS ids (Llama 3: end of text, of turn, of message)
+    stop = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     for _ in range(max_new_tokens):
         out = model(step_ids, past_key_values=past)
         past = out.past_key_values
@@ -120,7 +134,7 @@ def generate(model: Llama, prompt_ids: list[int], *, max_new_tokens: int, temper
                          top_k=top_k, top_p=top_p, generator=generator)
         seq.append(tok)
         new.append(tok)
-        if eos_token_id is not None and tok == eos_token_id:
+        if tok in stop:
             stopped_by = "eos"
             break
         step_ids = torch.tensor([[tok]], dtype=torch.long, device=device)

@@ -1,0 +1,285 @@
+"""Tokenizer files built from what a checkpoint holds, with HF's `tokenizers` (never a hand-written BPE).
+
+- `tokenizer_json_from_gguf`: a GGUF vocabulary (tokenizer.ggml.*) -> tokenizer.json, tokenizer_config.json and
+  special_tokens_map.json. Two kinds, as llama.cpp names them in tokenizer.ggml.model: "gpt2" (byte-level BPE:
+  tokens + merges, the pre-tokenizer named by tokenizer.ggml.pre) and "llama" (SentencePiece BPE: tokens +
+  scores + token types, byte fallback, "▁" for spaces).
+- `sentencepiece_files`: the same SentencePiece layout from a `tokenizer.model`, for clients (onnxruntime-genai,
+  Optimum) that only read tokenizer.json.
+- `loadable_tokenizer_config`: a copied tokenizer_config.json rewritten so transformers 4.x and 5.x both load it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+SPACE = "\u2581"  # sentencepiece's "▁": a space, and the dummy prefix before the first word
+
+# Token types: llama.cpp's llama_token_type numbers are sentencepiece's ModelProto.SentencePiece.Type numbers.
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# transformers 5 writes its generic class as "TokenizersBackend", which 4.x cannot import; "PreTrainedTokenizerFast"
+# is the same thing under the name both know (5.x keeps it as an alias): tokenizer.json alone decides the encoding.
+CLASS_RENAMES = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+
+# Llama 3's split (its tokenizer.json): letters, 1-3 digit groups, punctuation runs, newlines, spaces.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _byte_level() -> Any:
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_byte_level() -> Any:
+    from tokenizers import pre_tokenizers
+
+    # llama.cpp's regexes for these: "\p{N}" (every digit alone), then GPT-2's; in tokenizers that is Digits + ByteLevel.
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()])
+
+
+def _llama3() -> Any:
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+# tokenizer.ggml.pre (llama.cpp's pre-tokenizer name) -> the same split as a tokenizers pre-tokenizer.
+PRE_TOKENIZERS: dict[str, Callable[[], Any]] = {
+    "default": _byte_level, "gpt2": _byte_level,
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
+                    _digits_then_byte_level),
+    "llama-bpe": _llama3, "llama3": _llama3,
+}
+
+
+# --- GGUF fields ----------------------------------------------------------------------------------------------
+
+def gguf_tokenizer_fields(reader_or_fields: Any) -> dict[str, Any]:
+    """The tokenizer.* fields as Python values, from a gguf.GGUFReader or a mapping name -> field or value."""
+    fields = getattr(reader_or_fields, "fields", reader_or_fields)
+    assert isinstance(fields, Mapping), f"expected a GGUFReader or a mapping of fields, got {type(fields).__name__}"
+    return {k: (f.contents() if hasattr(f, "contents") else f) for k, f in fields.items() if k.startswith("tokenizer.")}
+
+
+def _token(fields: dict[str, Any], tokens: Sequence[str], key: str) -> str | None:
+    i = fields.get(f"tokenizer.ggml.{key}_token_id")
+    if i is None:
+        return None
+    if not 0 <= int(i) < len(tokens):
+        raise ValueError(f"tokenizer.ggml.{key}_token_id is {i}, outside the vocabulary of {len(tokens)} tokens")
+    return tokens[int(i)]
+
+
+def tokenizer_json_from_gguf(reader_or_fields: Any) -> dict[str, str]:
+    """File name -> text: tokenizer.json, tokenizer_config.json, special_tokens_map.json from a GGUF vocabulary."""
+    f = gguf_tokenizer_fields(reader_or_fields)
+    kind = f.get("tokenizer.ggml.model")
+    tokens = f.get("tokenizer.ggml.tokens")
+    if kind is None or not tokens:
+        raise ValueError("the GGUF file holds no vocabulary (tokenizer.ggml.model / tokenizer.ggml.tokens)")
+    tokens = list(tokens)
+    types = list(f.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    if len(types) != len(tokens):
+        raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    special = {key: _token(f, tokens, key) for key in ("bos", "eos", "unknown", "padding")}
+    if kind == "gpt2":
+        pre = f.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise ValueError(f"tokenizer.ggml.pre {pre!r}: no tokenizer.json pre-tokenizer known for it here "
+                             f"(known: {', '.join(sorted(PRE_TOKENIZERS))})")
+        merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges") or []]
+        add_bos = bool(f.get("tokenizer.ggml.add_bos_token", False))
+        add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False))
+        tok = _byte_level_bpe(tokens, merges, PRE_TOKENIZERS[pre](), types)
+        cls = "GPT2Tokenizer"
+    elif kind == "llama":
+        scores = f.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise ValueError("a 'llama' GGUF vocabulary needs tokenizer.ggml.scores, one per token")
+        add_bos = bool(f.get("tokenizer.ggml.add_bos_token", True))  # llama.cpp's default for SentencePiece
+        add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False))
+        tok = _sentencepiece_bpe(tokens, [float(s) for s in scores], types, unk=special["unknown"],
+                                 add_dummy_prefix=bool(f.get("tokenizer.ggml.add_space_prefix", True)),
+                                 byte_fallback=BYTE in types)
+        cls = "LlamaTokenizer"
+    else:
+        raise ValueError(f"tokenizer.ggml.model {kind!r}: only 'gpt2' (byte-level BPE) and 'llama' (SentencePiece) "
+                         f"vocabularies convert to tokenizer.json here")
+    _post_process(tok, special["bos"], special["eos"], add_bos, add_eos, byte_level=kind == "gpt2")
+    config = _config(cls, special, add_bos, add_eos, f.get("tokenizer.chat_template"))
+    return _texts(tok, config)
+
+
+# --- Building the two kinds -----------------------------------------------------------------------------------
+
+def _byte_level_bpe(tokens: list[str], merges: list[tuple[str, ...]], pre: Any, types: list[int]) -> Any:
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t, ty in zip(tokens, types) if ty == CONTROL])
+    tok.add_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int], *, unk: str | None,
+                       add_dummy_prefix: bool, byte_fallback: bool) -> Any:
+    """LLaMA's SentencePiece BPE: merges are every split a + b of a piece into two pieces, ranked as sentencepiece
+    ranks the merged piece (by score, then id), so HF's BPE merges in sentencepiece's order."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    mergeable = {t for t, ty in zip(tokens, types) if ty in (NORMAL, USER_DEFINED)}
+    ranked = []
+    for piece in mergeable:
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in mergeable and right in mergeable:
+                ranked.append((-scores[vocab[piece]], vocab[piece], vocab[left], vocab[right], left, right))
+    ranked.sort()
+    tok = Tokenizer(models.BPE(vocab, [(m[4], m[5]) for m in ranked], unk_token=unk, fuse_unk=True,
+                               byte_fallback=byte_fallback))
+    norms = [normalizers.Replace(" ", SPACE)]
+    if add_dummy_prefix:
+        norms.insert(0, normalizers.Prepend(SPACE))
+    tok.normalizer = normalizers.Sequence(norms)
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1 if add_dummy_prefix else 0, 0)])
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN)])
+    return tok
+
+
+def _post_process(tok: Any, bos: str | None, eos: str | None, add_bos: bool, add_eos: bool, *,
+                  byte_level: bool) -> None:
+    """BOS/EOS as transformers' LlamaTokenizerFast writes them (TemplateProcessing), else byte-level offsets."""
+    from tokenizers import processors
+
+    add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+    if not (add_bos or add_eos):
+        if byte_level:
+            tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        return
+    single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))
+    pair = single + " " + " ".join(([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else []))
+    ids = {t: tok.token_to_id(t) for t in (bos if add_bos else None, eos if add_eos else None) if t is not None}
+    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(ids.items()))
+
+
+def _config(cls: str, special: dict[str, str | None], add_bos: bool, add_eos: bool,
+            chat_template: str | None) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "tokenizer_class": cls, "add_bos_token": add_bos, "add_eos_token": add_eos,
+        "bos_token": special["bos"], "eos_token": special["eos"], "unk_token": special["unknown"],
+        "pad_token": special["padding"], "clean_up_tokenization_spaces": False, "model_max_length": 1 << 30}
+    if cls == "LlamaTokenizer":
+        config["legacy"] = True  # the "▁"-prefix normalizer above, as LLaMA-2's tokenizer.json
+    if chat_template:
+        config["chat_template"] = chat_template
+    return config
+
+
+def _texts(tok: Any, config: dict[str, Any]) -> dict[str, str]:
+    keys = ("bos_token", "eos_token", "unk_token", "pad_token")
+    special_map = {k: config[k] for k in keys if config.get(k) is not None}
+    return {"tokenizer.json": tok.to_str(pretty=True) + "\n", "tokenizer_config.json": _json(config),
+            "special_tokens_map.json": _json(special_map)}
+
+
+def _json(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
+
+# --- sentencepiece tokenizer.model -> tokenizer.json ------------------------------------------------------------
+
+def sentencepiece_files(path: str | Path) -> dict[str, str]:
+    """File name -> text: tokenizer.json etc. that encode exactly as the LLaMA sentencepiece model at PATH does.
+
+    Only the LLaMA kind converts: BPE, identity normalization, spaces kept, a dummy "▁" prefix.
+    """
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    path = Path(path)
+    proto = pb.ModelProto()
+    try:
+        proto.ParseFromString(path.read_bytes())
+    except Exception as e:  # protobuf's DecodeError  # noqa: BLE001
+        raise ValueError(f"{path}: not a sentencepiece model ({type(e).__name__})") from None
+    if not proto.pieces:
+        raise ValueError(f"{path}: not a sentencepiece model (no pieces)")
+    norm, trainer = proto.normalizer_spec, proto.trainer_spec
+    if trainer.model_type != pb.TrainerSpec.ModelType.Value("BPE"):
+        kind = pb.TrainerSpec.ModelType.Name(trainer.model_type)
+        raise ValueError(f"{path}: a sentencepiece {kind} model; only BPE (LLaMA's kind) converts to tokenizer.json")
+    if norm.precompiled_charsmap or norm.remove_extra_whitespaces:
+        raise ValueError(f"{path}: normalization {norm.name!r} (remove_extra_whitespaces="
+                         f"{norm.remove_extra_whitespaces}) has no tokenizer.json equivalent here; only LLaMA's "
+                         f"identity normalization converts")
+    tokens = [p.piece for p in proto.pieces]
+
+    def piece(i: int) -> str | None:
+        return tokens[i] if 0 <= i < len(tokens) else None
+
+    special = {"bos": piece(trainer.bos_id), "eos": piece(trainer.eos_id), "unknown": piece(trainer.unk_id),
+               "padding": piece(trainer.pad_id)}
+    tok = _sentencepiece_bpe(tokens, [p.score for p in proto.pieces], [p.type for p in proto.pieces],
+                             unk=special["unknown"], add_dummy_prefix=norm.add_dummy_prefix,
+                             byte_fallback=trainer.byte_fallback)
+    add_bos = special["bos"] is not None
+    _post_process(tok, special["bos"], special["eos"], add_bos, False, byte_level=False)
+    return _texts(tok, _config("LlamaTokenizer", special, add_bos, False, None))
+
+
+# --- tokenizer_config.json that transformers 4.x and 5.x both load -------------------------------------------------
+
+def loadable_tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
+    """CONFIG with a tokenizer_class that transformers 4.x and 5.x both import (5.x's TokenizersBackend renamed)."""
+    cls = config.get("tokenizer_class")
+    return {**config, "tokenizer_class": CLASS_RENAMES[cls]} if cls in CLASS_RENAMES else config
+
+
+# --- What a client needs beside the graph, per tokenizer kind (tokenizer.KINDS points here) ----------------------
+
+def copied_json_files(path: str | Path) -> dict[str, bytes]:
+    """tokenizer.json and its neighbours as they are; tokenizer_config.json rewritten only when 4.x cannot load it."""
+    folder = Path(path).parent
+    if not (folder / "tokenizer_config.json").is_file():
+        raise ValueError(f"{folder}: has tokenizer.json but no tokenizer_config.json, which onnxruntime-genai also "
+                         f"opens; add it (transformers' save_pretrained writes both)")
+    out = {n: (folder / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                                   "tokenizer.model") if (folder / n).is_file()}
+    try:
+        config = json.loads(out["tokenizer_config.json"])
+    except ValueError as e:
+        raise ValueError(f"{folder / 'tokenizer_config.json'}: not a JSON file ({e})") from None
+    loadable = loadable_tokenizer_config(config) if isinstance(config, dict) else config
+    if loadable != config:
+        out["tokenizer_config.json"] = _json(loadable).encode("utf-8")
+    return out
+
+
+def converted_sentencepiece_files(path: str | Path) -> dict[str, bytes]:
+    """tokenizer.json etc. from a tokenizer.model, which comes along for transformers' slow tokenizer."""
+    made = {n: t.encode("utf-8") for n, t in sentencepiece_files(path).items()}
+    return {**made, "tokenizer.model": Path(path).read_bytes()}
+
+
+def gguf_files(path: str | Path) -> dict[str, bytes]:
+    """tokenizer.json etc. from the vocabulary in a GGUF file."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(Path(path))
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path}: not a GGUF file ({str(e).splitlines()[0][:200]})") from None
+    return {n: t.encode("utf-8") for n, t in tokenizer_json_from_gguf(reader).items()}
