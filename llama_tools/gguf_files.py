@@ -100,8 +100,13 @@ def open_gguf(path: str | Path) -> Any:
 
 @functools.lru_cache(maxsize=2)
 def _open(p: Path, inode: int, mtime_ns: int, size: int) -> Any:
+    import gguf
+
     try:
-        return _reader_class()(p)
+        try:
+            return _reader_class()(p)
+        except (AttributeError, TypeError):  # the library's private helpers changed: its own reader, slower
+            return gguf.GGUFReader(p)
     except (ValueError, KeyError, IndexError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{p}: not a readable GGUF file ({first})") from None
