@@ -123,8 +123,12 @@ def check_output(source: ModelSource, output: str | Path, *, dtype: str = "float
         if too_long and nbytes > EXTERNAL_DATA_THRESHOLD_BYTES and quantize is None:
             raise ValueError(f"{output}: the weights (~{nbytes:,} bytes) need {output.name}.data beside it, a name "
                              f"longer than {files.NAME_MAX} bytes; choose a shorter output name")
-        # int4: the full-precision graph in a scratch dir beside OUTPUT, then the int4 one (~1/6 of it)
-        files.check_space(output, nbytes + (nbytes // 4 if quantize else 0))
+        # int4: the full-precision graph in a scratch dir beside OUTPUT, then the int4 one (~1/6 of it). Random
+        # weights too big to materialize are refused by load_model in their own words: not a disk's matter.
+        from llama_tools.loading import MAX_RANDOM_INIT_BYTES
+
+        if not (source.seeded and nbytes > MAX_RANDOM_INIT_BYTES):
+            files.check_space(output, nbytes + (nbytes // 4 if quantize else 0))
     return output
 
 
