@@ -6,6 +6,7 @@ Imports stay inside the commands: `count-params` from a preset never loads torch
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
 import math
@@ -23,6 +24,9 @@ from .output import FORMATS, render
 from .progress import terminal
 
 
+_STDOUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EPIPE, errno.EIO)  # an OSError of writing stdout
+
+
 class Group(click.Group):
     """Bad input becomes one line on stderr and exit 1, never a traceback."""
 
@@ -36,6 +40,8 @@ class Group(click.Group):
             raise click.ClickException(e.format_message().splitlines()[0] + hint) from None
         except (ValueError, OSError) as e:
             name = getattr(e, "filename", None)
+            if isinstance(e, OSError) and not name and e.errno in _STDOUT_ERRNOS:
+                name = "standard output"  # click.echo's write: a full disk, a closed pipe (`| head -c1`)
             msg = f"{name}: {e.strerror}" if isinstance(e, OSError) and name and e.strerror else str(e)
             raise click.ClickException(msg.splitlines()[0] if msg else type(e).__name__) from None
 
@@ -454,9 +460,11 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
         click.echo(render([], "json", json_payload=rep.to_dict()))
     else:
         options = ", ".join(f"{k}={v}" for k, v in rep.provider_options.items())
-        click.echo(f"{rep.onnx_path} ({rep.dtype}) on onnxruntime, {rep.provider_note} [{options}]; reference "
-                   f"{rep.reference} from {rep.source}; prompts of {rep.prompt_lengths} tokens, left-padded")
+        click.echo(f"{rep.onnx_path} ({rep.graph}, {rep.dtype}) on onnxruntime, {rep.provider_note} [{options}]; "
+                   f"reference {rep.reference} from {rep.source}; prompts of {rep.prompt_lengths} tokens, left-padded")
         click.echo(render(parity_rows(rep, all_layers), "table", numparse=False))
+        for note in rep.notes:
+            click.echo(f"note: {note}")
         took = f" (after a {rep.export_seconds:.1f} s export)" if rep.export_seconds is not None else ""
         click.echo("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in rep.timings.items()))
         click.echo(f"{'PASS' if rep.passed else 'FAIL'}: checks ran in {rep.seconds:.1f} s{took}")
@@ -467,27 +475,25 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
 def parity_rows(rep: Any, all_layers: bool = False) -> list[dict[str, Any]]:
     """The table: logits, the K/V (one summary row, plus each failing or every layer), decode, greedy."""
     def row(c: Any, name: str | None = None, result: str | None = None) -> dict[str, Any]:
-        verdict = c.verdict
-        return {"check": name or c.name, "max abs": f"{c.max_abs:.3g}", "max rel": f"{c.max_rel:.3g}",
-                "cosine": f"{c.cosine:.7f}", "top-1": "" if c.top1 is None else f"{c.top1:.1%}",
-                "bound": f"{c.bound:.3g}", "result": result or verdict}
+        return {"check": name or c.name, "RMS error to float64 (ratio; bound)": c.figures(),
+                "max abs": f"{c.max_error:.3g}", "cosine": f"{c.cosine:.7f}",
+                "top-1": "" if c.top1 is None else f"{c.top1:.1%}", "result": result or c.verdict}
 
     by_name = {c.name: c for c in rep.checks}
     kv = [c for c in rep.checks if c.name.startswith("present.")]
     rows = [row(by_name["logits"])]
     if kv:
-        worst = max(kv, key=lambda c: c.max_abs if math.isfinite(c.max_abs) else math.inf)
+        worst = max(kv, key=lambda c: c.ratio if math.isfinite(c.ratio) else math.inf)
         ok = all(c.passed for c in kv)
-        rows.append(row(dataclasses.replace(worst, cosine=min(c.cosine for c in kv)),
-                        f"present.* ({len(kv)} K/V, worst {worst.name})",
+        rows.append(row(worst, f"present.* ({len(kv)} K/V, worst ratio {worst.name})",
                         "pass" if ok else f"FAIL from layer {rep.first_bad_layer}"))
         rows += [row(c) for c in kv if all_layers or not c.passed]
     if "decode logits" in by_name:
         rows.append(row(by_name["decode logits"]))
     d = rep.decode
-    rows.append({"check": f"greedy decode ({d.steps} steps x {len(rep.prompt_lengths)} rows)", "max abs": "",
-                 "max rel": "", "cosine": "", "top-1": f"{d.agreed}/{d.steps} steps agree", "bound": "",
-                 "result": "pass" if d.passed else f"FAIL: {d.divergence}"})
+    rows.append({"check": f"greedy decode ({d.steps} steps x {len(rep.prompt_lengths)} rows)",
+                 "RMS error to float64 (ratio; bound)": "", "max abs": "", "cosine": "",
+                 "top-1": f"{d.agreed}/{d.steps} steps agree", "result": "pass" if d.passed else f"FAIL: {d.divergence}"})
     return rows
 
 

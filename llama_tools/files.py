@@ -760,15 +760,30 @@ def write_chunks(path: str | Path, chunks: Iterable[bytes | str], *, report: Rep
                  fsync: bool = True) -> Path:
     """Write an iterable of bytes (or UTF-8 text) to `path` atomically, one chunk in memory at a time."""
     path = Path(path)
-    as_bytes = (chunk.encode("utf-8") if isinstance(chunk, str) else chunk for chunk in chunks)
+    sent = [0]
+
+    def as_bytes() -> Iterator[bytes]:
+        for chunk in chunks:
+            b = chunk.encode("utf-8") if isinstance(chunk, str) else chunk
+            yield b
+            sent[0] += len(b)
+
     fd = stream_fd(path)
-    if fd is not None:  # a stream: straight through its descriptor, nothing to stage
-        check_output_path(path)
-        _write_fd(fd, as_bytes)
-        return path
-    with atomic_file(path, report=report, fsync=fsync) as tmp, open(tmp, "wb") as f:
-        for chunk in as_bytes:
-            f.write(chunk)
+    try:
+        if fd is not None:  # a stream: straight through its descriptor, nothing to stage
+            check_output_path(path)
+            _write_fd(fd, as_bytes())
+            return path
+        with atomic_file(path, report=report, fsync=fsync) as tmp, open(tmp, "wb") as f:
+            for chunk in as_bytes():
+                f.write(chunk)
+    except OSError as e:  # written through a device, FIFO or stream (a temp of ours is handled in _guarded)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ValueError(f"{path}: no space left on the device: it needs more than the {sent[0]:,} bytes "
+                             f"written when it filled") from None
+        if e.filename is None and e.strerror:
+            raise ValueError(f"{path}: {e.strerror}") from None
+        raise
     return path
 
 
