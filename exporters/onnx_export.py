@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import resource
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from llama_tools.progress import Progress, silent
 from llama_tools.source import ModelSource, resolve
 from llama_tools.weights import weight_specs
 
-from . import onnx_save, rope_ops
+from . import graph_io, onnx_save, rope_ops
 from .graph_io import ATTENTION_MASK, io_names
 
 DEFAULT_OPSET = 20  # torch.onnx's own default; a RoPE op may need more (rope_ops.ROPE_OPS)
@@ -45,6 +46,8 @@ EXTERNAL_DATA_THRESHOLD_BYTES = onnx_save.SINGLE_FILE_MAX_BYTES
 # Sizes to trace with: >= 2 and distinct, since torch.export specializes dims of size 0 or 1.
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 3, 5
 META = "llama_tools."  # prefix of our metadata_props keys
+# Decoders traced when a model has more; the others are stamped from the last traced one (_stamp_layers).
+STAMP_FROM = 2
 
 
 @dataclass
@@ -268,6 +271,187 @@ def _attach_rope_function(model: ir.Model, rope_op: str, opset: int) -> None:
     model.opset_imports[rope_ops.DOMAIN] = rope_ops.VERSION
 
 
+# --- Tracing once per model: two layers traced, the others stamped from layer 1 --------------------------
+
+def _traced_graph(cfg: ModelConfig, dtype: torch.dtype, rope_op: str, opset: int, traced: int,
+                  progress: Progress) -> tuple[torch.onnx.ONNXProgram, list[ir.Value], dict[str, str], int]:
+    """The whole graph on fake weights, optimized and named: its first `traced` layers traced, the others
+    stamped from the last of them. Returns the program, its fake weights, the folded transposes, the RoPE nodes.
+
+    Tracing costs ~3 s a layer (torch.export's symbolic shapes) and every layer is the same code on weights of
+    the same shapes, so a 30-layer model needs two traced (layer 0 also computes what all layers share).
+    """
+    n = cfg.num_hidden_layers
+    assert 1 <= traced <= n, f"traced {traced} of {n} layers"
+    with _ticking(progress, 0, n, f"tracing {traced} decoder layer{'s' if traced > 1 else ''}"):
+        program = _trace(cfg.replace(num_hidden_layers=traced), dtype, rope_op, opset)
+        graph = program.model
+        hidden, folded = _fold_weight_transposes(graph, _optimize(graph))
+        _name_nodes(graph)
+    progress(traced, n, f"{traced} layers traced")
+    if traced < n:
+        hidden, folded = _stamp_layers(graph.graph, n, hidden, folded,
+                                       lambda j: progress(j + 1, n, f"layer {j} stamped"))
+    _name_values(graph.graph)
+    _name_dims(graph)
+    rope_nodes = sum(node.op_type == rope_ops.OP_TYPE for node in graph.graph)
+    return program, hidden, folded, rope_nodes
+
+
+@contextlib.contextmanager
+def _ticking(progress: Progress, done: int, total: int, what: str, every: float = 1.0) -> Iterator[None]:
+    """progress(done, total, what) now and every `every` s until the block ends, so a long call shows its time."""
+    if progress is silent:
+        yield
+        return
+    stop = threading.Event()
+
+    def tick() -> None:
+        while True:
+            progress(done, total, what)
+            if stop.wait(every):
+                return
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _layer_path(j: int) -> str:
+    """The node-name prefix of decoder j's nodes (_name_nodes)."""
+    return f"/model/layers.{j}/"
+
+
+def _stamp_layers(graph: ir.Graph, num_layers: int, hidden: list[ir.Value], folded: dict[str, str],
+                  stamped: Callable[[int], None]) -> tuple[list[ir.Value], dict[str, str]]:
+    """Decoders 2..n-1 appended as copies of traced decoder 1, each named by its module path and reading its own
+    past K/V and weights and the decoder before's output; returns the fake weights and folded transposes, all layers.
+
+    What layer 1 reads from layer 0 is either layer 0's output (its twin by node name produces the value layer 1
+    hands on) or something every layer shares (shape values the optimizer computed once, in layer 0); the mask,
+    positions and cos/sin come from before the layers. The nodes outside layer 1 that read its past (torch.export
+    takes the past length from the last layer's) read the last layer's. tests/test_export_speed_graph.py checks
+    the result against graphs traced whole.
+    """
+    nodes = list(graph)
+    zero, one = _layer_path(0), _layer_path(1)
+    at = [i for i, node in enumerate(nodes) if node.name.startswith(one)]
+    assert at and at == list(range(at[0], at[-1] + 1)), "decoder 1's nodes are not one block"
+    template, outside = nodes[at[0]:at[-1] + 1], nodes[:at[0]] + nodes[at[-1] + 1:]
+    produced = {v for node in template for v in node.outputs}
+    carried = {v for node in nodes[at[-1] + 1:] for v in node.inputs if v in produced}  # layer 1's output
+    twins = {node.name: node for node in template}
+    recurrent: dict[ir.Value, ir.Value] = {}  # what layer 1 reads of layer 0's output -> its own in that role
+    for node in template:
+        for v in node.inputs:
+            p = v.producer() if v is not None and v not in produced else None
+            twin = twins.get(p.name.replace(zero, one, 1)) if p is not None and p.name.startswith(zero) else None
+            if twin is not None and twin.op_type == p.op_type and twin.outputs[v.index()] in carried:
+                recurrent[v] = twin.outputs[v.index()]
+    assert set(recurrent.values()) == carried, f"no layer-0 twin for {[v.name for v in carried]}"
+    past = {graph_io.past_name(1, kv): kv for kv in graph_io.KV}
+    present = {graph_io.present_name(1, kv): kv for kv in graph_io.KV}
+    inputs = [v for v in graph.inputs if v.name in past]
+    outputs = [v for v in graph.outputs if v.name in present]
+    prefix = "model.layers.1."
+    weights = [v for v in graph.initializers.values() if v.name.startswith(prefix)]
+    assert len(inputs) == len(outputs) == len(past), f"layer 1's past/present: {inputs}, {outputs}"
+    assert all(use.node in twins.values() for v in weights for use in v.uses()), "layer-1 weights read elsewhere"
+
+    listed = list(graph.initializers.values())
+    previous = {v: v for v in produced}  # each value of layer 1 -> its copy in the layer before the one being made
+    made_in: dict[ir.Value, list[ir.Value]] = {v: [] for v in [*inputs, *outputs, *weights]}  # layers 2..n-1
+    new_nodes: list[ir.Node] = []
+    for j in range(2, num_layers):
+        vmap: dict[ir.Value, ir.Value] = {v0: previous[v1] for v0, v1 in recurrent.items()}
+        for v in inputs:
+            vmap[v] = ir.Value(name=graph_io.past_name(j, past[v.name]), shape=v.shape.copy(), type=v.type)
+        for v in weights:
+            vmap[v] = ir.Value(name=f"model.layers.{j}." + v.name.removeprefix(prefix), shape=v.shape.copy(),
+                               type=v.type, const_value=v.const_value)
+            graph.initializers.add(vmap[v])
+        for node in template:
+            clone = ir.Node(node.domain, node.op_type, [vmap.get(v, v) if v is not None else None for v in node.inputs],
+                            [ir.Attr(a.name, a.type, a.value, doc_string=a.doc_string) for a in node.attributes.values()],
+                            overload=node.overload, num_outputs=len(node.outputs), version=node.version,
+                            name=_layer_path(j) + node.name.removeprefix(one), doc_string=node.doc_string)
+            for o, c in zip(node.outputs, clone.outputs):
+                c.name = graph_io.present_name(j, present[o.name]) if o in outputs else f"{o.name}.{j}"
+                c.shape, c.type = (o.shape.copy() if o.shape is not None else None), o.type
+                vmap[o] = c
+            new_nodes.append(clone)
+        previous = {v: vmap[v] for v in produced}
+        for v in made_in:
+            made_in[v].append(vmap[v])
+        stamped(j)
+    graph.insert_after(template[-1], new_nodes)
+    for group, io in ((inputs, graph.inputs), (outputs, graph.outputs)):  # layer-major, after layer 1's
+        at_io = io.index(group[-1]) + 1
+        for k, v in enumerate(v for layer in zip(*(made_in[g] for g in group)) for v in layer):
+            io.insert(at_io + k, v)
+    last = {**{v: made_in[v][-1] for v in inputs}, **{v: previous[v] for v in carried}}
+    for node in outside:
+        for i, v in enumerate(node.inputs):
+            if v in last:
+                node.replace_input_with(i, last[v])
+    # Initializers in the order a whole trace lists them: each run of layer-1 weights followed by its copies.
+    order: list[ir.Value] = []
+    run: list[ir.Value] = []
+    for v in [*listed, None]:
+        if v is not None and v in made_in:
+            run.append(v)
+            continue
+        order += run + [made_in[w][k] for k in range(num_layers - 2) for w in run]
+        run = []
+        if v is not None:
+            order.append(v)
+    _reorder_initializers(graph, order)
+    fake = set(hidden)
+    hidden = hidden + [c for w in weights if w in fake for c in made_in[w]]
+    folded = {**folded, **{f"model.layers.{j}." + name.removeprefix(prefix): f"model.layers.{j}." + w.removeprefix(prefix)
+                           for name, w in folded.items() if name.startswith(prefix) for j in range(2, num_layers)}}
+    return hidden, folded
+
+
+def _reorder_initializers(graph: ir.Graph, order: list[ir.Value]) -> None:
+    """The graph's initializers, as `order` lists them (the same values)."""
+    assert len(order) == len(graph.initializers) and {id(v) for v in order} == {
+        id(v) for v in graph.initializers.values()}, "reordering must keep the same initializers"
+    for name in list(graph.initializers):
+        graph.initializers.pop(name)
+    for v in order:
+        graph.initializers.add(v)
+
+
+def _name_values(graph: ir.Graph) -> None:
+    """Values named by what makes them, `<node name>_output_<i>`, and the exporter's constants `const_<k>`;
+    torch's records of its traced program dropped.
+
+    torch.onnx names values from counters over the whole trace (add_504, val_76) and records its program's
+    signature and symbols (pkg.torch.*, on the graph and each value), which a graph stamped from two traced
+    layers cannot reproduce, and which name weights the graph no longer has (q_proj.weight, now folded);
+    these names are the same either way, and read like the nodes'.
+    """
+    io = {*graph.inputs, *graph.outputs}
+    for node in graph:
+        for i, v in enumerate(node.outputs):
+            if v not in io:
+                v.name = f"{node.name}_output_{i}"
+            v.metadata_props.clear()
+    order = list(graph.initializers.values())
+    for v in [*graph.inputs, *graph.outputs, *order]:
+        v.metadata_props.clear()
+    for key in [k for k in graph.metadata_props if k.startswith("pkg.torch.")]:
+        del graph.metadata_props[key]
+    constants = [v for v in order if v.const_value is not None]  # the weights are fake, without data
+    for k, v in enumerate(constants):
+        v.name = f"const_{k}"
+    _reorder_initializers(graph, order)
+
+
 # --- Weights, metadata, file -----------------------------------------------------------------------------
 
 @dataclass
@@ -382,8 +566,11 @@ def check_args(dtype: Any, rope_op: str, opset: int | None) -> tuple[dtypes.DTyp
 def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | Path, *, dtype: Any = "float32",
                 rope_op: str = rope_ops.OURS.name, opset: int | None = None, seed: int = 0, check: bool = True,
                 external_data_threshold_bytes: int = EXTERNAL_DATA_THRESHOLD_BYTES,
-                progress: Progress = silent, say: Callable[[str], None] = lambda msg: None) -> ExportResult:
-    """Export a preset, config.json, checkpoint directory, ModelConfig or Llama to one ONNX file (+ .data)."""
+                progress: Progress = silent, say: Callable[[str], None] = lambda msg: None,
+                _stamp: bool = True) -> ExportResult:
+    """Export a preset, config.json, checkpoint directory, ModelConfig or Llama to one ONNX file (+ .data).
+
+    _stamp=False traces every layer (the way before layer stamping; tests and benchmarks compare the two)."""
     t0 = time.perf_counter()
     output = Path(output)
     dt, opset = check_args(dtype, rope_op, opset)
@@ -402,10 +589,10 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     else:
         weights = real_weights(source, torch_dtype, seed, progress)
     cfg, state = weights.cfg, weights.state
-    say(f"tracing {cfg.name} ({cfg.num_hidden_layers} layers, {dt.name}, rope_op={rope_op})")
-    program = _trace(cfg, torch_dtype, rope_op, opset)
+    traced = min(cfg.num_hidden_layers, STAMP_FROM) if _stamp else cfg.num_hidden_layers
+    say(f"tracing {cfg.name} ({traced} of {cfg.num_hidden_layers} layers, {dt.name}, rope_op={rope_op})")
+    program, hidden, folded, rope_nodes = _traced_graph(cfg, torch_dtype, rope_op, opset, traced, progress)
     graph = program.model
-    hidden, folded = _fold_weight_transposes(graph, _optimize(graph))
     tables: dict[str, torch.Tensor] = {}
     if cfg.position_encoding == "rope":
         cos, sin = rope_cache(cfg)
@@ -415,8 +602,6 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     if not streamed:
         _apply_weights(program, hidden, {**state, **tables}, folded)
     _attach_rope_function(graph, rope_op, opset)
-    rope_nodes = _name_nodes(graph)
-    _name_dims(graph)
     assert rope_nodes == (2 * cfg.num_hidden_layers if cfg.position_encoding == "rope" else 0), (
         f"{rope_nodes} RoPE nodes for {cfg.num_hidden_layers} layers")
     set_metadata(graph, cfg, rope_op, dt.name, weights.source, weights.seed)
