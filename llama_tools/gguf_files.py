@@ -301,3 +301,23 @@ def read_gguf_checkpoint(path: str | Path, dtype: Any = None) -> GgufCheckpoint:
     for n in names:
         state.update(reader.read([n], dtype=dtype))
     return GgufCheckpoint(reader.cfg, state, reader.tokenizer_fields(), time.perf_counter() - start)
+
+
+def load_gguf_model(path: str | Path, dtype: Any = None, device: Any = "cpu", rope_layout: str | None = None) -> Any:
+    """A GGUF file -> an eval-mode Llama (what `checkpoints.load_checkpoint` gives for a directory).
+
+    rope_layout None keeps the file's interleaved q/k rows (the model applies RoPE in either order).
+    """
+    import torch
+
+    from .checkpoints import model_from_state
+    from .layouts import permute_rope_rows
+
+    dtype = torch.float32 if dtype is None else dtype
+    ck = read_gguf_checkpoint(path, dtype)
+    cfg, state = ck.cfg, ck.state
+    if rope_layout is not None and rope_layout != cfg.rope_layout:
+        state = permute_rope_rows(state, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rope_layout,
+                                  rope_layout)
+        cfg = cfg.replace(rope_layout=rope_layout)
+    return model_from_state(cfg, state, dtype, device, consume=True)

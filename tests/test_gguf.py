@@ -263,6 +263,20 @@ def test_convert_dtype_and_meta(tmp_path):
         torch.testing.assert_close(back(ids).logits, ref(ids).logits, rtol=0, atol=5e-2)
 
 
+def test_load_gguf_model_in_either_row_order(tiny_gguf, tmp_path):
+    from llama_tools.gguf_files import load_gguf_model
+
+    path, _ = tiny_gguf
+    convert(str(path), tmp_path / "hf", to="hf")
+    ids = torch.tensor([[1, 5, 9, 33, 60]])
+    with torch.no_grad():
+        want = load_model(tmp_path / "hf")(ids).logits
+        for layout in (None, "half"):
+            model = load_gguf_model(path, rope_layout=layout)
+            assert model.cfg.rope_layout == (layout or "interleaved")
+            torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=1e-5)
+
+
 def test_streamed_reference_reads_gguf(tiny_gguf, tmp_path):
     from llama_tools.reference import reference_model
 
