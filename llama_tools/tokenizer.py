@@ -200,7 +200,7 @@ class GgufTokenizer(JsonTokenizer):
 class TokenizerKind:
     """A tokenizer file by its name, the class (library) that reads it, and what an export writes for clients."""
 
-    pattern: str  # a file name, or a glob for files named by the user
+    patterns: tuple[str, ...]  # globs of the file's name; a plain name first is what a directory is searched for
     library: str
     cls: type[Tokenizer]
     client_files: Callable[[Path], dict[str, bytes]]  # file name -> bytes: tokenizer.json, tokenizer_config.json, ...
@@ -209,21 +209,25 @@ class TokenizerKind:
 
 # Looked for in this order: tokenizer.json is what transformers' fast tokenizers read when a checkpoint has both.
 KINDS = (
-    TokenizerKind("tokenizer.json", "tokenizers", JsonTokenizer, tokenizer_files.copied_json_files,
+    TokenizerKind(("tokenizer.json",), "tokenizers", JsonTokenizer, tokenizer_files.copied_json_files,
                   "copied tokenizer.json"),
-    TokenizerKind("tokenizer.model", "sentencepiece", SentencePieceTokenizer,
+    TokenizerKind(("tokenizer.model", "*.model"), "sentencepiece", SentencePieceTokenizer,
                   tokenizer_files.converted_sentencepiece_files, "converted from tokenizer.model"),
-    TokenizerKind("*.gguf", "tokenizers (tokenizer.json built from the GGUF vocabulary)", GgufTokenizer,
+    TokenizerKind(("*.gguf",), "tokenizers (tokenizer.json built from the GGUF vocabulary)", GgufTokenizer,
                   tokenizer_files.gguf_files, "built from the GGUF vocabulary"),
 )
-FILE_NAMES = tuple(k.pattern for k in KINDS if not any(c in k.pattern for c in "*?["))
+FILE_NAMES = tuple(k.patterns[0] for k in KINDS if not any(c in k.patterns[0] for c in "*?["))
+
+
+def _matches(path: Path, kind: TokenizerKind) -> bool:
+    return any(fnmatch.fnmatch(path.name.lower(), g) for g in kind.patterns)
 
 
 def kind_of(path: Path) -> TokenizerKind:
     """The kind that reads PATH (by its name); ValueError for a file no kind reads."""
-    kind = next((k for k in KINDS if fnmatch.fnmatch(path.name.lower(), k.pattern)), None)
+    kind = next((k for k in KINDS if _matches(path, k)), None)
     if kind is None:
-        raise ValueError(f"{path}: not a tokenizer file; expected one of {', '.join(k.pattern for k in KINDS)}")
+        raise ValueError(f"{path}: not a tokenizer file; expected one of {', '.join(k.patterns[0] for k in KINDS)}")
     return kind
 
 
@@ -232,7 +236,7 @@ def find_tokenizer(path: str | Path | None) -> Path | None:
     if path is None:
         return None
     path = Path(path)
-    if path.is_file() and any(fnmatch.fnmatch(path.name.lower(), k.pattern) for k in KINDS):
+    if path.is_file() and any(_matches(path, k) for k in KINDS):
         return path
     folder = path if path.is_dir() else path.parent
     return next((folder / n for n in FILE_NAMES if (folder / n).is_file()), None)
@@ -299,7 +303,7 @@ def check_vocab(ids: list[int], vocab_size: int, what: str = "--ids") -> None:
 
 def no_tokenizer(source: ModelSource, need: str) -> ValueError:
     """The one-line refusal when MODEL has no tokenizer file for NEED."""
-    return ValueError(f"{source.spec}: no tokenizer there ({' or '.join(k.pattern for k in KINDS)}) to {need}")
+    return ValueError(f"{source.spec}: no tokenizer there ({' or '.join(k.patterns[0] for k in KINDS)}) to {need}")
 
 
 def prompt_ids(source: ModelSource, prompt: str | None, ids: str | None,
