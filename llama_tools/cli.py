@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -304,28 +305,47 @@ def tokenize(model: Any, text: str | None, ids: list[int] | None, no_bos: bool, 
 
 @cli.command()
 @click.argument("model", type=ModelArg(weights_required_in_dir=True))
-@click.option("--prompt", default=None, help="Text, encoded with MODEL's tokenizer.model (with <s>).")
-@click.option("--ids", default=None, help="Raw prompt ids, e.g. '1 450 29871'.")
-@click.option("--max-new-tokens", type=click.IntRange(min=0), default=32, show_default=True)
-@click.option("--temperature", type=Finite(), default=0.0, show_default=True, help="0 is greedy (7.2's alpha2).")
-@click.option("--repetition-penalty", type=Finite(), default=1.0, show_default=True, help="7.1's alpha1.")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 keeps every token.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True)
-@click.option("--seed", type=SEED, default=None)
-@click.option("--dtype", type=DTYPE_CHOICE, default=dtypes.FLOAT32.name, show_default=True)
+@click.option("--prompt", default=None, metavar="TEXT", help="Text, encoded with MODEL's tokenizer (with <s>).")
+@click.option("--ids", default=None, metavar="IDS", help="Raw prompt ids instead of --prompt, e.g. '1 450 29871'.")
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=32, show_default=True,
+              help="Tokens to add at most (fewer when </s> comes); prompt + these must fit the context.")
+@click.option("--temperature", type=Finite(), default=0.0, show_default=True,
+              help="Divide the scores by this before sampling (the paper's alpha2, 7.2); 0 is greedy.")
+@click.option("--repetition-penalty", type=Finite(), default=1.0, show_default=True,
+              help="Make tokens already seen less likely (the paper's alpha1, 7.1); 1 is off.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Sample among the K likeliest tokens only; 0 keeps every token.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
+              help="Sample among the likeliest tokens whose probabilities add up to P (nucleus); 1 is off.")
+@click.option("--seed", type=SEED, default=None, help="Seed of the sampling draws [default: a fresh one each run].")
+@click.option("--dtype", type=DTYPE_CHOICE, default=dtypes.FLOAT32.name, show_default=True,
+              help="Element type the model runs in.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress and no timing line on stderr.")
 @output_options(("table", "json"))
 def generate(model: Any, prompt: str | None, ids: str | None, max_new_tokens: int, temperature: float,
-             repetition_penalty: float, top_k: int, top_p: float, seed: int | None, dtype: str, fmt: str) -> None:
-    """Continue a prompt with MODEL (section 7 sampling, greedy by default) and print the text."""
-    from .generation import check_sampling
-    from .generation import generate as run_generate
-    from .loading import load_model
+             repetition_penalty: float, top_k: int, top_p: float, seed: int | None, dtype: str, quiet: bool,
+             fmt: str) -> None:
+    """Continue a prompt with MODEL (greedy by default) and print the text.
+
+    MODEL: a preset, a config.json file (seeded random weights) or a checkpoint directory. Tokens go to
+    stdout, the timing line to stderr. Everything cheap (ids in the vocabulary, prompt + --max-new-tokens
+    within the context, the sampling options) is checked before torch is loaded.
+
+    \b
+    Examples:
+      llama-tools generate tiny --prompt "Who is" --max-new-tokens 8
+      llama-tools generate ./tiny-hf --ids "1 17 42" --temperature 0.8 --top-p 0.9 --seed 0
+    """
+    from .sampling import check_sampling
     from .tokenizer import prompt_ids
 
     token_ids, tok = prompt_ids(model, prompt, ids)
     check_sampling(model.cfg, token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                    repetition_penalty=repetition_penalty, top_k=top_k, top_p=top_p, dtype=dtype)
-    llama = load_model(model, dtype=dtype, progress=terminal("loading"))
+    from .generation import generate as run_generate  # torch, only once every cheap check has passed
+    from .loading import load_model
+
+    llama = load_model(model, dtype=dtype, progress=terminal("loading", quiet=quiet))
     eos = tok.eos_ids if tok is not None and tok.eos_ids else llama.cfg.eos_token_id  # the checkpoint's EOS ids
     out = run_generate(llama, token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                        repetition_penalty=repetition_penalty, top_k=top_k, top_p=top_p, seed=seed,
@@ -338,7 +358,8 @@ def generate(model: Any, prompt: str | None, ids: str | None, max_new_tokens: in
                                "stopped_by": out.stopped_by}, indent=2))
         return
     click.echo(text if text is not None else " ".join(map(str, out.new_ids)))
-    click.echo(speed)
+    if not quiet:
+        click.echo(speed, err=True)  # statistics on stderr: stdout holds only the tokens
 
 
 # ==== export / verify ==================================================================================
@@ -358,9 +379,10 @@ def export() -> None:
 
 @export.command("onnx")
 @click.argument("model", type=ModelArg(weights_required_in_dir=True))
-@click.option("-o", "--output", required=True, type=click.Path(path_type=Path),
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), metavar="PATH",
               help="The .onnx file to write (atomically; weights over 256 MiB stream to OUTPUT.data beside it).")
-@click.option("--dtype", type=DTYPE_CHOICE, default=dtypes.FLOAT32.name, show_default=True)
+@click.option("--dtype", type=DTYPE_CHOICE, default=dtypes.FLOAT32.name, show_default=True,
+              help="Element type of the graph's weights and activations.")
 @_rope_op_option()
 @click.option("--optimize", is_flag=True, help="The fused graph: GroupQueryAttention, packed QKV and gate/up "
                                                "MatMuls, Skip RMSNorms, our RoPE node (plain attention, with a note, "
@@ -377,7 +399,17 @@ def export() -> None:
 @output_options(("table", "json"))
 def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bool, static_kv: int | None,
                 quantize: str | None, no_client_files: bool, seed: int, quiet: bool, fmt: str) -> None:
-    """Write MODEL (preset, config.json or checkpoint directory) as one ONNX graph for prefill and decode."""
+    """Write MODEL as one ONNX graph for prefill and decode, with the files clients need beside it.
+
+    MODEL: a preset (tiny: seeded weights and its tokenizer), a config.json file (seeded random weights),
+    a checkpoint directory or a GGUF file. The table's time row is the wall time you waited, from the
+    process start, with its phases.
+
+    \b
+    Examples:
+      llama-tools export onnx tiny -o plain/model.onnx
+      llama-tools export onnx ./tiny-hf -o int4/model.onnx --quantize int4
+    """
     from .exporters.onnx_export import check_args
     from .exporters.pipeline import check_output, export
     from .exporters.rope_ops import ROPE_OPS
@@ -387,9 +419,11 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
     if model.kind == "config":  # a preset is random by name; a config file gets random weights by asking
         click.echo(f"note: {model.spec} is a config without weights: exporting seeded random weights (seed {seed})",
                    err=True)
+    started = time.time()
     rep = export(model, output, dtype=dtype, rope_op=rope_op, optimize=optimize, quantize=quantize,
                  static_kv=static_kv, seed=seed, client_files=not no_client_files,
                  progress=terminal("export", quiet=quiet), say=(lambda m: None) if quiet else say)
+    phases = export_phases(started, rep)
     for note in rep.notes:
         click.echo(f"note: {note}", err=True)
     res = rep.result
@@ -404,14 +438,29 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
         rows.append(("int4", f"{q.quantized} MatMulNBits, {q.ratio:.2f}x the bytes"))
     if rep.client_files:
         rows.append(("client files", ", ".join(p.name for p in rep.client_files.written)))
-    rows += [("time", f"{res.seconds:.1f} s"), ("peak RSS", mb(res.peak_rss_bytes))]
+    waited = sum(phases.values())
+    rows += [("time", f"{waited:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())),
+             ("peak RSS", mb(res.peak_rss_bytes))]
     payload = {"path": str(rep.path), "graph": rep.graph, "bytes": rep.bytes, "notes": rep.notes,
+               "wall_seconds": waited, "phases": phases,
                **{k: v for k, v in dataclasses.asdict(res).items() if k not in ("path", "bytes")},
                "quantized": dataclasses.asdict(rep.quantized) if rep.quantized else None,
                "client_files": [str(p) for p in rep.client_files.written] if rep.client_files else []}
     # The graph itself went to standard output (-o -, /dev/stdout): the summary goes to stderr, not into it.
     click.echo(render([{"field": k, "value": v} for k, v in rows], fmt, json_payload=payload),
                err=stream_fd(output) == 1)
+
+
+def export_phases(started: float, rep: Any) -> dict[str, float]:
+    """Where the wall time the user waited went, from the process start (python, imports, checks) to now."""
+    import psutil
+
+    now = time.time()
+    phases = {"start-up": started - psutil.Process().create_time(), "graph": rep.result.seconds}
+    if rep.quantized:
+        phases["int4"] = rep.quantized.seconds
+    phases["client files and checks"] = max(now - started - sum(list(phases.values())[1:]), 0.0)
+    return phases
 
 
 @cli.group(cls=Group)
@@ -533,8 +582,26 @@ def verify_int4(target: Path, source: Any, steps: int, fmt: str) -> None:
 
 def main() -> None:
     guard_std_streams()  # a closed stdout (`>&-`) is an error when written, not a silent success
+    code: Any = 0
     with cleanup_on_signals():  # SIGTERM / SIGINT anywhere: finally blocks run, temp files go
-        cli(prog_name="llama-tools")
+        try:
+            cli(prog_name="llama-tools")
+        except SystemExit as e:
+            code = e.code
+    if "torch" in sys.modules and (code is None or isinstance(code, int)):
+        # Python's teardown of torch's and onnx's modules takes seconds (2.7-3 s measured after an export) that the
+        # user would wait for nothing: the work is done and every file of ours closed. Run the exit hooks
+        # (temp dirs, finalizers), flush, and leave; a stream that cannot be flushed takes the normal way out.
+        import atexit
+
+        atexit._run_exitfuncs()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            sys.exit(code)
+        os._exit(code or 0)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def test_generate_with_prompt(model_dir):
 
 
 def test_prompt_needs_a_tokenizer():
-    r = CliRunner().invoke(cli, ["generate", "tiny", "--prompt", "hi"])
+    r = CliRunner().invoke(cli, ["generate", "llama-7b", "--prompt", "hi"])  # a preset without a tokenizer (tiny has one)
     assert r.exit_code == 1 and "pass --ids" in r.output and len(r.output.strip().splitlines()) == 1
     r = CliRunner().invoke(cli, ["generate", "tiny", "--ids", "1 2 x"])
     assert r.exit_code == 1 and "--ids must be integers" in r.output
