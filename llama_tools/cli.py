@@ -118,7 +118,7 @@ DTYPE_CHOICE = click.Choice(dtypes.MODEL_DTYPES)
 SEED = click.IntRange(min=0, max=2**64 - 1)
 
 
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
 @click.version_option(__version__, prog_name="llama-tools")
 def cli() -> None:
     """Understand, count, export and verify LLaMA-family models."""
@@ -126,7 +126,7 @@ def cli() -> None:
 
 # ==== count-params ====================================================================================
 
-@cli.command("count-params")
+@cli.command("count-params", short_help="Exact parameters, memory and FLOPs beside the paper's formula.")
 @click.argument("models", nargs=-1, type=ModelArg())
 @click.option("--context", type=click.IntRange(min=1), default=None,
               help="Tokens of KV cache and attention for the memory and FLOP figures [default: each model's max].")
@@ -180,6 +180,25 @@ def count_params(models: tuple[Any, ...], context: int | None, batch: int, per_l
             sys.exit(1)
 
 
+@cli.command(short_help="List the presets a MODEL argument may name.")
+@output_options(("table", "json", "csv", "markdown"))
+def presets(fmt: str) -> None:
+    """The presets MODEL may name: parameters, layers, width, heads and where the numbers come from.
+
+    \b
+    Example:
+      llama-tools presets --format json
+    """
+    from .accounting import count_params
+    from .presets import PRESET_SOURCES, PRESETS, preset_tokenizer
+
+    rows = [{"name": name, "params": count_params(c).total, "layers": c.num_hidden_layers, "width": c.hidden_size,
+             "heads q/kv": f"{c.num_attention_heads}/{c.num_key_value_heads}", "vocab": c.vocab_size,
+             "tokenizer": "yes" if preset_tokenizer(name) else "", "source": PRESET_SOURCES.get(name, "")}
+            for name, c in PRESETS.items()]
+    click.echo(render(rows, fmt))
+
+
 def checkpoint_rows(insp: Any) -> list[dict[str, Any]]:
     """Flat rows for output.render: per dtype, per component, then every problem, then the total."""
     rows: list[dict[str, Any]] = []
@@ -212,12 +231,12 @@ def checkpoint_rows(insp: Any) -> list[dict[str, Any]]:
 
 # ==== report ==========================================================================================
 
-@cli.group(cls=Group)
+@cli.group(cls=Group, short_help="Shape reports of weights and activations, in the paper's order.")
 def report() -> None:
     """Shape reports: every weight and activation of a forward pass, in the paper's order."""
 
 
-@report.command("shapes")
+@report.command("shapes", short_help="Every weight and activation of one forward pass: shape, elements, bytes.")
 @click.argument("model", type=ModelArg())
 @click.option("--seq-len", "seq_len", type=click.IntRange(min=1), default=128, show_default=True,
               help="n3: new tokens per sequence.")
@@ -229,7 +248,8 @@ def report() -> None:
               help="Rows of every decoder, or of decoder 0 only.")
 @click.option("--only", type=click.Choice(["all", "weights", "activations"]), default="all", show_default=True,
               help="Keep one kind of row.")
-@click.option("-o", "--output", default=None, help="Write here (atomically) instead of stdout.")
+@click.option("-o", "--output", type=click.Path(), metavar="PATH", default=None,
+              help="Write here (atomically) instead of stdout.")
 @click.option("--format", "fmt", type=click.Choice(["csv", "json", "markdown", "table"]), default=None,
               help="Output format [default: from -o's suffix (.csv, .json, .md), else csv].")
 def report_shapes(model: Any, seq_len: int, batch: int, past: int, dtype: str | None, layers: str, only: str,
@@ -249,8 +269,9 @@ def report_shapes(model: Any, seq_len: int, batch: int, past: int, dtype: str | 
     click.echo(f"wrote {len(rep.rows)} rows ({fmt}) to {output}", err=True)
 
 
-@report.command("regenerate")
-@click.option("--out", default=None, help="Directory to write [default: the current directory].")
+@report.command("regenerate", short_help="Rebuild the paper's four models' reports.")
+@click.option("-o", "--output", "--out", "out", type=click.Path(file_okay=False), metavar="DIR", default=None,
+              help="Directory to write [default: the current directory].")
 @output_options(("table", "json"))
 def report_regenerate(out: str | None, fmt: str) -> None:
     """Rebuild the reports of the paper's four models (the repository keeps them in reports/generated/)."""
@@ -261,7 +282,7 @@ def report_regenerate(out: str | None, fmt: str) -> None:
 
 # ==== checkpoints: convert, tokenize, generate =========================================================
 
-@cli.command()
+@cli.command(short_help="Rewrite a checkpoint (or a preset's seeded weights) in another layout.")
 @click.argument("src", type=ModelArg(weights_required_in_dir=True))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option("--to", "to", type=click.Choice(WRITABLE), required=True,
@@ -283,7 +304,7 @@ def convert(src: Any, dst: Path, to: str, shards: int, seed: int, dtype: str | N
     click.echo(render(rows, fmt, json_payload=res))
 
 
-@cli.command()
+@cli.command(short_help="Text to token ids and pieces, or ids back to text.")
 @click.argument("model", type=ModelArg())
 @click.argument("text", required=False)
 @click.option("--ids", type=IdsArg(), default=None, help="Decode these ids instead of encoding TEXT.")
@@ -303,7 +324,7 @@ def tokenize(model: Any, text: str | None, ids: list[int] | None, no_bos: bool, 
     click.echo(render(rows, fmt, json_payload={"ids": token_ids, "text": tok.decode(token_ids), "tokens": rows}))
 
 
-@cli.command()
+@cli.command(short_help="Continue a prompt with a model (greedy by default).")
 @click.argument("model", type=ModelArg(weights_required_in_dir=True))
 @click.option("--prompt", default=None, metavar="TEXT", help="Text, encoded with MODEL's tokenizer (with <s>).")
 @click.option("--ids", default=None, metavar="IDS", help="Raw prompt ids instead of --prompt, e.g. '1 450 29871'.")
@@ -372,12 +393,12 @@ def _rope_op_option(help_suffix: str = "") -> Callable:
                         help=lines + help_suffix)
 
 
-@cli.group(cls=Group)
+@cli.group(cls=Group, short_help="Export a model to ONNX (plain, fused or int4) with its client files.")
 def export() -> None:
     """Export a model for deployment."""
 
 
-@export.command("onnx")
+@export.command("onnx", short_help="One ONNX graph for prefill and decode, plus the files clients need.")
 @click.argument("model", type=ModelArg(weights_required_in_dir=True))
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), metavar="PATH",
               help="The .onnx file to write (atomically; weights over 256 MiB stream to OUTPUT.data beside it).")
@@ -463,12 +484,12 @@ def export_phases(started: float, rep: Any) -> dict[str, float]:
     return phases
 
 
-@cli.group(cls=Group)
+@cli.group(cls=Group, short_help="Check an ONNX export against PyTorch (parity, or int4 quality).")
 def verify() -> None:
     """Check an export against the PyTorch model."""
 
 
-@verify.command("parity")
+@verify.command("parity", short_help="An ONNX graph on onnxruntime against PyTorch: logits, K/V, greedy decode.")
 @click.argument("target", required=False)
 @click.option("--source", default=None, help="The PyTorch side when TARGET is an .onnx file "
                                               "[default: the source in the file's metadata].")
@@ -490,10 +511,18 @@ def verify() -> None:
 def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ...], ids: tuple[list[int], ...],
                   steps: int, provider: str, dtype: str, rope_op: str, tf32: bool, all_layers: bool, quiet: bool,
                   fmt: str) -> None:
-    """Run TARGET (an exported .onnx, or a MODEL exported on the fly; default: tiny) on onnxruntime against PyTorch.
+    """Run TARGET on onnxruntime against PyTorch; exit 0 only when every check passes.
 
-    Exit 0 only when every check passes.
+    TARGET: an exported .onnx (the PyTorch side is the source in its metadata, or --source), or a MODEL
+    (preset, config.json, checkpoint directory) exported on the fly; default: tiny.
+
+    \b
+    Examples:
+      llama-tools verify parity
+      llama-tools verify parity plain/model.onnx --source ./tiny-meta --prompt "Who is" --steps 4
     """
+    if target is not None:
+        check_onnx_exists(target)
     from .exporters.onnx_export import check_args
     from .exporters.parity import check_inputs, resolve_target
     from .exporters.parity import verify_parity as run_parity
@@ -521,6 +550,12 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
         sys.exit(1)
 
 
+def check_onnx_exists(target: str) -> None:
+    """A TARGET meant as an .onnx file that is not there: one line naming the command that writes it."""
+    if target.endswith(".onnx") and not os.path.exists(target):
+        raise ValueError(f"{target}: no such file; write it first with `llama-tools export onnx MODEL -o {target}`")
+
+
 def parity_rows(rep: Any, all_layers: bool = False) -> list[dict[str, Any]]:
     """The table: logits, the K/V (one summary row, plus each failing or every layer), decode, greedy."""
     def row(c: Any, name: str | None = None, result: str | None = None) -> dict[str, Any]:
@@ -546,7 +581,7 @@ def parity_rows(rep: Any, all_layers: bool = False) -> list[dict[str, Any]]:
     return rows
 
 
-@verify.command("int4")
+@verify.command("int4", short_help="An int4 graph against the fp32 model: top-1, KL, perplexity.")
 @click.argument("target", type=click.Path(path_type=Path))
 @click.option("--source", type=ModelArg(weights_required_in_dir=True), default=None,
               help="The fp32 PyTorch side [default: the source in the file's metadata].")
@@ -557,7 +592,13 @@ def verify_int4(target: Path, source: Any, steps: int, fmt: str) -> None:
     """An int4 graph (export --quantize int4) against the fp32 model: top-1, KL and perplexity, never fp32 bounds.
 
     Exit 0 when it meets its own stated thresholds (faithful), 1 otherwise.
+
+    \b
+    Example:
+      llama-tools export onnx tiny -o int4/model.onnx --quantize int4
+      llama-tools verify int4 int4/model.onnx
     """
+    check_onnx_exists(str(target))
     from .exporters.quantize import measure_quant_parity
     from .loading import load_model
 

@@ -75,6 +75,20 @@ ALIASES = {
     "llama3-70b": "llama-3-70b", "mistral-7b-v0.1": "mistral-7b", "mixtral-8x7b-v0.1": "mixtral-8x7b",
 }
 
+# Where each preset's numbers come from (its published config.json; the paper for its four).
+PRESET_SOURCES = {
+    "llama-7b": "the paper (huggyllama/llama-7b)", "llama-13b": "the paper (huggyllama/llama-13b)",
+    "baichuan-7b": "the paper (baichuan-inc/Baichuan-7B)", "baichuan-13b": "the paper (baichuan-inc/Baichuan-13B-Base)",
+    "llama-2-7b": "meta-llama/Llama-2-7b-hf", "llama-2-13b": "meta-llama/Llama-2-13b-hf",
+    "llama-2-70b": "meta-llama/Llama-2-70b-hf", "llama-3-8b": "meta-llama/Meta-Llama-3-8B",
+    "llama-3-70b": "meta-llama/Meta-Llama-3-70B", "llama-3.1-405b": "meta-llama/Llama-3.1-405B",
+    "mistral-7b": "mistralai/Mistral-7B-v0.1", "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
+    "qwen2-7b": "Qwen/Qwen2-7B", "yi-34b": "01-ai/Yi-34B", "deepseek-67b": "deepseek-ai/deepseek-llm-67b-base",
+    "internlm2-20b": "internlm/internlm2-20b", "baichuan2-7b": "baichuan-inc/Baichuan2-7B-Base",
+    "baichuan2-13b": "baichuan-inc/Baichuan2-13B-Base",
+    "tiny": "built in: seeded weights and a tokenizer, for tests and the README",
+}
+
 # Presets that ship a tokenizer as package data, so --prompt, tokenize and the export's clients work on them.
 # tiny's: 512 BPE pieces with byte fallback, trained once by scripts/train_tiny_tokenizer.py on the paper's text.
 PRESET_TOKENIZERS = {"tiny": "data/tiny/tokenizer.model"}
