@@ -20,7 +20,8 @@ from .config import ModelConfig
 from .formats import BENIGN_SUFFIXES, CheckpointFormat, checkpoint_tensors, detect_format, merge_meta_shards
 from .layouts import permute_rope_rows, split_qkv
 from .progress import Progress, silent
-from .weight_files import NO_WEIGHTS, WeightFiles, checkpoint_config, find_weight_files, read_headers
+from .inspection import read_checkpoint_headers
+from .weight_files import WeightFiles, read_headers
 
 
 @dataclass
@@ -97,10 +98,10 @@ def read_checkpoint(directory: str | Path, rope_layout: str | None = None,
                     progress: Progress = silent) -> LoadedCheckpoint:
     """A checkpoint directory -> config + module-named tensors; rope_layout None keeps the files' own."""
     d = Path(directory)
-    wf = find_weight_files(d)
-    if wf is None:
-        raise ValueError(f"{d}: {NO_WEIGHTS}")
-    cfg = checkpoint_config(d, wf)
+    # Headers, config and their agreement (the decoder count first: a config saying 10^8 layers is refused
+    # before anyone lists 10^8 layers' names), all before any tensor is read.
+    h = read_checkpoint_headers(d)
+    cfg, wf = h.cfg, h.files
     stored, where = read_tensors(d, cfg, wf, progress)
     fmt = detect_format(wf.kind, list(stored))
     state: dict[str, torch.Tensor] = {}

@@ -8,6 +8,7 @@ Presets live in presets.py, the HF/Meta file readers in config_files.py. No torc
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,6 +16,9 @@ from . import dtypes
 from .rope import HALF, ROPE_LAYOUTS, RopeLayout
 
 PositionEncoding = Literal["rope", "alibi"]
+
+# Every size is an int64 for torch and ONNX shapes; one past it is refused when the config is read.
+INT64_MAX = 2**63 - 1
 
 # Weight layouts that checkpoints ship in; `family` picks the tensor names.
 FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "baichuan", "internlm2")
@@ -29,6 +33,22 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+    def validate(self, where: str) -> None:
+        """Raise ValueError naming the first field out of range (a type a string, factors > 0, ...)."""
+        if not isinstance(self.type, str):
+            raise ValueError(f"{where}: field rope_scaling.type must be a string, got {self.type!r}")
+        for f in ("factor", "low_freq_factor", "high_freq_factor"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{where}: field rope_scaling.{f} must be a finite number > 0, got {v!r}")
+        n = self.original_max_position_embeddings
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{where}: field rope_scaling.original_max_position_embeddings must be an integer "
+                             f">= 1, got {n!r}")
+        if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(f"{where}: field rope_scaling.high_freq_factor must be greater than low_freq_factor "
+                             f"for llama3 scaling, got {self.high_freq_factor} <= {self.low_freq_factor}")
 
 
 @dataclass(frozen=True)
@@ -83,8 +103,8 @@ class ModelConfig:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{where}: field {f} must be a positive integer, got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= INT64_MAX:
+                raise ValueError(f"{where}: field {f} must be a positive integer of at most 64 bits, got {v!r}")
         if self.hidden_size % self.num_attention_heads and self.head_dim == self.hidden_size // self.num_attention_heads:
             raise ValueError(f"{where}: hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}; set head_dim explicitly or fix the sizes")
@@ -101,12 +121,22 @@ class ModelConfig:
             raise ValueError(f"{where}: rope_layout must be one of {ROPE_LAYOUTS}, got {self.rope_layout!r}")
         if self.family not in FAMILIES:
             raise ValueError(f"{where}: family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
-        if not (self.rms_norm_eps > 0):
-            raise ValueError(f"{where}: rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
-        if not (self.rope_theta > 0):
-            raise ValueError(f"{where}: rope_theta must be positive, got {self.rope_theta!r}")
-        if self.num_experts < 0 or self.num_experts_per_tok < 0:
-            raise ValueError(f"{where}: expert counts must not be negative")
+        for f in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{where}: field {f} must be a finite number > 0, got {v!r}")
+        for f in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "norm_head"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{where}: field {f} must be true or false, got {getattr(self, f)!r}")
+        for f in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "bos_token_id", "eos_token_id"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{where}: field {f} must be an integer >= 0, got {v!r}")
+        sw = self.sliding_window
+        if sw is not None and (not isinstance(sw, int) or isinstance(sw, bool) or sw < 1):
+            raise ValueError(f"{where}: field sliding_window must be an integer >= 1 or null, got {sw!r}")
+        if self.rope_scaling is not None:
+            self.rope_scaling.validate(where)
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
             raise ValueError(f"{where}: num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
                              f"got {self.num_experts_per_tok}")

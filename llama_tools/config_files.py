@@ -8,12 +8,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from . import dtypes
-from .config import ModelConfig, RopeScaling
+from .config import INT64_MAX, ModelConfig, RopeScaling
 from .formats import FORMATS
+from .header_readers import MAX_HEADER_BYTES, open_regular
 from .presets import get_preset
 
 # HF `architectures` entry (or `model_type`) -> our family.
@@ -28,17 +30,21 @@ _HF_ARCHITECTURES = {
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from a file, or one ValueError line naming the file and what is wrong."""
+    """A JSON object from a regular file of bounded size, or one ValueError line naming the file and what is wrong."""
+    with open_regular(path) as f:  # a FIFO or device named config.json never blocks
+        raw = f.read(MAX_HEADER_BYTES + 1)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ValueError(f"{path}: over {MAX_HEADER_BYTES} bytes: not a config or index file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); a config must be a JSON file") from None
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    except ValueError as e:  # Python's own bound: an integer of more than 4300 digits
+        raise ValueError(f"{path}: {str(e).splitlines()[0]}") from None
     except RecursionError:
         raise ValueError(f"{path}: JSON nested too deeply to be a config") from None
     if not isinstance(data, dict):
@@ -53,16 +59,46 @@ def _require(d: dict[str, Any], path: Path, *keys: str) -> Any:
     raise ValueError(f"{path}: missing required field {keys[0]!r}")
 
 
-def _as_int(v: Any, path: Path, field_name: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
-        raise ValueError(f"{path}: field {field_name!r} must be an integer, got {v!r}")
-    return int(v)
+def _got(v: Any) -> str:
+    """A value as the error shows it: its JSON text and type, bounded."""
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+    text = json.dumps(v) if isinstance(v, (bool, int, float, str, list, dict, type(None))) else repr(v)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({kind})"
 
 
-def _as_float(v: Any, path: Path, field_name: str) -> float:
+# Integers must be JSON integers: HF writes them so, and transformers' own modules fail on 4096.0; a float
+# accepted here would also be rounded past 2^53 on the way, which no count may be.
+def _as_int(v: Any, path: Path, field_name: str, minimum: int | None = 1) -> int:
+    if type(v) is not int:
+        raise ValueError(f"{path}: field {field_name!r} must be an integer, got {_got(v)}")
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{path}: field {field_name!r} must be an integer >= {minimum}, got {v}")
+    if v > INT64_MAX:
+        raise ValueError(f"{path}: field {field_name!r} is {len(str(v))} digits; a size must fit in 64 bits "
+                         f"(<= {INT64_MAX})")
+    return v
+
+
+def _as_float(v: Any, path: Path, field_name: str, positive: bool = True) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"{path}: field {field_name!r} must be a finite number, got {v!r}")
+        raise ValueError(f"{path}: field {field_name!r} must be a finite number, got {_got(v)}")
+    if positive and not v > 0:
+        raise ValueError(f"{path}: field {field_name!r} must be a number > 0, got {v!r}")
     return float(v)
+
+
+def _as_bool(v: Any, path: Path, field_name: str) -> bool:
+    """A JSON boolean: "false" (a string) is an error, not a truthy value."""
+    if not isinstance(v, bool):
+        raise ValueError(f"{path}: field {field_name!r} must be true or false (a JSON boolean), got {_got(v)}")
+    return v
+
+
+def _as_str(v: Any, path: Path, field_name: str) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"{path}: field {field_name!r} must be a string, got {_got(v)}")
+    return v
 
 
 def _get(data: dict[str, Any], key: str, default: Any) -> Any:
@@ -71,76 +107,109 @@ def _get(data: dict[str, Any], key: str, default: Any) -> Any:
     return default if v is None else v
 
 
-def _rope_scaling(raw: Any, path: Path) -> RopeScaling | None:
-    if not raw:
+def _token_id(data: dict[str, Any], path: Path, key: str, default: int) -> int:
+    """bos/eos: an id, null (the default), or a list of ids (Llama 3's eos) whose first is taken."""
+    v = data.get(key)
+    if v is None:
+        return default
+    if isinstance(v, list) and v:
+        return _as_int(v[0], path, f"{key}[0]", minimum=0)
+    return _as_int(v, path, key, minimum=0)
+
+
+def _rope_scaling(raw: Any, path: Path, where: str = "rope_scaling") -> RopeScaling | None:
+    if raw is None or raw == {}:
         return None
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: field 'rope_scaling' must be an object, got {raw!r}")
+        raise ValueError(f"{path}: field {where!r} must be an object or null, got {_got(raw)}")
     kind = raw.get("rope_type", raw.get("type"))
-    if kind in (None, "default"):
+    if kind is None or kind == "default":
         return None
-    return RopeScaling(
-        type=str(kind), factor=_as_float(_get(raw, "factor", 1.0), path, "rope_scaling.factor"),
-        low_freq_factor=_as_float(_get(raw, "low_freq_factor", 1.0), path, "rope_scaling.low_freq_factor"),
-        high_freq_factor=_as_float(_get(raw, "high_freq_factor", 4.0), path, "rope_scaling.high_freq_factor"),
+    kind = _as_str(kind, path, f"{where}.rope_type")
+    f = lambda key, default: _as_float(_get(raw, key, default), path, f"{where}.{key}")  # noqa: E731
+    scaling = RopeScaling(
+        type=kind, factor=f("factor", 1.0), low_freq_factor=f("low_freq_factor", 1.0),
+        high_freq_factor=f("high_freq_factor", 4.0),
         original_max_position_embeddings=_as_int(_get(raw, "original_max_position_embeddings", 8192), path,
-                                                 "rope_scaling.original_max_position_embeddings"),
+                                                 f"{where}.original_max_position_embeddings"),
     )
+    if kind == "llama3" and not scaling.high_freq_factor > scaling.low_freq_factor:
+        raise ValueError(f"{path}: field '{where}.high_freq_factor' ({scaling.high_freq_factor}) must be greater "
+                         f"than low_freq_factor ({scaling.low_freq_factor}) for llama3 scaling")
+    return scaling
+
+
+def _family(data: dict[str, Any], path: Path) -> str:
+    archs = data.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ValueError(f"{path}: field 'architectures' must be a list of strings, got {_got(archs)}")
+    model_type = data.get("model_type")
+    if model_type is not None:
+        _as_str(model_type, path, "model_type")
+    keys = list(archs or []) + [model_type]
+    family = next((_HF_ARCHITECTURES[k] for k in keys if k in _HF_ARCHITECTURES), None)
+    if family is None:
+        raise ValueError(f"{path}: unknown architecture {(archs or [model_type])!r}; "
+                         f"supported: {', '.join(sorted(k for k in _HF_ARCHITECTURES if k[0].isupper()))}")
+    return family
 
 
 def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> ModelConfig:
-    """Read an HF `config.json` of a LLaMA-family model into a ModelConfig."""
+    """Read an HF `config.json` of a LLaMA-family model into a ModelConfig; every field typed and ranged."""
     path = Path(path)
-    archs = data.get("architectures") or []
-    keys = list(archs) + [data.get("model_type")]
-    family = next((_HF_ARCHITECTURES[k] for k in keys if k in _HF_ARCHITECTURES), None)
-    if family is None:
-        raise ValueError(f"{path}: unknown architecture {(archs or [data.get('model_type')])!r}; "
-                         f"supported: {', '.join(sorted(k for k in _HF_ARCHITECTURES if k[0].isupper()))}")
-    get = lambda *ks: _require(data, path, *ks)  # noqa: E731
-    hidden = _as_int(get("hidden_size"), path, "hidden_size")
-    heads = _as_int(get("num_attention_heads"), path, "num_attention_heads")
-    kv = _as_int(data.get("num_key_value_heads") or heads, path, "num_key_value_heads")
-    head_dim = data.get("head_dim")
+    family = _family(data, path)
+    integer = lambda key, minimum=1: _as_int(_require(data, path, key), path, key, minimum)  # noqa: E731
+    flag = lambda key, default=False: _as_bool(_get(data, key, default), path, key)  # noqa: E731
+    optional = lambda key: None if data.get(key) is None else _as_int(data[key], path, key)  # noqa: E731
+    hidden, heads = integer("hidden_size"), integer("num_attention_heads")
+    kv = optional("num_key_value_heads") or heads
+    head_dim = optional("head_dim") or 0
     # Baichuan-13B and Baichuan2-13B use ALiBi; their config.json has no flag for it, so the 13B width
     # decides unless our own `position_embedding` key says otherwise.
-    pe = str(data.get("position_embedding", "")).upper()
+    pe = _as_str(_get(data, "position_embedding", ""), path, "position_embedding").upper()
     alibi = pe == "ALIBI" or (family == "baichuan" and not pe and hidden == 5120)
-    max_pos = data.get("max_position_embeddings") or data.get("model_max_length") or 2048
+    max_pos = optional("max_position_embeddings") or optional("model_max_length") or 2048
+    # transformers >= 5 writes rope_theta and the scaling under `rope_parameters` instead of top-level keys.
+    params = data.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"{path}: field 'rope_parameters' must be an object, got {_got(params)}")
+    theta = data.get("rope_theta")
+    theta_field = "rope_theta" if theta is not None else "rope_parameters.rope_theta"
+    theta = theta if theta is not None else (params or {}).get("rope_theta", 10000.0)
+    scaling_field = "rope_scaling" if data.get("rope_scaling") is not None else "rope_parameters"
+    sliding = optional("sliding_window")
+    use_sliding = flag("use_sliding_window", family != "qwen2")  # Qwen2 ships a window it does not use
+    attention_bias = data.get("attention_bias")
+    vocab = integer("vocab_size")
     kw: dict[str, Any] = dict(
         name=path.parent.name or path.stem, source=str(path), family=family,
-        vocab_size=_as_int(get("vocab_size"), path, "vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=_as_int(get("intermediate_size"), path, "intermediate_size"),
-        num_hidden_layers=_as_int(get("num_hidden_layers"), path, "num_hidden_layers"),
-        num_attention_heads=heads, num_key_value_heads=kv,
-        head_dim=_as_int(head_dim, path, "head_dim") if head_dim else 0,
+        vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=integer("intermediate_size"), num_hidden_layers=integer("num_hidden_layers"),
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
         rms_norm_eps=_as_float(_get(data, "rms_norm_eps", 1e-6), path, "rms_norm_eps"),
         position_encoding="alibi" if alibi else "rope",
-        # transformers >= 5 writes both under `rope_parameters` instead of top-level keys.
-        rope_theta=_as_float(data.get("rope_theta") or (data.get("rope_parameters") or {}).get("rope_theta") or 10000.0,
-                             path, "rope_theta"),
-        rope_scaling=_rope_scaling(data.get("rope_scaling") or data.get("rope_parameters"), path),
-        max_position_embeddings=_as_int(max_pos, path, "max_position_embeddings"),
-        tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(data.get("attention_bias", data.get("bias", False))),
-        o_bias=bool(data.get("attention_bias", False)),
-        mlp_bias=bool(data.get("mlp_bias", False)),
+        rope_theta=_as_float(theta, path, theta_field),
+        rope_scaling=_rope_scaling(data.get("rope_scaling") if data.get("rope_scaling") is not None else params,
+                                   path, scaling_field),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=flag("tie_word_embeddings"),
+        qkv_bias=family == "qwen2" or (flag("attention_bias") if attention_bias is not None else flag("bias")),
+        o_bias=flag("attention_bias"),
+        mlp_bias=flag("mlp_bias"),
         # Baichuan2 (vocab 125696) normalizes lm_head rows; our own `norm_head` key overrides.
-        norm_head=bool(data.get("norm_head", family == "baichuan" and data.get("vocab_size") == 125696)),
-        sliding_window=data.get("sliding_window") if data.get("use_sliding_window", True) else None,
-        bos_token_id=data.get("bos_token_id") if isinstance(data.get("bos_token_id"), int) else 1,
-        eos_token_id=data.get("eos_token_id") if isinstance(data.get("eos_token_id"), int) else 2,
-        torch_dtype=_stored_dtype(data.get("torch_dtype") or data.get("dtype")),
+        norm_head=flag("norm_head", family == "baichuan" and vocab == 125696),
+        sliding_window=sliding if use_sliding else None,
+        bos_token_id=_token_id(data, path, "bos_token_id", 1),
+        eos_token_id=_token_id(data, path, "eos_token_id", 2),
+        torch_dtype=_stored_dtype(data, path),
     )
-    if family == "qwen2" and kw["sliding_window"] is not None and not data.get("use_sliding_window", False):
-        kw["sliding_window"] = None
-    if family == "mixtral" or data.get("num_local_experts"):
-        kw["num_experts"] = _as_int(get("num_local_experts"), path, "num_local_experts")
-        kw["num_experts_per_tok"] = _as_int(get("num_experts_per_tok"), path, "num_experts_per_tok")
-    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        if kw[k] <= 0:
-            raise ValueError(f"{path}: field {k!r} must be positive, got {kw[k]}")
+    experts = data.get("num_local_experts")
+    if family == "mixtral" or (experts is not None and _as_int(experts, path, "num_local_experts", 0)):
+        kw["num_experts"] = integer("num_local_experts")
+        kw["num_experts_per_tok"] = integer("num_experts_per_tok")
+        if kw["num_experts_per_tok"] > kw["num_experts"]:
+            raise ValueError(f"{path}: field 'num_experts_per_tok' ({kw['num_experts_per_tok']}) must be at most "
+                             f"num_local_experts ({kw['num_experts']})")
     if hidden % heads and not head_dim:
         raise ValueError(f"{path}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
     if heads % kv:
@@ -148,45 +217,58 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
     return ModelConfig(**kw)
 
 
-def _stored_dtype(value: Any) -> str:
+def _stored_dtype(data: dict[str, Any], path: Path) -> str:
     """HF's torch_dtype ("bfloat16", "auto", absent) -> one of ours; unknown or absent means float32."""
+    key = "torch_dtype" if data.get("torch_dtype") is not None else "dtype"
+    value = data.get(key)
+    if value is None:
+        return dtypes.FLOAT32.name
     try:
-        return dtypes.get(value).name
-    except ValueError:
+        return dtypes.get(_as_str(value, path, key)).name
+    except ValueError as e:
+        if str(e).startswith(str(path)):
+            raise
         return dtypes.FLOAT32.name
 
 
 def ffn_hidden_size(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
-    """Meta's rule for n7: 2/3 of 4*dim, times the multiplier, rounded up to multiple_of."""
-    hidden = int(2 * (4 * dim) / 3)
+    """Meta's rule for n7: 2/3 of 4*dim, times the multiplier, rounded up to multiple_of; in exact integers.
+
+    Meta computes int(2 * (4 * dim) / 3) and int(multiplier * hidden) in floats; the same floors on exact
+    rationals (the multiplier's float value, taken exactly) agree with it at every real size and stay exact
+    for any dim (floats would round a 10^18-wide model).
+    """
+    hidden = 8 * dim // 3
     if ffn_dim_multiplier is not None:
-        hidden = int(ffn_dim_multiplier * hidden)
+        hidden = math.floor(Fraction(ffn_dim_multiplier) * hidden)
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
 def config_from_meta(data: dict[str, Any], path: Path | str = "params.json", vocab_size: int | None = None) -> ModelConfig:
-    """Read Meta's `params.json` (dim, n_layers, n_heads, n_kv_heads, multiple_of, ...)."""
+    """Read Meta's `params.json` (dim, n_layers, n_heads, n_kv_heads, multiple_of, ...); every field typed."""
     path = Path(path)
-    dim = _as_int(_require(data, path, "dim"), path, "dim")
-    heads = _as_int(_require(data, path, "n_heads"), path, "n_heads")
+    integer = lambda key: _as_int(_require(data, path, key), path, key)  # noqa: E731
+    dim, heads = integer("dim"), integer("n_heads")
     vocab = data.get("vocab_size", -1)
-    if not isinstance(vocab, int) or vocab <= 0:
+    if vocab is not None and type(vocab) is not int:
+        raise ValueError(f"{path}: field 'vocab_size' must be an integer (-1: from the weights), got {_got(vocab)}")
+    if vocab is None or vocab <= 0:
         if vocab_size is None:
             raise ValueError(f"{path}: field 'vocab_size' is {vocab!r}; pass the tokenizer's size or fix params.json")
         vocab = vocab_size
-    scaling = RopeScaling("llama3", factor=8.0) if data.get("use_scaled_rope") else None
+    scaling = RopeScaling("llama3", factor=8.0) if _as_bool(_get(data, "use_scaled_rope", False), path,
+                                                            "use_scaled_rope") else None
     multiple_of = _as_int(_get(data, "multiple_of", 256), path, "multiple_of")
-    if multiple_of <= 0:
-        raise ValueError(f"{path}: field 'multiple_of' must be a positive integer, got {multiple_of}")
     multiplier = data.get("ffn_dim_multiplier")
-    if multiplier is not None and not _as_float(multiplier, path, "ffn_dim_multiplier") > 0:
-        raise ValueError(f"{path}: field 'ffn_dim_multiplier' must be positive, got {multiplier!r}")
+    if multiplier is not None:
+        _as_float(multiplier, path, "ffn_dim_multiplier")
+    kv = data.get("n_kv_heads")
     return ModelConfig(
         name=path.parent.name or "meta", source=str(path), family="llama",
         vocab_size=vocab, hidden_size=dim,
         intermediate_size=ffn_hidden_size(dim, multiple_of, multiplier),
-        num_hidden_layers=_as_int(_require(data, path, "n_layers"), path, "n_layers"),
-        num_attention_heads=heads, num_key_value_heads=_as_int(_get(data, "n_kv_heads", heads), path, "n_kv_heads"),
+        num_hidden_layers=integer("n_layers"),
+        num_attention_heads=heads, num_key_value_heads=heads if kv is None else _as_int(kv, path, "n_kv_heads"),
         rms_norm_eps=_as_float(_get(data, "norm_eps", 1e-5), path, "norm_eps"),
         rope_theta=_as_float(_get(data, "rope_theta", 10000.0), path, "rope_theta"),
         rope_scaling=scaling, rope_layout=FORMATS["meta"].rope_layout,

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .accounting import tensor_total
 from . import dtypes, files
 from .config import ModelConfig
 from .config_files import config_to_hf, ffn_hidden_size
@@ -195,7 +196,7 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
     source = resolve(src)
     if dtype is not None:
         dtype = dtypes.model_dtype(dtype).name  # a ValueError line before any weight is read
-    check_target(to, shards, len(weight_specs(source.cfg)))
+    check_target(to, shards, tensor_total(source.cfg))  # constant time: a 10^8-layer config is not listed
     files.check_output_path(dst, directory=True)
     texts: dict[str, str] = {}
     if source.weights is not None:

@@ -12,17 +12,31 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 import pickle
+import stat
 import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from . import dtypes
 
-# A header larger than this is not a LLaMA checkpoint header (70B's largest shard header is ~100 kB).
-MAX_HEADER_BYTES = 100 * 2**20
+# The safetensors library's own limit (MAX_HEADER_SIZE in its tensor.rs): 100,000,000 bytes, decimal.
+MAX_HEADER_BYTES = 100_000_000
+# A torch zip's data.pkl (tensor metadata only) is held to the same bound; 70B's is a few hundred kB.
+MAX_PICKLE_BYTES = MAX_HEADER_BYTES
+# Deflate can reach ~1000:1 on zeros (a zip bomb); weights barely compress, and torch.save stores every entry
+# uncompressed. A compressed entry claiming more than this ratio is refused before anything is inflated.
+MAX_COMPRESSION_RATIO = 32
+# serde_json's usize: shapes and offsets are unsigned 64-bit integers (20 decimal digits at most).
+_U64 = 2**64
+_TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+
+
+class HeaderError(ValueError):
+    """A weight file's header refused: one line naming the file and what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -40,50 +54,182 @@ class TensorInfo:
         return math.prod(self.shape)
 
 
+# --- Opening input files --------------------------------------------------------------------------
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str | Path) -> BinaryIO:
+    """Open an input for reading only when it is a regular file: a FIFO, device or socket never blocks or streams.
+
+    The check is made on the opened descriptor (O_NONBLOCK, so opening a FIFO cannot hang), not on a name that
+    could be swapped between a stat and the open.
+    """
+    path = Path(path)
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise HeaderError(f"{path}: is {_kind(st.st_mode)}, not a regular file; inputs must be regular files")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise HeaderError(f"{path}: no such file") from None
+    except OSError as e:
+        raise HeaderError(f"{path}: cannot open ({e.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise HeaderError(f"{path}: is {_kind(st.st_mode)}, not a regular file; inputs must be regular files")
+    return os.fdopen(fd, "rb")
+
+
 # --- safetensors headers --------------------------------------------------------------------------
 
+def _bounded_int(text: str) -> int:
+    # Python would parse a 10^4-digit integer (slowly, or refuse past 4300 digits with a message naming
+    # nothing); no field of a header holds more than a u64, so anything longer is refused at once.
+    if len(text.lstrip("-")) > 20:
+        raise HeaderError(f"an integer of {len(text)} digits (a header holds unsigned 64-bit integers)")
+    return int(text)
+
+
+def _no_float(text: str) -> Any:
+    raise HeaderError(f"the number {text[:30]!r}: every number in a header is an integer")
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        dup = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
+        raise HeaderError(f"key {dup[:80]!r} appears twice in one object")
+    return d
+
+
+def _parse_header_json(raw: bytes, path: Path) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HeaderError(f"{path}: safetensors header is not UTF-8 (byte {e.start})") from None
+    try:
+        header = json.loads(text, parse_int=_bounded_int, parse_float=_no_float, parse_constant=_no_float,
+                            object_pairs_hook=_unique_pairs)
+    except HeaderError as e:
+        raise HeaderError(f"{path}: safetensors header holds {e}") from None
+    except json.JSONDecodeError as e:
+        raise HeaderError(f"{path}: safetensors header is not valid JSON ({e.msg} at byte {e.pos})") from None
+    except RecursionError:
+        raise HeaderError(f"{path}: safetensors header nests too deeply (a header is 3 levels deep)") from None
+    if not isinstance(header, dict):
+        raise HeaderError(f"{path}: safetensors header is a JSON {type(header).__name__}, not an object")
+    return header
+
+
+def _utf8(s: str) -> bool:
+    """False for strings with lone surrogates (JSON escapes Python accepts and the library's serde does not)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _u64(v: Any) -> bool:
+    return type(v) is int and 0 <= v < _U64
+
+
+def _tensor_entry(path: Path, name: str, meta: Any) -> tuple[dtypes.DType, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, each field typed as the library types it."""
+    where = f"{path}: tensor {name[:200]!r}"
+    if not _utf8(name):
+        raise HeaderError(f"{where}: name is not valid UTF-8 (a lone surrogate escape)")
+    if not isinstance(meta, dict):
+        raise HeaderError(f"{where}: entry is a JSON {type(meta).__name__}, not an object "
+                          f"{{dtype, shape, data_offsets}}")
+    if set(meta) != _TENSOR_KEYS:
+        odd = sorted(set(meta) ^ _TENSOR_KEYS)
+        raise HeaderError(f"{where}: entry has keys {sorted(meta)[:5]}, needs exactly dtype, shape, data_offsets "
+                          f"(differs in {odd[:3]})")
+    code = meta["dtype"]
+    dt = dtypes.from_safetensors(code) if isinstance(code, str) else None
+    if dt is None:
+        known = ", ".join(d.safetensors for d in dtypes.DTYPES.values() if d.safetensors)
+        raise HeaderError(f"{where}: dtype {str(code)[:40]!r} is not one llama-tools reads ({known})")
+    shape = meta["shape"]
+    if not isinstance(shape, list) or not all(_u64(s) for s in shape):
+        raise HeaderError(f"{where}: shape {str(shape)[:80]} must be a list of non-negative integers")
+    offsets = meta["data_offsets"]
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_u64(o) for o in offsets)):
+        raise HeaderError(f"{where}: data_offsets {str(offsets)[:80]} must be [begin, end], two non-negative "
+                          f"integers")
+    return dt, tuple(shape), offsets[0], offsets[1]
+
+
 def read_safetensors_header(path: str | Path) -> list[TensorInfo]:
-    """The tensors of one .safetensors file, validated against the file size (truncation, bad offsets)."""
+    """The tensors of one .safetensors file, validated by the rules of the safetensors library itself.
+
+    Those rules (its tensor.rs, `read_metadata` and `Metadata::validate`): the header length is at most
+    100,000,000 and inside the file; the header is UTF-8 JSON, an object whose `__metadata__` (optional) maps
+    strings to strings and whose every other entry is {dtype, shape, data_offsets} with unsigned integers;
+    sorted by offsets, the tensors tile the data exactly (each begins where the last ended, the first at 0,
+    begin <= end), each spans product(shape) * itemsize bytes (no product overflowing 64 bits on the way),
+    and the data end where the file ends. Anything this accepts, the library accepts (tests check it on
+    fuzzed headers); it is stricter on purpose in a few places: dtypes we do not model, duplicate keys,
+    extra keys in an entry.
+    """
     path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
-            raise ValueError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+            raise HeaderError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
         (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise ValueError(f"{path}: header length {n} is larger than the file ({size} bytes): truncated or not safetensors")
         if n > MAX_HEADER_BYTES:
-            raise ValueError(f"{path}: header length {n} is implausibly large (> {MAX_HEADER_BYTES}): not safetensors")
+            raise HeaderError(f"{path}: header length {n} is over the safetensors limit of {MAX_HEADER_BYTES} "
+                              f"bytes: not a safetensors file")
+        if n > size - 8:
+            raise HeaderError(f"{path}: header length {n} is larger than the file ({size} bytes): truncated or "
+                              f"not safetensors")
         raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: safetensors header is not valid JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: safetensors header is not a JSON object")
-    data_bytes = size - 8 - n
-    out = []
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dt = dtypes.from_safetensors(meta["dtype"])
-            assert dt is not None, f"unknown safetensors dtype {meta['dtype']!r}"
-            dtype, itemsize = dt.name, int(dt.bytes)
-            shape = tuple(int(s) for s in meta["shape"])
-            begin, end = (int(o) for o in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError, AssertionError):
-            raise ValueError(f"{path}: tensor {name!r} has a malformed header entry {meta!r}") from None
-        nbytes = math.prod(shape) * itemsize
-        if end - begin != nbytes:
-            raise ValueError(f"{path}: tensor {name!r} spans {end - begin} bytes but shape {list(shape)} of {dtype} "
-                             f"needs {nbytes}")
-        if end > data_bytes:
-            raise ValueError(f"{path}: truncated: tensor {name!r} ends at data byte {end} but the file holds "
-                             f"{data_bytes} data bytes")
-        out.append(TensorInfo(name, shape, dtype, nbytes, path.name))
-    return out
+    if len(raw) != n:
+        raise HeaderError(f"{path}: file shrank while its header was read")
+    header = _parse_header_json(raw, path)
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) and _utf8(k) and _utf8(v)
+                                                                for k, v in meta.items())):
+        raise HeaderError(f"{path}: __metadata__ must map strings to strings, got {str(meta)[:80]}")
+    entries = sorted(((_tensor_entry(path, name, m), name) for name, m in header.items() if name != "__metadata__"),
+                     key=lambda e: (e[0][2], e[0][3]))
+    out, start = [], 0
+    for (dt, shape, begin, end), name in entries:
+        where = f"{path}: tensor {name[:200]!r}"
+        if begin != start or end < begin:
+            what = ("overlaps the tensor before it" if begin < start else "leaves a gap after the tensor before it"
+                    if begin > start else "ends before it begins")
+            raise HeaderError(f"{where}: data_offsets [{begin}, {end}] {what} (data so far end at byte {start}); "
+                              f"tensors must tile the data in order")
+        start = end
+        numel = 1
+        for s in shape:  # the library's checked_mul: an intermediate product past 64 bits is refused
+            numel *= s
+            if numel >= _U64:
+                raise HeaderError(f"{where}: shape {list(shape)} overflows 64 bits")
+        itemsize = int(dt.bytes)
+        if numel * itemsize * 8 >= _U64:
+            raise HeaderError(f"{where}: shape {list(shape)} of {dt.name} overflows 64 bits of size")
+        if end - begin != numel * itemsize:
+            raise HeaderError(f"{where}: spans {end - begin} bytes but shape {list(shape)} of {dt.name} needs "
+                              f"{numel * itemsize}")
+        out.append(TensorInfo(name, shape, dt.name, numel * itemsize, path.name))
+    if 8 + n + start != size:
+        raise HeaderError(f"{path}: the tensors' data end at byte {8 + n + start} but the file has {size} bytes: "
+                          + ("truncated" if size < 8 + n + start else "bytes no tensor covers"))
+    # Callers see the header's own order (the order names were written), as before.
+    order = {name: i for i, name in enumerate(header)}
+    return sorted(out, key=lambda t: order[t.name])
 
 
 # --- torch zip headers (restricted unpickler) -----------------------------------------------------
@@ -104,7 +250,11 @@ class _TensorStub:
 
 
 def _rebuild_tensor_v2(storage: _Storage, storage_offset: int, size: tuple, stride: tuple, *rest: Any) -> _TensorStub:
-    return _TensorStub(storage, int(storage_offset), tuple(int(s) for s in size))
+    if not (isinstance(storage, _Storage) and _u64(storage_offset) and isinstance(size, tuple)
+            and all(_u64(s) for s in size)):
+        raise HeaderError(f"a tensor with offset {str(storage_offset)[:30]} and shape {str(size)[:60]}: "
+                          f"not non-negative integers")
+    return _TensorStub(storage, storage_offset, size)
 
 
 def _rebuild_parameter(data: _TensorStub, *rest: Any) -> _TensorStub:
@@ -132,46 +282,83 @@ class _MetadataUnpickler(pickle.Unpickler):
             return _rebuild_parameter
         if module == "torch" and (dt := dtypes.from_torch_storage(name)) is not None:
             return _StorageType(dt)
-        raise ValueError(f"{self.path}: refused: contains {module}.{name}, not only tensors "
+        raise HeaderError(f"{self.path}: refused: contains {module[:60]}.{name[:60]}, not only tensors "
                          f"(torch files are never unpickled beyond tensors)")
 
     def persistent_load(self, pid: Any) -> _Storage:
         # ('storage', storage_type, key, location, numel), as torch.save writes it.
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
-            raise ValueError(f"{self.path}: refused: unexpected persistent reference {pid!r}")
-        return _Storage(pid[1].dtype, pid[1].itemsize, str(pid[2]), int(pid[4]))
+            raise HeaderError(f"{self.path}: refused: unexpected persistent reference {str(pid)[:80]}")
+        if not (isinstance(pid[2], str) and _u64(pid[4])):
+            raise HeaderError(f"{self.path}: refused: storage reference {str(pid)[:80]} is malformed")
+        return _Storage(pid[1].dtype, pid[1].itemsize, pid[2], pid[4])
+
+
+def _check_zip_sizes(zf: zipfile.ZipFile, path: Path, size: int) -> None:
+    """Declared sizes bounded before anything is inflated: no zip bomb, no entries overlapping to multiply bytes."""
+    infos = zf.infolist()
+    stored = 0
+    for i in infos:
+        if i.header_offset + i.compress_size > size:
+            raise HeaderError(f"{path}: zip entry {i.filename[:80]!r} runs past the end of the file: truncated")
+        if i.compress_type != zipfile.ZIP_STORED and i.file_size > MAX_COMPRESSION_RATIO * max(i.compress_size, 1):
+            raise HeaderError(f"{path}: zip entry {i.filename[:80]!r} declares {i.file_size} bytes from "
+                              f"{i.compress_size} compressed (over {MAX_COMPRESSION_RATIO}:1): refused as a zip "
+                              f"bomb (torch.save stores entries uncompressed)")
+        stored += i.compress_size
+    if stored > size:
+        raise HeaderError(f"{path}: zip entries hold {stored} bytes in a {size}-byte file: entries overlap")
 
 
 def read_torch_header(path: str | Path) -> list[TensorInfo]:
-    """The tensors of a torch zip file (.pth/.bin) from `data.pkl` alone, checking each storage is there."""
+    """The tensors of a torch zip file (.pth/.bin) from `data.pkl` alone, checking each storage is there.
+
+    Every declared size is checked against the file first (no entry inflated past 32:1, none overlapping,
+    data.pkl at most 100 MB), so that neither this reader nor torch.load can be made to allocate more than
+    the file justifies.
+    """
     path = Path(path)
-    try:
-        zf = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as e:
-        raise ValueError(f"{path}: not a readable torch zip file ({e}): truncated, or the legacy non-zip "
-                         f"format (re-save it with torch.save)") from None
-    with zf:
-        names = zf.namelist()
-        pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
-        if pkl is None:
-            raise ValueError(f"{path}: zip file without data.pkl: not a torch checkpoint")
-        prefix = pkl[: -len("data.pkl")]
-        sizes = {i.filename: i.file_size for i in zf.infolist()}
+    with open_regular(path) as raw:
+        size = os.fstat(raw.fileno()).st_size
         try:
-            with zf.open(pkl) as f:
-                obj = _MetadataUnpickler(f, path).load()
-        except (pickle.UnpicklingError, EOFError, TypeError, AttributeError, IndexError) as e:
-            raise ValueError(f"{path}: cannot read tensor metadata from data.pkl ({e})") from None
+            zf = zipfile.ZipFile(raw)
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
+            raise HeaderError(f"{path}: not a readable torch zip file ({str(e)[:80]}): truncated, or the legacy "
+                              f"non-zip format (re-save it with torch.save)") from None
+        with zf:
+            _check_zip_sizes(zf, path, size)
+            names = zf.namelist()
+            pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            if pkl is None:
+                raise HeaderError(f"{path}: zip file without data.pkl: not a torch checkpoint")
+            if zf.getinfo(pkl).file_size > MAX_PICKLE_BYTES:
+                raise HeaderError(f"{path}: data.pkl declares {zf.getinfo(pkl).file_size} bytes, over the "
+                                  f"{MAX_PICKLE_BYTES} that tensor metadata may take")
+            prefix = pkl[: -len("data.pkl")]
+            sizes = {i.filename: i.file_size for i in zf.infolist()}
+            try:
+                with zf.open(pkl) as f:
+                    obj = _MetadataUnpickler(f, path).load()
+            except HeaderError as e:
+                if str(e).startswith(str(path)):
+                    raise
+                raise HeaderError(f"{path}: refused: data.pkl holds {e}") from None
+            # A crafted pickle can raise nearly anything (it is only data to us, never run): every failure
+            # to read it is the same refusal.
+            except Exception as e:  # noqa: BLE001
+                raise HeaderError(f"{path}: cannot read tensor metadata from data.pkl ({type(e).__name__}: "
+                                  f"{str(e)[:100]})") from None
     if not isinstance(obj, dict):
-        raise ValueError(f"{path}: refused: holds a {type(obj).__name__}, not a dict of tensors")
+        raise HeaderError(f"{path}: refused: holds a {type(obj).__name__}, not a dict of tensors")
     out = []
     for name, t in obj.items():
         if not isinstance(t, _TensorStub):
-            raise ValueError(f"{path}: refused: entry {name!r} is a {type(t).__name__}, not a tensor")
+            raise HeaderError(f"{path}: refused: entry {str(name)[:80]!r} is a {type(t).__name__}, not a tensor")
         st = t.storage
         stored = sizes.get(f"{prefix}data/{st.key}")
         need = (t.offset + math.prod(t.shape)) * st.itemsize
         if stored is None or stored < need:
-            raise ValueError(f"{path}: truncated: storage of tensor {name!r} holds {stored or 0} bytes, needs {need}")
+            raise HeaderError(f"{path}: truncated: storage of tensor {str(name)[:80]!r} holds {stored or 0} bytes, "
+                              f"needs {need}")
         out.append(TensorInfo(str(name), t.shape, st.dtype, math.prod(t.shape) * st.itemsize, path.name))
     return out

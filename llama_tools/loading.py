@@ -25,17 +25,23 @@ def load_model(source: ModelSource | ModelConfig | str, dtype: Any = "float32", 
     else:
         src = resolve(source)
         if src.weights is not None and str(device) != "meta":
+            from .accounting import check_memory, model_need
             from .checkpoints import load_checkpoint
 
             assert src.path is not None, "a checkpoint source has a path"
+            if str(device).startswith("cpu"):
+                check_memory(model_need(src.cfg, dtypes.get(torch_dtype).name, "loading the checkpoint"), src.cfg)
             return load_checkpoint(src.path, dtype=torch_dtype, device=device, progress=progress)
         cfg = src.cfg
     if str(device) != "meta":
-        from .weights import weight_specs
+        from .accounting import gib, check_memory, model_need, nbytes, param_total
 
-        nbytes = sum(s.numel for s in weight_specs(cfg)) * torch.finfo(torch_dtype).bits // 8
-        if nbytes > MAX_RANDOM_INIT_BYTES:
-            raise ValueError(f"model {cfg.name!r} needs {nbytes / 2**30:.1f} GiB of random weights at "
-                             f"{dtypes.get(torch_dtype).name}, over the {MAX_RANDOM_INIT_BYTES / 2**30:.0f} GiB "
-                             f"that llama-tools materializes; count it or report its shapes instead")
+        name = dtypes.get(torch_dtype).name
+        weights = nbytes(param_total(cfg), name)  # constant time: n8 = 10^8 is refused at once, never looped
+        if weights > MAX_RANDOM_INIT_BYTES:
+            raise ValueError(f"model {cfg.name!r} needs {weights:,} bytes ({gib(weights)}) of random weights at "
+                             f"{name}, over the {MAX_RANDOM_INIT_BYTES // 2**30} GiB that llama-tools materializes; count "
+                             f"it or report its shapes instead")
+        if str(device).startswith("cpu"):
+            check_memory(model_need(cfg, name, "building the model"), cfg)
     return build_model(cfg, device=device, dtype=torch_dtype, seed=seed)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .config import ModelConfig
 from .config_files import config_from_hf, config_from_meta, read_json
-from .header_readers import TensorInfo, read_safetensors_header, read_torch_header
+from .header_readers import HeaderError, TensorInfo, read_safetensors_header, read_torch_header
 
 # What a directory may hold, in the order looked for. HF's model*.safetensors before any *.safetensors:
 # Mistral repos also ship the same weights as consolidated.safetensors.
@@ -45,6 +45,41 @@ def _check_shard_set(directory: Path, files: list[Path]) -> None:
             raise ValueError(f"{directory / example}: missing shard {gone[0]} of {total}")
 
 
+def _inside(d: Path, f: Path, index: Path | None = None) -> Path:
+    """f, when it is a file of directory d: resolved (symlinks followed) it stays in d.
+
+    One exception keeps the Hugging Face hub cache working: a snapshot's files are symlinks into the same
+    repository's blobs/ (snapshots/<rev>/x -> ../../blobs/<hash>).
+    """
+    real_d, real_f = d.resolve(), f.resolve()
+    if real_f.parent == real_d:
+        return f
+    if real_d.parent.name == "snapshots" and real_f.parent == real_d.parent.parent / "blobs":
+        return f
+    by = f"{index} names {f.name!r}, which" if index else f"{f}"
+    raise HeaderError(f"{by} resolves to {real_f}, outside {real_d}: weight files must lie in the checkpoint "
+                      f"directory")
+
+
+def _index_names(index: Path, d: Path) -> tuple[dict[str, str], list[str]]:
+    """An index's weight_map, every value a plain file name of d (no path, no '..', no way out of d)."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index}: no 'weight_map' object naming the shard of each tensor")
+    for k, v in weight_map.items():
+        if not isinstance(v, str):
+            raise ValueError(f"{index}: weight_map[{k[:80]!r}] is {str(v)[:40]}, not a file name")
+        if v in ("", ".", "..") or "/" in v or "\\" in v or "\0" in v or Path(v).name != v:
+            raise ValueError(f"{index}: weight_map[{k[:80]!r}] names {v[:80]!r}: shards must be plain file names "
+                             f"in {d}, not paths")
+    names = list(dict.fromkeys(weight_map.values()))
+    for n in names:
+        if not (d / n).is_file():
+            raise ValueError(f"{index}: names shard {n!r}, which is not a regular file in {d}")
+        _inside(d, d / n, index)
+    return weight_map, names
+
+
 def find_weight_files(directory: str | Path) -> WeightFiles | None:
     """Which weight files a directory holds (None: none, i.e. a config-only directory)."""
     d = Path(directory)
@@ -52,17 +87,12 @@ def find_weight_files(directory: str | Path) -> WeightFiles | None:
         return None
     for index_name, kind in INDEX_FILES:
         index = d / index_name
-        if index.is_file():
-            weight_map = read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise ValueError(f"{index}: no 'weight_map' object naming the shard of each tensor")
-            names = list(dict.fromkeys(str(v) for v in weight_map.values()))
-            for n in names:
-                if not (d / n).is_file():
-                    raise ValueError(f"{index}: names shard {n!r}, which is not in {d}")
-            return WeightFiles(kind, tuple(d / n for n in names), index, {str(k): str(v) for k, v in weight_map.items()})
+        if index.exists() or index.is_symlink():
+            weight_map, names = _index_names(index, d)
+            return WeightFiles(kind, tuple(d / n for n in names), index, weight_map)
     for patterns, kind in FILE_PATTERNS:
         files = next((found for p in patterns if (found := sorted(d.glob(p)))), [])
+        files = [_inside(d, f) for f in files]
         if files and kind == "meta":
             return WeightFiles(kind, _check_meta_shards(d, files))
         if files:
