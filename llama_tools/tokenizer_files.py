@@ -276,10 +276,6 @@ def converted_sentencepiece_files(path: str | Path) -> dict[str, bytes]:
 
 def gguf_files(path: str | Path) -> dict[str, bytes]:
     """tokenizer.json etc. from the vocabulary in a GGUF file."""
-    import gguf
+    from .gguf_files import open_gguf  # the one (cached) parse of the file that resolving MODEL made
 
-    try:
-        reader = gguf.GGUFReader(Path(path))
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path}: not a GGUF file ({str(e).splitlines()[0][:200]})") from None
-    return {n: t.encode("utf-8") for n, t in tokenizer_json_from_gguf(reader).items()}
+    return {n: t.encode("utf-8") for n, t in tokenizer_json_from_gguf(open_gguf(path)).items()}
