@@ -1,8 +1,22 @@
-"""Comparing an ONNX output with the PyTorch reference: tolerances per (dtype, provider), and one check's figures."""
+"""Comparing an ONNX output with PyTorch: the error budget against float64 (`judge`), and fixed tolerances (`compare`).
+
+The budget (what `verify parity` decides by): three tensors of the same model on the same inputs,
+
+    got   - the graph on onnxruntime                 error = stat|got - truth|
+    ref   - PyTorch in the graph's dtype             noise = stat|ref - truth|   (what rounding alone costs here)
+    truth - PyTorch in float64
+
+PASS when error <= multiple x noise + floor, the cosine to the truth is above a floor, no NaN/Inf, and no
+decisive top-1 miss. `stat` is the RMS over the valid positions; the README's Tolerances section has the
+measurements behind the statistic and the multiple. `compare`/`Tolerance` remain for graph-to-graph checks.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -104,3 +118,136 @@ def margin(logits: np.ndarray) -> np.ndarray:
     return top2[..., 1] - top2[..., 0]
 
 
+
+
+# --- The error budget against float64 ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Budget:
+    """PASS when error <= multiple x noise + floor_ulps x eps(dtype) x rms|truth|, cosine >= min_cosine.
+
+    Both figures are RMS over the valid positions. The floor is a rounding unit of the graph's dtype at the
+    tensor's typical size: an output stored in that dtype cannot be nearer, and it keeps an exact tensor
+    (noise 0, e.g. zero weights) from demanding an exact graph.
+    """
+
+    multiple: float
+    floor_ulps: float
+    min_cosine: float
+
+    def floor(self, dtype: str, truth_rms: float) -> float:
+        return self.floor_ulps * EPS[dtype] * truth_rms
+
+    def bound(self, noise: float, floor: float) -> float:
+        return self.multiple * noise + floor
+
+
+# Machine epsilon (one unit in the last place at 1.0) of each graph dtype.
+EPS = {_F32: float(np.finfo(np.float32).eps), _F16: float(np.finfo(np.float16).eps), _BF16: 2.0 ** -7}
+# One multiple for every dtype and graph: see README "Tolerances" for the measured ratios it covers.
+BUDGET = {_F32: Budget(8.0, 1.0, 0.99999), _F16: Budget(8.0, 1.0, 0.999), _BF16: Budget(8.0, 1.0, 0.995)}
+DTYPE_LABEL = {_F32: "fp32", _F16: "fp16", _BF16: "bf16"}
+
+
+@dataclass(frozen=True)
+class BudgetCheck:
+    """One tensor judged against float64; `passed` and `verdict` are read from the figures it shows."""
+
+    name: str  # "logits", "present.3.key", "decode logits"
+    dtype: str  # the graph's, and the reference's that gives the noise
+    error: float  # RMS |graph - float64| over the valid positions
+    noise: float  # RMS |PyTorch in dtype - float64|
+    floor: float
+    multiple: float
+    max_error: float  # max |graph - float64| (shown, not judged: a max of a few noisy values is unstable)
+    max_noise: float  # max |PyTorch in dtype - float64|
+    scale: float  # RMS |float64|
+    cosine: float  # graph against float64
+    min_cosine: float
+    top1: float | None  # fraction of positions whose argmax equals float64's (logits only)
+    decisive_misses: int  # argmax differs where float64's top-2 margin exceeds `tie`
+    tie: float  # the margin a within-budget error could flip: 2 x (multiple x max_noise + floor)
+    nonfinite: int  # NaN or Inf in the graph's output, anywhere (padding included)
+
+    @property
+    def bound(self) -> float:
+        return self.multiple * self.noise + self.floor
+
+    @property
+    def ratio(self) -> float:
+        """error / noise: how many times the reference's own rounding the graph is off."""
+        if self.noise > 0:
+            return self.error / self.noise
+        return 0.0 if self.error == 0 else math.inf
+
+    @property
+    def allowed_ratio(self) -> float:
+        """The bound as a multiple of the noise (the multiple, plus the floor's share)."""
+        return self.bound / self.noise if self.noise > 0 else math.inf
+
+    @property
+    def failures(self) -> list[str]:
+        why = []
+        if self.nonfinite:
+            why.append(f"{self.nonfinite} NaN/Inf")
+        if not self.error <= self.bound:
+            why.append("error over budget")
+        if not self.cosine >= self.min_cosine:
+            why.append(f"cosine < {self.min_cosine}")
+        if self.decisive_misses:
+            why.append(f"{self.decisive_misses} decisive top-1 misses")
+        return why
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if self.passed else "FAIL: " + "; ".join(self.failures)
+
+    def figures(self, graph: str = "onnxruntime") -> str:
+        """`onnxruntime 2.2e-4, PyTorch fp32 6.1e-5 (3.6x; bound 8x)`: both errors to float64, and their ratio."""
+        allowed = self.allowed_ratio
+        bound = f"bound {allowed:.3g}x" if math.isfinite(allowed) else f"bound {self.bound:.2g}"
+        return (f"{graph} {self.error:.2g}, PyTorch {DTYPE_LABEL.get(self.dtype, self.dtype)} {self.noise:.2g} "
+                f"({self.ratio:.2g}x; {bound})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "bound": self.bound, "ratio": self.ratio,
+                "allowed_ratio": self.allowed_ratio, "passed": self.passed, "verdict": self.verdict}
+
+
+def rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x)))) if x.size else 0.0
+
+
+def judge(name: str, got: np.ndarray, ref: np.ndarray, truth: np.ndarray, valid: np.ndarray, dtype: str,
+          budget: Budget | None = None, logits: bool = False) -> BudgetCheck:
+    """got/ref/truth: [batch, seq, ...] (positions on axis 1); valid: [batch, seq] bool; dtype: the graph's."""
+    assert got.shape == ref.shape == truth.shape, f"{name}: shapes {got.shape}, {ref.shape}, {truth.shape} differ"
+    assert valid.shape == got.shape[:2], f"{name}: mask {valid.shape} does not match {got.shape[:2]}"
+    assert dtype in EPS, f"{name}: no rounding unit for dtype {dtype!r}"
+    budget = budget or BUDGET[dtype]
+    nonfinite = int(np.size(got) - np.isfinite(got).sum())
+    g, r, t = (a[valid].astype(np.float64) for a in (got, ref, truth))  # [positions, ...]
+    scale = rms(t)
+    floor = budget.floor(dtype, scale)
+    noise_d = np.abs(r - t)
+    noise, max_noise = rms(noise_d), float(noise_d.max()) if noise_d.size else 0.0
+    if nonfinite:
+        error = max_error = cos = math.nan
+    else:
+        err_d = np.abs(g - t)
+        error, max_error = rms(err_d), float(err_d.max()) if err_d.size else 0.0
+        denom = np.linalg.norm(g) * np.linalg.norm(t)
+        cos = float((g * t).sum() / denom) if denom else 1.0
+    tie = 2 * (budget.multiple * max_noise + floor)
+    top1, misses = None, 0
+    if logits:
+        g2, t2 = g.reshape(-1, g.shape[-1]), t.reshape(-1, t.shape[-1])  # [positions, vocab]
+        agree = g2.argmax(-1) == t2.argmax(-1)
+        top1 = float(agree.mean()) if agree.size else 1.0
+        misses = int(((~agree) & (margin(t2) > tie)).sum())
+    return BudgetCheck(name, dtype, error, noise, floor, budget.multiple, max_error, max_noise, scale, cos,
+                       budget.min_cosine, top1, misses, tie, nonfinite)

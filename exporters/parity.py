@@ -1,13 +1,15 @@
-"""`verify parity`: an exported graph on onnxruntime against the PyTorch model, check by check.
+"""`verify parity`: an exported graph on onnxruntime against PyTorch, judged by an error budget against float64.
 
-1. Prefill a left-padded batch (batch > 1, rows of different lengths) in both; compare the logits
-   and every present K/V at the real (unpadded) positions: max abs and rel error, cosine, top-1.
-2. Walk the layers in order: the first whose K or V is out of tolerance is where to look.
-3. Greedy decode N steps through each side's own KV cache, fed the reference's tokens, and compare
-   the choice at every step; report the first divergence.
-The reference is always fp32 PyTorch: an fp16 graph is judged against what the weights mean, not
-against another rounding of them. NaN or Inf anywhere fails. A differing top-1 counts only where the
-reference's own top-2 margin is larger than the tolerance (a near-tie is reported, not failed).
+Three runs on the same ids (a left-padded batch, then greedy decode steps fed float64's tokens):
+
+    the graph (onnxruntime)       --error-->  PyTorch float64 (the truth)  <--noise--  PyTorch in the graph's dtype
+
+For the logits, every layer's present K and V and the decode logits, the graph passes when its RMS error to
+float64 is within a multiple of the noise that PyTorch itself makes in the graph's dtype on these inputs
+(compare.py BUDGET, measured in the README's Tolerances section), with a cosine floor, no NaN/Inf, and no
+decisive top-1 miss (a differing argmax counts only where float64's own top-2 margin is larger than a
+within-budget error could flip). The first layer whose K or V is out of budget is where to look.
+Graphs other exporters wrote (onnxruntime-genai's builder, Optimum) are mapped by foreign.py and judged alike.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -27,8 +29,9 @@ from llama_tools.rope import HALF, INTERLEAVED
 from llama_tools.source import ModelSource, resolve
 from llama_tools.tokenizer import check_vocab
 
-from .compare import TOLERANCES, DecodeCheck, TensorCheck, Tolerance, compare, margin
-from .onnx_export import ExportMetadata, export_onnx, read_metadata
+from .compare import BUDGET, DTYPE_LABEL, BudgetCheck, Budget, DecodeCheck, judge, margin
+from .foreign import GraphIO, check_matches, describe_graph, foreign_lm
+from .onnx_export import META, ExportMetadata, export_onnx, read_metadata
 from .prompts import default_prompts, left_pad, positions
 from .runtime import OnnxLM, create_session
 
@@ -41,17 +44,18 @@ class ParityReport:
     provider_note: str
     provider_options: dict[str, str]  # what onnxruntime reports it runs with (use_tf32 on CUDA)
     dtype: str  # the graph's
-    reference: str  # "PyTorch float32"
+    graph: str  # who wrote it: "llama-tools plain", "onnxruntime-genai builder", "Optimum", ...
+    reference: str  # "PyTorch float32 (noise), PyTorch float64 (truth)"
     prompt_lengths: list[int]
-    tolerance: Tolerance
-    checks: list[TensorCheck]
+    budget: Budget
+    checks: list[BudgetCheck]
     first_bad_layer: int | None
     decode: DecodeCheck
     seconds: float
     notes: list[str] = field(default_factory=list)
     export_seconds: float | None = None  # when the target was a model exported on the fly
-    # Where the time went: session creation, reference load, onnxruntime and reference forward passes
-    # (prefill and decode), and for a streamed reference the part spent reading weights from disk.
+    # Where the time went: session creation, reference load, each side's runs (prefill and decode), and for a
+    # streamed reference the part spent reading weights from disk.
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -59,7 +63,10 @@ class ParityReport:
         return all(c.passed for c in self.checks) and self.decode.passed
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "passed": self.passed}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d.update(budget=dataclasses.asdict(self.budget), checks=[c.to_dict() for c in self.checks],
+                 decode=dataclasses.asdict(self.decode), passed=self.passed)
+        return d
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,18 @@ class ParityTarget:
     meta: ExportMetadata | None
     source: ModelSource
     seed: int
+    foreign: GraphIO | None = None  # a graph another exporter wrote: its I/O as read from the graph
+
+
+def has_our_metadata(onnx_path: str | Path) -> bool:
+    """Whether llama-tools wrote this graph (its metadata names the config), read without the weights."""
+    import onnx
+
+    try:
+        props = onnx.load(str(onnx_path), load_external_data=False).metadata_props
+    except Exception:  # noqa: BLE001  read_metadata words the error
+        return True
+    return any(p.key == META + "config" for p in props)
 
 
 def resolve_target(target: str | None, source: str | None) -> ParityTarget:
@@ -79,6 +98,8 @@ def resolve_target(target: str | None, source: str | None) -> ParityTarget:
         if source is not None:
             raise ValueError("--source is for an .onnx TARGET; a MODEL target is its own source")
         return ParityTarget(None, None, resolve(target, weights_required_in_dir=True), 0)
+    if Path(target).is_file() and not has_our_metadata(target):
+        return _foreign_target(target, source)
     meta = read_metadata(target)
     if source is None:
         if not meta.source:
@@ -94,6 +115,22 @@ def resolve_target(target: str | None, source: str | None) -> ParityTarget:
         src = resolve(source, weights_required_in_dir=True)
     _check_same_config(meta.config, src.cfg, target, src.spec)
     return ParityTarget(Path(target), meta, src, meta.seed or 0)
+
+
+def _foreign_target(target: str, source: str | None) -> ParityTarget:
+    """Another exporter's graph: its I/O read from the graph, the config from --source (which is required)."""
+    if is_int4(Path(target)):
+        raise ValueError(f"{target}: weight-only int4 (MatMulNBits): an fp32 budget does not apply to it; measure "
+                         f"it with `llama-tools verify int4` (top-1, KL, perplexity)")
+    io = describe_graph(target)
+    if source is None:
+        raise ValueError(f"{target} was not written by llama-tools ({io.producer}); pass --source with the checkpoint "
+                         f"it was exported from")
+    src = resolve(source, weights_required_in_dir=True)
+    check_matches(io, src.cfg, src.spec)
+    meta = ExportMetadata(config=src.cfg, rope_layout=io.rope_layout, rope_op="", dtype=io.dtype, version="",
+                          source=src.spec, seed=None, graph=io.producer)
+    return ParityTarget(Path(target), meta, src, 0, io)
 
 
 def is_int4(onnx_path: Path) -> bool:
@@ -125,28 +162,97 @@ def check_inputs(prompts: list[list[int]], steps: int, target: ParityTarget) -> 
 
 def verify_parity(target: ParityTarget, *, prompts: list[list[int]] | None = None, provider: str = "auto",
                   steps: int = 8, dtype: str = "float32", rope_op: str = "llama_tools", tf32: bool = False,
-                  tolerance: Tolerance | None = None, progress: Progress = silent) -> ParityReport:
+                  budget: Budget | None = None, progress: Progress = silent) -> ParityReport:
     """Export on the fly when the target is a MODEL, then compare; see the module docstring for the checks."""
     check_inputs(prompts or [], steps, target)
     if target.onnx_path is not None and is_int4(target.onnx_path):
         raise ValueError(f"{target.onnx_path}: weight-only int4 (MatMulNBits): fp32 tolerances do not apply to it; "
                          f"measure it with `llama-tools verify int4 {target.onnx_path}` (top-1, KL, perplexity)")
     if target.onnx_path is not None:
-        return _verify(target.onnx_path, target, prompts, provider, steps, tf32, tolerance, progress)
+        return _verify(target.onnx_path, target, prompts, provider, steps, tf32, budget, progress)
     # A temp dir of ours (llama_tools.files): removed on SIGTERM too, and after a SIGKILL by the next run.
     with files.temp_dir("parity") as tmp:
         exported = export_onnx(target.source, Path(tmp) / "model.onnx", dtype=dtype, rope_op=rope_op,
                                seed=target.seed, progress=progress)
         meta = read_metadata(exported.path)
         rep = _verify(exported.path, dataclasses.replace(target, meta=meta), prompts, provider, steps, tf32,
-                      tolerance, progress)
+                      budget, progress)
     rep.onnx_path, rep.export_seconds = f"{target.source.spec} (exported on the fly)", exported.seconds
     return rep
 
 
+@dataclass
+class Trace:
+    """One side's run: prefill logits and K/V, then the decode steps' logits, and the tokens it was fed."""
+
+    logits: np.ndarray  # [batch, seq, vocab]
+    presents: list[tuple[np.ndarray, np.ndarray]]  # per layer (K, V): [batch, kv_heads, seq, n6]
+    decode: np.ndarray  # [batch, steps, vocab]: the logits after feeding tokens[:, s]
+    tokens: np.ndarray  # [batch, steps]: fed at each decode step (float64's greedy choice)
+
+
+# One forward step: (ids, mask, positions, past) -> (logits [batch, n, vocab], cache, presents on demand).
+Step = Callable[[np.ndarray, np.ndarray, np.ndarray, Any], tuple[np.ndarray, Any, Callable[[], Any]]]
+
+
+def run_trace(step: Step, ids: np.ndarray, mask: np.ndarray, steps: int, empty: Any,
+              tokens: np.ndarray | None = None, progress: Progress = silent, what: str = "") -> Trace:
+    """Prefill then `steps` greedy steps through the side's own cache, fed `tokens` (or its own argmax)."""
+    logits, cache, presents = step(ids, mask, positions(mask, ids.shape[1]), empty)
+    nxt, fed, dec = logits[:, -1], [], []
+    for s in range(steps):
+        tok = tokens[:, s] if tokens is not None else nxt.argmax(-1)  # [batch]
+        fed.append(tok)
+        mask = np.concatenate([mask, np.ones((mask.shape[0], 1), np.int64)], axis=1)  # [batch, past + 1]
+        out, cache, _ = step(tok[:, None].astype(np.int64), mask, positions(mask, 1), cache)
+        nxt = out[:, -1]
+        dec.append(out)
+        progress(s + 1, steps, f"greedy decode step ({what})")
+    batch, vocab = logits.shape[0], logits.shape[-1]
+    return Trace(logits, presents(), np.concatenate(dec, axis=1) if dec else np.zeros((batch, 0, vocab)),
+                 np.stack(fed, 1) if fed else np.zeros((batch, 0), np.int64))
+
+
+def torch_step(model: Any) -> Step:
+    """A PyTorch reference as a Step; its outputs widened to float64 numpy (exact for every float dtype)."""
+    import torch
+
+    def step(ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past: Any) -> tuple[np.ndarray, Any, Any]:
+        with torch.no_grad():
+            out = model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                        position_ids=torch.from_numpy(pos), past_key_values=past)
+        f64 = lambda t: t.to(torch.float64).numpy()  # noqa: E731
+        return f64(out.logits), out.past_key_values, lambda: [(f64(k), f64(v)) for k, v in out.past_key_values]
+    return step
+
+
+def onnx_step(lm: Any) -> Step:
+    """An OnnxLM (or foreign.RowByRow) as a Step: the cache stays where the session keeps it."""
+    def step(ids: np.ndarray, mask: np.ndarray, pos: np.ndarray, past: Any) -> tuple[np.ndarray, Any, Any]:
+        try:
+            out = lm(ids, mask, pos, past)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001  onnxruntime's own exception types: one line, not a traceback
+            when = "the prefill" if past is None or ids.shape[1] > 1 else "a decode step (try --steps 0)"
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            raise ValueError(f"onnxruntime failed in {when}: {first[:300]}") from None
+        return out.logits, out.cache, lambda: out.presents
+    return step
+
+
+def budget_for(dtype: str, provider: str, options: dict[str, str]) -> tuple[Budget, str | None]:
+    """The dtype's budget; CUDA with TF32 allowed rounds fp32 MatMul inputs to 10 mantissa bits: 2^13 x wider."""
+    b = BUDGET[dtype]
+    if provider == "cuda" and options.get("use_tf32") == "1" and dtype == dtypes.FLOAT32.name:
+        return (dataclasses.replace(b, multiple=b.multiple * 2 ** 13, min_cosine=0.999),
+                "TF32 MatMuls: the fp32 budget's multiple widened by 2^13 (TF32 keeps 10 of fp32's 23 mantissa bits)")
+    return b, None
+
+
 def _verify(onnx_path: Path, target: ParityTarget, prompts: list[list[int]] | None, provider: str, steps: int,
-            tf32: bool, tolerance: Tolerance | None, progress: Progress) -> ParityReport:
-    """Run the graph and the PyTorch model on the same ids."""
+            tf32: bool, budget: Budget | None, progress: Progress) -> ParityReport:
+    """Run the graph, PyTorch in its dtype and PyTorch in float64 on the same ids; judge each tensor."""
     import torch
 
     from llama_tools.reference import reference_model
@@ -159,52 +265,95 @@ def _verify(onnx_path: Path, target: ParityTarget, prompts: list[list[int]] | No
     clock = _Clock()
     run = create_session(onnx_path, provider, tf32=tf32)
     clock.lap("session")
-    onnx_lm = OnnxLM(run, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    if target.foreign is not None:
+        lm = foreign_lm(run, target.foreign, cfg)
+    else:
+        lm = OnnxLM(run, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
     session_bytes = _weight_bytes(onnx_path) if run.provider == "cpu" else 0  # the session's copy is in host RAM
-    # A checkpoint's reference streams one fp32 layer at a time; refused up front when even that will not fit.
+    # Streams one layer at a time (cast to the pass's dtype); refused up front when even that will not fit.
     ref_model = reference_model(target.source, seed=target.seed, progress=progress, batch=len(prompts),
-                                seq=max(map(len, prompts)), steps=steps, extra_bytes=session_bytes)
+                                seq=max(map(len, prompts)), steps=steps, extra_bytes=session_bytes,
+                                dtype=getattr(torch, dtypes.get(meta.dtype).torch), float64_pass=True)
+    truth_model = ref_model.with_dtype(torch.float64)
     clock.lap("reference load")
-    tol = tolerance or TOLERANCES[(meta.dtype, _tolerance_key(meta.dtype, run.provider, run.options))]
+    chosen, tf32_note = budget_for(meta.dtype, run.provider, run.options)
+    budget = budget or chosen
     # The K cache holds q/k rows in the weights' RoPE layout: compare the graph's in the reference's order.
     k_order = _channel_order(meta.rope_layout, ref_model.cfg.rope_layout, cfg.head_dim)
 
     ids, mask = left_pad(prompts)
-    pos = positions(mask, ids.shape[1])
     valid = mask.astype(bool)  # [batch, seq]
-    got = onnx_lm(ids, mask, pos, onnx_lm.empty_cache(len(prompts)))
-    clock.lap("onnxruntime prefill")
-    with torch.no_grad():
-        ref = ref_model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                        position_ids=torch.from_numpy(pos))
-    clock.lap("reference prefill")
-    checks = [compare("logits", got.logits, ref.logits.numpy(), valid, tol, logits=True)]
+    truth = run_trace(torch_step(truth_model), ids, mask, steps, None, None, progress, "PyTorch float64")
+    clock.lap("PyTorch float64")
+    ref = run_trace(torch_step(ref_model), ids, mask, steps, None, truth.tokens, progress, f"PyTorch {meta.dtype}")
+    clock.lap(f"PyTorch {meta.dtype}")
+    got = run_trace(onnx_step(lm), ids, mask, steps, lm.empty_cache(len(prompts)), truth.tokens, progress,
+                    "onnxruntime")
+    clock.lap("onnxruntime")
+
+    checks = [judge("logits", got.logits, ref.logits, truth.logits, valid, meta.dtype, budget, logits=True)]
     first_bad_layer = None
-    for i, ((gk, gv), (rk, rv)) in enumerate(zip(got.presents, ref.past_key_values)):
-        for what, g, r in (("key", gk[..., k_order], rk), ("value", gv, rv)):
+    for i, ((gk, gv), (rk, rv), (tk, tv)) in enumerate(zip(got.presents, ref.presents, truth.presents)):
+        for what, g, r, t in (("key", gk[..., k_order], rk, tk), ("value", gv, rv, tv)):
             # [batch, kv_heads, seq, n6] -> [batch, seq, kv_heads, n6]: positions on axis 1 for the mask
-            c = compare(f"present.{i}.{what}", g.transpose(0, 2, 1, 3), r.numpy().transpose(0, 2, 1, 3), valid, tol)
+            c = judge(f"present.{i}.{what}", *(a.transpose(0, 2, 1, 3) for a in (g, r, t)), valid, meta.dtype,
+                      budget)
             checks.append(c)
             if not c.passed and first_bad_layer is None:
                 first_bad_layer = i
-
-    clock.lap("compare prefill")
-    decode, decode_check = _decode(onnx_lm, ref_model, got, ref, mask, steps, tol, progress, clock)
-    if decode_check is not None:
-        checks.append(decode_check)
-    notes = [f"max relative error = max abs error / max |reference|; tolerance {tol}"]
-    if meta.dtype != "float32":
-        notes.append(f"{meta.dtype} graph judged against the float32 PyTorch model")
+    if steps:
+        checks.append(judge("decode logits", got.decode, ref.decode, truth.decode,
+                            np.ones(got.decode.shape[:2], bool), meta.dtype, budget, logits=True))
+    decode = _greedy(got, truth, checks[0].tie, checks[-1].tie)
+    clock.lap("compare")
+    label = DTYPE_LABEL.get(meta.dtype, meta.dtype)
+    notes = [f"error = RMS |onnxruntime - PyTorch float64|, noise = RMS |PyTorch {label} - PyTorch float64| over "
+             f"the real positions; pass when error <= {budget.multiple:g} x noise + {budget.floor_ulps:g} ulp of "
+             f"{meta.dtype} at the tensor's RMS, cosine >= {budget.min_cosine}"]
+    if tf32_note:
+        notes.append(tf32_note)
+    if target.foreign is not None:
+        io = target.foreign
+        notes.append(f"a {io.producer} graph: inputs and outputs read from it (cache {io.past} -> {io.present}"
+                     + (", position_ids" if io.position_ids else ", no position_ids")
+                     + ("; run one row at a time: its attention takes no left padding" if io.row_by_row else "") + ")")
     if meta.rope_layout != ref_model.cfg.rope_layout:
         notes.append(f"the graph's K rows are {meta.rope_layout}, the reference's {ref_model.cfg.rope_layout}: "
                      f"K compared after reordering its channels")
+    graph = target.foreign.producer if target.foreign is not None else f"llama-tools {meta.graph}"
     return ParityReport(
         onnx_path=str(onnx_path), source=target.source.label, provider=run.provider, provider_note=run.note,
-        provider_options=dict(run.options),
-        dtype=meta.dtype, reference="PyTorch float32", prompt_lengths=[len(p) for p in prompts], tolerance=tol,
-        checks=checks, first_bad_layer=first_bad_layer, decode=decode, seconds=time.perf_counter() - start,
-        notes=notes, timings=clock.laps | _read_seconds(ref_model),
+        provider_options=dict(run.options), dtype=meta.dtype, graph=graph,
+        reference=f"PyTorch {meta.dtype} (noise), PyTorch float64 (truth)", prompt_lengths=[len(p) for p in prompts],
+        budget=budget, checks=checks, first_bad_layer=first_bad_layer, decode=decode,
+        seconds=time.perf_counter() - start, notes=notes, timings=clock.laps | _read_seconds(ref_model),
     )
+
+
+def _greedy(got: Trace, truth: Trace, prefill_tie: float, decode_tie: float) -> DecodeCheck:
+    """The graph's argmax at every step against float64's token; a flip on a near-tie is reported, not failed.
+
+    A near-tie: float64's top-2 margin there is within what a within-budget error could flip (the `tie` of
+    the prefill logits check for step 0, of the decode logits check after).
+    """
+    steps = truth.tokens.shape[1]
+    if steps == 0:
+        return DecodeCheck(0, 0, None, "no decode steps asked for", [], [], True)
+    # The logits each step's token was chosen from: the prefill's last row, then each decode step's but the last.
+    g = np.concatenate([got.logits[:, -1:], got.decode[:, :-1]], axis=1).astype(np.float64)  # [batch, steps, vocab]
+    t = np.concatenate([truth.logits[:, -1:], truth.decode[:, :-1]], axis=1)
+    g_tok = g.argmax(-1)  # [batch, steps]
+    differ = g_tok != truth.tokens
+    agreed = int((~differ).all(0).sum())
+    first, what, passed = None, "every step agrees", True
+    if differ.any():
+        step = int(np.nonzero(differ.any(0))[0][0])
+        row = int(np.nonzero(differ[:, step])[0][0])
+        m = float(margin(t[row, step]))
+        first, passed = step, m <= (prefill_tie if step == 0 else decode_tie)
+        what = (f"step {step}, row {row}: float64 {int(truth.tokens[row, step])}, ONNX {int(g_tok[row, step])} "
+                f"(float64 top-2 margin {m:.3g}" + (", a near-tie: not counted as a failure)" if passed else ")"))
+    return DecodeCheck(steps, agreed, first, what, truth.tokens.tolist(), g_tok.tolist(), passed)
 
 
 class _Clock:
@@ -224,12 +373,6 @@ def _read_seconds(ref_model: Any) -> dict[str, float]:
     """A streamed reference's seconds spent reading weights (part of its load and forward times)."""
     times = getattr(ref_model, "times", None)
     return {"of which reading weights": times.read} if times is not None else {}
-
-
-def _tolerance_key(dtype: str, provider: str, options: dict[str, str]) -> str:
-    """'cuda-tf32' when CUDA runs an fp32 graph's MatMuls in TF32 (its own, wider tolerance), else the provider."""
-    tf32 = provider == "cuda" and options.get("use_tf32") == "1" and dtype == dtypes.FLOAT32.name
-    return "cuda-tf32" if tf32 else provider
 
 
 def _weight_bytes(onnx_path: Path) -> int:
@@ -257,61 +400,3 @@ def _check_same_config(exported: Any, reference: Any, onnx_path: Any, source: An
         k = diff[0]
         raise ValueError(f"{onnx_path} was exported with {k}={getattr(exported, k)} but {source} has "
                          f"{k}={getattr(reference, k)}; pass the model it was exported from")
-
-
-def _decode(onnx_lm: OnnxLM, ref_model: Any, got: Any, ref: Any, mask: np.ndarray, steps: int, tol: Tolerance,
-            progress: Progress, clock: "_Clock") -> tuple[DecodeCheck, TensorCheck | None]:
-    """Greedy decode through both caches, both fed the reference's choice; compare every step's argmax."""
-    import torch
-
-    batch = mask.shape[0]
-    past_onnx, past_ref = got.cache, ref.past_key_values
-    ref_next = ref.logits[:, -1].numpy()  # [batch, vocab]
-    onnx_next = got.logits[:, -1]
-    ref_ids: list[list[int]] = [[] for _ in range(batch)]
-    onnx_ids: list[list[int]] = [[] for _ in range(batch)]
-    first, first_margin, what, agreed = None, 0.0, "", 0
-    errors: list[tuple[np.ndarray, np.ndarray]] = []
-    for step in range(steps):
-        r_tok, o_tok = ref_next.argmax(-1), onnx_next.argmax(-1)  # [batch]
-        for row in range(batch):
-            ref_ids[row].append(int(r_tok[row]))
-            onnx_ids[row].append(int(o_tok[row]))
-        differ = np.nonzero(r_tok != o_tok)[0]
-        if differ.size == 0:
-            agreed += 1
-        elif first is None:
-            row = int(differ[0])
-            first, first_margin = step, float(margin(ref_next[row]))
-            what = (f"step {step}, row {row}: PyTorch {int(r_tok[row])}, ONNX {int(o_tok[row])} "
-                    f"(reference top-2 margin {first_margin:.3g})")
-        mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)  # [batch, past + 1]
-        ids = r_tok[:, None].astype(np.int64)  # [batch, 1]: the reference's token, fed to both
-        pos = positions(mask, 1)
-        clock.lap("decode bookkeeping")
-        out = onnx_lm(ids, mask, pos, past_onnx)
-        clock.lap("onnxruntime decode")
-        with torch.no_grad():
-            r = ref_model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                          position_ids=torch.from_numpy(pos), past_key_values=past_ref)
-        clock.lap("reference decode")
-        past_onnx, past_ref = out.cache, r.past_key_values  # the graph's cache stays on its device
-        onnx_next, ref_next = out.logits[:, -1], r.logits[:, -1].numpy()
-        errors.append((out.logits, r.logits.numpy()))
-        progress(step + 1, steps, "greedy decode step")
-    if not errors:
-        return DecodeCheck(0, 0, None, "no decode steps asked for", ref_ids, onnx_ids, True), None
-    g = np.concatenate([e[0] for e in errors], axis=1)  # [batch, steps, vocab]
-    r = np.concatenate([e[1] for e in errors], axis=1)
-    logits_check = compare("decode logits", g, r, np.ones(g.shape[:2], bool), tol, logits=True)
-    near_tie = first is not None and first_margin <= logits_check.bound
-    passed = logits_check.passed and (first is None or near_tie)
-    # The verdict's words say why it is what it is; a failing row never reads as agreement alone.
-    if first is None:
-        what = "every step agrees"
-    elif near_tie:
-        what += ": a near-tie in the reference, not counted as a failure"
-    if not logits_check.passed:
-        what += (f"; but the decode logits are out of tolerance (max abs {logits_check.max_abs:.3g} > "
-                 f"{logits_check.bound:.3g})" if logits_check.nonfinite == 0 else "; but the decode logits hold NaN/Inf")
-    return DecodeCheck(steps, agreed, first, what, ref_ids, onnx_ids, passed), logits_check

@@ -282,17 +282,21 @@ class OnnxLM:
     GroupQueryAttention writes the new slots in place (as onnxruntime-genai's past_present_share_buffer).
     """
 
-    def __init__(self, session: Session, num_layers: int, num_kv_heads: int, head_dim: int, io: str = "device"):
+    def __init__(self, session: Session, num_layers: int, num_kv_heads: int, head_dim: int, io: str = "device",
+                 past: Any = past_name, present: Any = present_name):
+        """past/present: (layer, "key" | "value") -> the graph's name (another exporter's, see foreign.py)."""
         if io not in IO_MODES:
             raise ValueError(f"unknown io mode {io!r}; choose one of {', '.join(IO_MODES)}")
         self.session = session
         self.sess = session.session
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.past_name, self.present_name = past, present
         inputs = {i.name: i for i in self.sess.get_inputs()}
         types = {name: i.type for name, i in inputs.items()}
-        assert past_name(0, "key") in types, f"not a llama-tools decoder graph: inputs {sorted(types)}"
-        self.onnx_type = types[past_name(0, "key")]
-        slots = inputs[past_name(0, "key")].shape[2]  # "past_sequence_length", or max_length for a static buffer
+        assert past(0, "key") in types, f"not a llama-tools decoder graph: inputs {sorted(types)}"
+        self.onnx_type = types[past(0, "key")]
+        self.input_types = types
+        slots = inputs[past(0, "key")].shape[2]  # "past_sequence_length", or max_length for a static buffer
         self.static_length: int | None = slots if isinstance(slots, int) else None
         self.dtype = dtypes.from_onnx_type_string(self.onnx_type).name
         self.cache_dtype = _numpy(self.onnx_type)  # what numpy caches hold (float32 for bf16)
@@ -326,8 +330,11 @@ class OnnxLM:
         if self.static_length is not None and attention_mask.shape[1] > self.static_length:
             raise ValueError(f"{self.session.path or 'the ONNX model'}: {attention_mask.shape[1]} positions do not fit "
                              f"its static KV buffer of {self.static_length}; export with a larger --static-kv")
-        small = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        small = {k: np.ascontiguousarray(v, dtype=np.int64) for k, v in small.items() if k in self.input_names}
+        small = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                 # GroupQueryAttention graphs that take the lengths as inputs (right-aligned rows, no padding):
+                 "seqlens_k": attention_mask.sum(-1) - 1, "total_sequence_length": np.array(attention_mask.shape[1])}
+        small = {k: np.ascontiguousarray(v, dtype=_numpy(self.input_types[k]))
+                 for k, v in small.items() if k in self.input_names}
         try:
             out = self._run_numpy(small, past) if self.io == "numpy" else self._run_bound(small, past)
             if self.static_length is not None:
@@ -346,10 +353,11 @@ class OnnxLM:
         host = past.to_numpy() if isinstance(past, DeviceCache) else past
         feed = dict(feed)
         for i, (k, v) in enumerate(host):
-            feed[past_name(i, "key")] = k.astype(self.cache_dtype, copy=False)
-            feed[past_name(i, "value")] = v.astype(self.cache_dtype, copy=False)
+            feed[self.past_name(i, "key")] = k.astype(self.cache_dtype, copy=False)
+            feed[self.past_name(i, "value")] = v.astype(self.cache_dtype, copy=False)
         out = dict(zip(self.output_names, self.sess.run(None, feed)))
-        presents = [(out[present_name(i, "key")], out[present_name(i, "value")]) for i in range(self.num_layers)]
+        presents = [(out[self.present_name(i, "key")], out[self.present_name(i, "value")])
+                    for i in range(self.num_layers)]
         return StepOutput(out[LOGITS], presents)
 
     def _run_bound(self, feed: dict[str, np.ndarray], past: Cache) -> StepOutput:
@@ -361,21 +369,23 @@ class OnnxLM:
             for what, t in (("key", k), ("value", v)):
                 if isinstance(t, np.ndarray):
                     t = numpy_to_ortvalue(t, self.onnx_type, self.device, self.device_id)  # uploaded once
-                binding.bind_ortvalue_input(past_name(i, what), t)
+                binding.bind_ortvalue_input(self.past_name(i, what), t)
                 bound_past[i, what] = t
         binding.bind_output(LOGITS, "cpu")  # the logits come back to the host every step
+        bound = [LOGITS]  # get_outputs() answers in the order outputs were bound, not the graph's order
         for i in range(self.num_layers):
             for what in ("key", "value"):
+                bound.append(self.present_name(i, what))
                 if self.static_length is not None:  # the past's own buffer: GQA sees one pointer, writes in place
-                    binding.bind_ortvalue_output(present_name(i, what), bound_past[i, what])
+                    binding.bind_ortvalue_output(self.present_name(i, what), bound_past[i, what])
                 else:
-                    binding.bind_output(present_name(i, what), self.device, self.device_id)  # stays where written
+                    binding.bind_output(self.present_name(i, what), self.device, self.device_id)  # stays where written
         self.sess.run_with_iobinding(binding)
-        outs = dict(zip(self.output_names, binding.get_outputs()))
+        outs = dict(zip(bound, binding.get_outputs()))
         # A static buffer is handed back as the value that was bound (it keeps a numpy-backed buffer alive;
         # get_outputs' view of the same memory would not).
         take = bound_past if self.static_length is not None else {
-            (i, w): outs[present_name(i, w)] for i in range(self.num_layers) for w in ("key", "value")}
+            (i, w): outs[self.present_name(i, w)] for i in range(self.num_layers) for w in ("key", "value")}
         cache = DeviceCache([(take[i, "key"], take[i, "value"]) for i in range(self.num_layers)])
         return StepOutput(ortvalue_to_numpy(outs[LOGITS]), cache)
 

@@ -29,6 +29,11 @@ class CausalLMOutput:
 
 # --- Section 2: functions ----------------------------------------------------------------------
 
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x in at least fp32: norms, RoPE and softmax run in fp32 for fp16/bf16/fp32, in float64 for a float64 truth."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 class RMSNorm(nn.Module):
     """rnorm(X): each row divided by its root mean square, then scaled by a learned gain.
 
@@ -43,17 +48,18 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Computed in fp32 and cast back before the gain, as Meta and HF do. x / sigma (the paper's rnor)
         # rather than x * rsqrt: onnxruntime fuses exactly Pow-ReduceMean-Add-Sqrt-Div into one RMSNorm.
-        x32 = x.float()
+        x32 = wide(x)
         sigma = torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # [..., 1]: one sigma_i per row
         return self.weight * (x32 / sigma).to(x.dtype)
 
 
-def rope_cache(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos(i θ̄_t), sin(i θ̄_t) for every position i < max_position_embeddings: [max_pos, n6/2], fp32."""
+def rope_cache(cfg: ModelConfig, device: torch.device | str | None = None,
+               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos(i θ̄_t), sin(i θ̄_t) for every position i < max_position_embeddings: [max_pos, n6/2], fp32 (or `dtype`)."""
     inv_freq = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64, device=device)  # θ̄_t, t = 0, 2, ..., n6-2
     pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float64, device=device)
     angles = torch.outer(pos, inv_freq)  # [max_pos, n6/2]: i θ̄_t
-    return angles.cos().float(), angles.sin().float()
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def rope(x: torch.Tensor, position_ids: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
@@ -68,7 +74,7 @@ def rope(x: torch.Tensor, position_ids: torch.Tensor, cos_cache: torch.Tensor, s
     """
     cos = cos_cache[position_ids].unsqueeze(1)  # ξ1's distinct values: [batch, 1, n3, n6/2]
     sin = sin_cache[position_ids].unsqueeze(1)  # ξ2's: [batch, 1, n3, n6/2]
-    xf = x.float()
+    xf = wide(x)
     if interleaved:
         x0, x1 = xf[..., 0::2], xf[..., 1::2]  # [batch, heads, n3, n6/2] each
     else:
@@ -208,7 +214,7 @@ class Attention(nn.Module):
             v = v.repeat_interleave(cfg.n_rep, dim=1)
         # U^{j,i} = smax(Qbar Kbar^T / sqrt(n6) + M) V, softmax in fp32 as the references do.
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(cfg.head_dim) + bias  # [b, n5, n3, past + n3]
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        probs = torch.softmax(wide(scores), dim=-1).to(q.dtype)
         u = probs @ v  # [b, n5, n3, n6]
         u = u.transpose(1, 2).reshape(b, n3, cfg.q_size)  # U^j = [U^{j,0}, ..., U^{j,n5-1}]: [b, n3, n5 n6]
         return self.o_proj(u), present  # R^j = U^j W^{j4 T}

@@ -8,7 +8,9 @@ For parity checks of big models. The checkpoint stays memory-mapped on disk; eac
 so the resident weights are one layer in fp32 plus a chunk of lm_head and the embedding rows the ids use,
 and the files' pages are unmapped after every layer. The arithmetic is `llama_tools.model`'s own
 (the same DecoderLayer, attention_bias and rope tables), so it matches `load_model(dir)` to rounding.
-Seeded random sources (presets, configs) have no file to stream from: `reference_model` gives the plain model.
+Seeded random sources (presets, configs) have no file to stream from: `reference_model` builds them in fp32 and
+reads them layer by layer the same way (StateReader). Any pass can run in another dtype: the weights are cast as
+they stream, so `verify parity` gets PyTorch in the graph's dtype and the float64 truth from one reader.
 """
 
 from __future__ import annotations
@@ -54,9 +56,14 @@ class ReferenceMemory:
         return self.weights + self.head + self.activations + self.kv_cache + self.tables
 
 
-def reference_memory(cfg: ModelConfig, batch: int, seq: int, steps: int = 0, streamed: bool = True) -> ReferenceMemory:
-    """The memory model: bytes for a prefill of [batch, seq] followed by `steps` decode steps."""
-    f32 = 4
+def reference_memory(cfg: ModelConfig, batch: int, seq: int, steps: int = 0, streamed: bool = True,
+                     itemsize: int = 4) -> ReferenceMemory:
+    """The memory model: bytes for a prefill of [batch, seq] followed by `steps` decode steps.
+
+    itemsize: bytes per element of the pass (4 for fp32, 8 for the float64 truth); a plain (not streamed)
+    source also holds its whole fp32 model.
+    """
+    f32 = itemsize
     specs = weight_specs(cfg)
     per_layer = [sum(s.numel for s in specs if s.layer == j) for j in range(cfg.num_hidden_layers)]
     n1, n2, n7 = cfg.vocab_size, cfg.hidden_size, (cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size)
@@ -64,8 +71,8 @@ def reference_memory(cfg: ModelConfig, batch: int, seq: int, steps: int = 0, str
     if streamed:
         weights = max(per_layer, default=0) * f32
         head = min(n1 * n2 * f32, max(LM_HEAD_CHUNK_BYTES, n2 * f32)) + n2 * f32
-    else:
-        weights, head = sum(s.numel for s in specs) * f32, 0
+    else:  # the whole model in fp32, plus one layer cast to the pass's dtype when that is wider
+        weights, head = sum(s.numel for s in specs) * 4 + (max(per_layer, default=0) * f32 if f32 > 4 else 0), 0
     # One layer's live tensors: z, y, zbar, ybar, r and q/k/v ([b, n3, n2]-sized, ~8), gate/up/act ([b, n3, n7], 3),
     # scores/probs (+ the bias) [b, n5, n3, total] x 3; then the logits [b, n3, n1] (and a chunk's worth again).
     layer_act = batch * seq * (8 * n2 + 3 * n7 + 3 * cfg.num_attention_heads * total)
@@ -230,6 +237,22 @@ def open_reader(path: str | Path) -> Any:
     return GgufReader(path) if is_gguf(path) else CheckpointReader(path)
 
 
+class StateReader:
+    """The reader interface (`cfg`, `read`, `rows`) over a model already in memory: a seeded source's weights."""
+
+    def __init__(self, model: Any):
+        self.cfg = model.cfg
+        self.state = dict(model.state_dict())  # module-named, fp32; a tied lm_head is the embedding itself
+        self.weight_bytes = sum(t.nbytes for t in {id(t): t for t in self.state.values()}.values())
+
+    def read(self, names: list[str], device: Any = "cpu") -> dict[str, torch.Tensor]:
+        return {n: self.state[n].to(device=device, dtype=torch.float32) for n in names}
+
+    def rows(self, name: str, ranges: list[tuple[int, int]], device: Any = "cpu") -> torch.Tensor:
+        w = self.state[name]
+        return torch.cat([w[a:b] for a, b in ranges]).to(device=device, dtype=torch.float32)  # [sum of rows, n2]
+
+
 # --- The streamed forward --------------------------------------------------------------------------------
 
 @dataclass
@@ -249,23 +272,33 @@ class StreamedReference:
     Weights come from `CheckpointReader` one decoder layer at a time; `progress(j, n8)` after each layer.
     """
 
-    def __init__(self, directory: str | Path, *, device: Any = "cpu", progress: Progress = silent):
-        self.reader = open_reader(directory)
+    def __init__(self, directory: str | Path | Any, *, device: Any = "cpu", progress: Progress = silent,
+                 dtype: torch.dtype = torch.float32):
+        # A directory or GGUF file to open, or a reader already open (shared by the passes of several dtypes).
+        self.reader = open_reader(directory) if isinstance(directory, (str, Path)) else directory
         self.cfg = self.reader.cfg
         self.device = torch.device(device)
+        self.dtype = dtype  # each layer's weights are cast to it as they stream: fp32, fp16, bf16 or float64
         self.progress = progress
         self.times = StreamTimes()
-        self._tables = rope_cache(self.cfg, self.device) if self.cfg.position_encoding == "rope" else None
+        # RoPE tables in fp32 as the model keeps them, in float64 for a float64 truth.
+        tables_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self._tables = (rope_cache(self.cfg, self.device, tables_dtype) if self.cfg.position_encoding == "rope"
+                        else None)
         self._final_norm: RMSNorm | None = None
 
     def eval(self) -> "StreamedReference":
         return self
 
+    def with_dtype(self, dtype: torch.dtype) -> "StreamedReference":
+        """The same weights (the same open reader), another arithmetic: e.g. the float64 truth beside fp32."""
+        return StreamedReference(self.reader, device=self.device, progress=self.progress, dtype=dtype)
+
     def _layer(self, j: int) -> DecoderLayer:
         """Decoder j with its fp32 weights, built on the meta device so nothing random is allocated first."""
         prefix = f"model.layers.{j}."
         names = [s.name for s in weight_specs(self.cfg) if s.layer == j]
-        state = self.reader.read(names, self.device)
+        state = {n: t.to(self.dtype) for n, t in self.reader.read(names, self.device).items()}
         with torch.device("meta"):
             layer = DecoderLayer(self.cfg)
         layer.load_state_dict({n.removeprefix(prefix): t for n, t in state.items()}, strict=True, assign=True)
@@ -275,7 +308,7 @@ class StreamedReference:
         """Z^0: only the rows of D the ids name are read; [b, n3] -> [b, n3, n2]."""
         uniq, inverse = torch.unique(input_ids, return_inverse=True)
         rows = self.reader.rows("model.embed_tokens.weight", [(int(i), int(i) + 1) for i in uniq], self.device)
-        return rows[inverse]  # [n_unique, n2] gathered to [b, n3, n2]
+        return rows.to(self.dtype)[inverse]  # [n_unique, n2] gathered to [b, n3, n2]
 
     def _head(self, zbar: torch.Tensor) -> torch.Tensor:
         """H = Zbar W^{8 T}, W^8 read in row chunks of LM_HEAD_CHUNK_BYTES: [b, n3, n2] -> [b, n3, n1]."""
@@ -286,6 +319,7 @@ class StreamedReference:
         for a in range(0, cfg.vocab_size, step):
             t0 = time.perf_counter()
             w = self.reader.rows(name, [(a, min(a + step, cfg.vocab_size))], self.device)  # [rows, n2]
+            w = w.to(self.dtype)
             t1 = time.perf_counter()
             if cfg.norm_head:
                 w = F.normalize(w, dim=-1)  # row-wise, so chunking does not change it
@@ -297,7 +331,7 @@ class StreamedReference:
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, past_key_values: KVCache | None = None) -> CausalLMOutput:
-        """The same contract and arithmetic as Llama.forward, in fp32."""
+        """The same contract and arithmetic as Llama.forward, in the reference's dtype."""
         start = time.perf_counter()
         cfg, dev = self.cfg, self.device
         input_ids = input_ids.to(dev)
@@ -308,7 +342,9 @@ class StreamedReference:
         t0 = time.perf_counter()
         z = self._embed(input_ids)  # Z^0: [b, n3, n2]
         self.times.read += time.perf_counter() - t0
-        bias = attention_bias(cfg, n3, past, attention_mask, z.dtype, z.device)
+        # The mask is built in fp32 for a float64 pass (its fill value is fp32's minimum; ALiBi's slopes are fp32).
+        bias = attention_bias(cfg, n3, past, attention_mask, torch.float32 if z.dtype == torch.float64 else z.dtype,
+                              z.device).to(z.dtype)
         presents = []
         for j in range(cfg.num_hidden_layers):
             t0 = time.perf_counter()
@@ -325,7 +361,7 @@ class StreamedReference:
             with torch.device("meta"):
                 self._final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self._final_norm.load_state_dict({"weight": self.reader.read(["model.norm.weight"], dev)[
-                "model.norm.weight"]}, assign=True)
+                "model.norm.weight"].to(self.dtype)}, assign=True)
         logits = self._head(self._final_norm(z))  # H: [b, n3, n1]
         self.times.passes += 1
         self.times.per_pass.append(time.perf_counter() - start)
@@ -336,25 +372,30 @@ class StreamedReference:
 
 def reference_model(source: Any, *, seed: int = 0, progress: Progress = silent, device: Any = "cpu",
                     batch: int = 1, seq: int = 1, steps: int = 0, extra_bytes: int = 0,
-                    available: int | None = None) -> Any:
-    """The fp32 reference for `verify parity`: streamed from a checkpoint directory, else the seeded model.
+                    available: int | None = None, dtype: torch.dtype = torch.float32,
+                    float64_pass: bool = False) -> "StreamedReference":
+    """The reference for `verify parity`, one decoder layer at a time, in `dtype` (`.with_dtype` for another).
 
-    Refuses up front (ValueError with the figures) when the memory model says it will not fit beside
-    `extra_bytes` (e.g. an onnxruntime CPU session's weights) in the host memory available.
+    Streamed from a checkpoint directory; a seeded source is built in fp32 in memory and read layer by layer
+    the same way. Refuses up front (ValueError with the figures) when the memory model says it will not fit
+    beside `extra_bytes` (e.g. an onnxruntime CPU session's weights) in the host memory available;
+    `float64_pass`: sized for a float64 pass too (8 bytes an element).
     """
     from .loading import load_model
 
+    itemsize = 8 if float64_pass else max(4, torch.finfo(dtype).bits // 8)
     if not isinstance(source, ModelConfig):
         source = resolve(source)
     if isinstance(source, ModelSource) and source.weights is not None:
         assert source.path is not None, "a checkpoint source has a path"
-        ref = StreamedReference(source.path, device=device, progress=progress)
+        ref = StreamedReference(source.path, device=device, progress=progress, dtype=dtype)
         if str(device) == "cpu":
-            check_fits(reference_memory(ref.cfg, batch, seq, steps, streamed=True), str(source), extra_bytes,
-                       available)
+            check_fits(reference_memory(ref.cfg, batch, seq, steps, streamed=True, itemsize=itemsize), str(source),
+                       extra_bytes, available)
         return ref
     model = load_model(source, dtype="float32", device="meta", seed=seed)  # shapes only: size it first
     if str(device) == "cpu":
-        check_fits(reference_memory(model.cfg, batch, seq, steps, streamed=False), model.cfg.name,
+        check_fits(reference_memory(model.cfg, batch, seq, steps, streamed=False, itemsize=itemsize), model.cfg.name,
                    extra_bytes, available)
-    return load_model(source, dtype="float32", device=device, seed=seed)
+    model = load_model(source, dtype="float32", device=device, seed=seed)
+    return StreamedReference(StateReader(model), device=device, progress=progress, dtype=dtype)
