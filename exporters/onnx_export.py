@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import hashlib
 import json
 import logging
+import os
 import resource
 import threading
 import time
@@ -48,6 +50,10 @@ TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 3, 5
 META = "llama_tools."  # prefix of our metadata_props keys
 # Decoders traced when a model has more; the others are stamped from the last traced one (_stamp_layers).
 STAMP_FROM = 2
+# The traced graph of those layers is kept here between exports (a directory; "off": never), by default in
+# ~/.cache/llama-tools/traces (_trace_cache_path).
+TRACE_CACHE_ENV = "LLAMA_TOOLS_TRACE_CACHE"
+_CACHED = "llama_tools.cache."  # metadata keys of a cached trace (its fake weights and folded transposes)
 
 
 @dataclass
@@ -283,12 +289,21 @@ def _traced_graph(cfg: ModelConfig, dtype: torch.dtype, rope_op: str, opset: int
     """
     n = cfg.num_hidden_layers
     assert 1 <= traced <= n, f"traced {traced} of {n} layers"
-    with _ticking(progress, 0, n, f"tracing {traced} decoder layer{'s' if traced > 1 else ''}"):
-        program = _trace(cfg.replace(num_hidden_layers=traced), dtype, rope_op, opset)
-        graph = program.model
-        hidden, folded = _fold_weight_transposes(graph, _optimize(graph))
-        _name_nodes(graph)
-    progress(traced, n, f"{traced} layers traced")
+    template = cfg.replace(num_hidden_layers=traced)
+    cache = _trace_cache_path(template, dtype, rope_op, opset)
+    cached = _load_trace(cache) if cache is not None else None
+    if cached is not None:
+        graph, hidden, folded = cached
+        program = torch.onnx.ONNXProgram(graph, None)
+    else:
+        with _ticking(progress, 0, n, f"tracing {traced} decoder layer{'s' if traced > 1 else ''}"):
+            program = _trace(template, dtype, rope_op, opset)
+            graph = program.model
+            hidden, folded = _fold_weight_transposes(graph, _optimize(graph))
+            _name_nodes(graph)
+        if cache is not None:
+            _save_trace(cache, graph, hidden, folded)
+    progress(traced, n, f"{traced} layers traced" + (" (cached)" if cached is not None else ""))
     if traced < n:
         hidden, folded = _stamp_layers(graph.graph, n, hidden, folded,
                                        lambda j: progress(j + 1, n, f"layer {j} stamped"))
@@ -296,6 +311,68 @@ def _traced_graph(cfg: ModelConfig, dtype: torch.dtype, rope_op: str, opset: int
     _name_dims(graph)
     rope_nodes = sum(node.op_type == rope_ops.OP_TYPE for node in graph.graph)
     return program, hidden, folded, rope_nodes
+
+
+def _trace_cache_path(template: ModelConfig, dtype: torch.dtype, rope_op: str, opset: int) -> Path | None:
+    """Where the traced graph of these traced layers is kept, keyed by all that shapes it; None: no cache.
+
+    The trace depends on the config (not its name), dtype, RoPE op, opset, the code that builds and exports
+    the model, and the versions of torch and the ONNX libraries: all go into the key, so a change to any
+    traces afresh. TRACE_CACHE_ENV names another directory, or turns the cache off ("off").
+    """
+    import onnxscript
+
+    where = os.environ.get(TRACE_CACHE_ENV, "")
+    if where.lower() in ("off", "0", "no", "false"):
+        return None
+    root = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
+        "llama-tools" / "traces"
+    code = hashlib.sha256()
+    core, here = Path(llama_tools.__file__).parent, Path(__file__).parent
+    for f in (core / "model.py", core / "config.py", here / "onnx_export.py", here / "rope_ops.py",
+              here / "graph_io.py"):
+        code.update(f.read_bytes())
+    key = {"config": {k: v for k, v in template.to_dict().items() if k not in ("name", "source")},
+           "dtype": str(dtype), "rope_op": rope_op, "opset": opset, "code": code.hexdigest(),
+           "versions": [torch.__version__, onnxscript.__version__, ir.__version__, onnx.__version__,
+                        llama_tools.__version__]}
+    return root / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32] + ".onnx")
+
+
+def _load_trace(path: Path) -> tuple[ir.Model, list[ir.Value], dict[str, str]] | None:
+    """A cached trace (graph, fake weights, folded transposes), or None when there is none or it is unreadable."""
+    try:
+        model = ir.serde.deserialize_model(onnx.load(str(path), load_external_data=False))
+        hidden_names = json.loads(model.metadata_props.pop(_CACHED + "hidden"))
+        folded = json.loads(model.metadata_props.pop(_CACHED + "folded"))
+        hidden = [model.graph.initializers[name] for name in hidden_names]
+    except Exception:  # missing, half-written by a killed run, from another layout: trace afresh  # noqa: BLE001
+        return None
+    for v in hidden:
+        v.const_value = None  # fake weights: no data, as the trace leaves them
+    return model, hidden, folded
+
+
+def _save_trace(path: Path, model: ir.Model, hidden: list[ir.Value], folded: dict[str, str]) -> None:
+    """Keep the traced graph (a few hundred KB: no weights) for the next export of the same shapes."""
+    for v in hidden:  # a placeholder: serialization drops an initializer without data
+        v.const_value = ir.ExternalTensor("fake-weights", 0, int(_value_bytes(v)), v.dtype, name=v.name,
+                                          shape=ir.Shape([int(d) for d in v.shape]))
+    model.metadata_props[_CACHED + "hidden"] = json.dumps([v.name for v in hidden])
+    model.metadata_props[_CACHED + "folded"] = json.dumps(folded)
+    try:
+        data = ir.serde.serialize_model(model).SerializeToString()
+    finally:
+        for v in hidden:
+            v.const_value = None
+        del model.metadata_props[_CACHED + "hidden"], model.metadata_props[_CACHED + "folded"]
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # whole or not at all, also with two exports at once
+    except OSError:  # a cache we cannot write costs the next export a trace, nothing else
+        tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
