@@ -310,6 +310,25 @@ def _check_zip_sizes(zf: zipfile.ZipFile, path: Path, size: int) -> None:
         raise HeaderError(f"{path}: zip entries hold {stored} bytes in a {size}-byte file: entries overlap")
 
 
+def _check_small_records(zf: zipfile.ZipFile, path: Path, prefix: str) -> None:
+    """The records torch.load reads beside data.pkl (byteorder, version) say what torch.save writes there."""
+    rules = {"byteorder": (b"little", b"big"), "version": None, ".data/version": None}
+    for name, allowed in rules.items():
+        try:
+            info = zf.getinfo(prefix + name)
+        except KeyError:
+            continue
+        if info.file_size > 64:
+            raise HeaderError(f"{path}: zip record {name!r} declares {info.file_size} bytes, not a torch record")
+        try:
+            value = zf.read(info).strip()
+        except Exception as e:  # noqa: BLE001  (a damaged entry: bad CRC, bad deflate stream, ...)
+            raise HeaderError(f"{path}: zip record {name!r} is damaged ({type(e).__name__}: {str(e)[:80]})") from None
+        ok = value in allowed if allowed else value.isdigit()
+        if not ok:
+            raise HeaderError(f"{path}: zip record {name!r} holds {value[:20]!r}, not what torch.save writes")
+
+
 def read_torch_header(path: str | Path) -> list[TensorInfo]:
     """The tensors of a torch zip file (.pth/.bin) from `data.pkl` alone, checking each storage is there.
 
@@ -335,6 +354,7 @@ def read_torch_header(path: str | Path) -> list[TensorInfo]:
                 raise HeaderError(f"{path}: data.pkl declares {zf.getinfo(pkl).file_size} bytes, over the "
                                   f"{MAX_PICKLE_BYTES} that tensor metadata may take")
             prefix = pkl[: -len("data.pkl")]
+            _check_small_records(zf, path, prefix)
             sizes = {i.filename: i.file_size for i in zf.infolist()}
             try:
                 with zf.open(pkl) as f:
