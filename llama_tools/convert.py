@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .accounting import tensor_total
 from . import dtypes, files
+from .accounting import tensor_total
 from .config import ModelConfig
 from .config_files import config_to_hf, ffn_hidden_size
 from .formats import FORMATS, WRITABLE, checkpoint_tensors, family_format

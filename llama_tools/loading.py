@@ -39,8 +39,9 @@ def load_model(source: ModelSource | ModelConfig | str, dtype: Any = "float32", 
         name = dtypes.get(torch_dtype).name
         weights = nbytes(param_total(cfg), name)  # constant time: n8 = 10^8 is refused at once, never looped
         if weights > MAX_RANDOM_INIT_BYTES:
-            raise ValueError(f"model {cfg.name!r} needs {weights:,} bytes ({gib(weights)}) of random weights at "
-                             f"{name}, over the {MAX_RANDOM_INIT_BYTES // 2**30} GiB that llama-tools materializes; count "
+            raise ValueError(f"model {cfg.source or cfg.name!r} needs {weights:,} bytes ({gib(weights)}) of random "
+                             f"weights at {name}, over the {MAX_RANDOM_INIT_BYTES // 2**30} GiB that llama-tools "
+                             f"materializes; count "
                              f"it or report its shapes instead")
         if str(device).startswith("cpu"):
             check_memory(model_need(cfg, name, "building the model"), cfg)
