@@ -20,10 +20,17 @@ import helpers
 from helpers import sharp
 from llama_tools.convert import save_checkpoint
 from llama_tools.exporters.graph_io import io_names
-from llama_tools.exporters.onnx_export import STAMP_FROM, export_onnx
+from llama_tools.exporters import onnx_export
+from llama_tools.exporters.onnx_export import STAMP_FROM, TRACE_CACHE_ENV, export_onnx
 from llama_tools.presets import get_preset
 
 TINY = get_preset("tiny").replace(max_position_embeddings=64)
+
+
+@pytest.fixture(autouse=True)
+def no_trace_cache(monkeypatch):
+    """Every export here traces (a cached trace is tested on its own, last)."""
+    monkeypatch.setenv(TRACE_CACHE_ENV, "off")
 
 
 def graph_summary(m: onnx.ModelProto) -> dict:
@@ -143,3 +150,25 @@ def test_the_comparison_catches_a_decoder_fed_the_wrong_layer(tmp_path):
     assert not all(np.array_equal(x, y) for x, y in zip(outputs(bad, cfg, 0), outputs(old, cfg, 0)))
     with pytest.raises(AssertionError):
         assert_same_export(bad, old, cfg)
+
+
+@pytest.mark.slow
+def test_a_cached_trace_gives_the_same_file_without_tracing(tmp_path, monkeypatch):
+    monkeypatch.setenv(TRACE_CACHE_ENV, str(tmp_path / "traces"))
+    cfg = TINY.replace(num_hidden_layers=3)
+    model = sharp(cfg, seed=6)
+    first = export_onnx(model, tmp_path / "a" / "model.onnx").path
+    [entry] = (tmp_path / "traces").iterdir()
+    traced = onnx_export._trace
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("traced again")
+    monkeypatch.setattr(onnx_export, "_trace", refuse)
+    calls: list[str] = []
+    second = export_onnx(model, tmp_path / "b" / "model.onnx", progress=lambda d, t, w: calls.append(w)).path
+    assert second.read_bytes() == first.read_bytes() and "2 layers traced (cached)" in calls
+    with pytest.raises(AssertionError, match="traced again"):  # another dtype: another trace
+        export_onnx(model, tmp_path / "c" / "model.onnx", dtype="float16")
+    entry.write_bytes(entry.read_bytes()[:100])  # a half-written entry: traced afresh, not an error
+    monkeypatch.setattr(onnx_export, "_trace", traced)
+    assert export_onnx(model, tmp_path / "d" / "model.onnx").path.read_bytes() == first.read_bytes()
