@@ -1,0 +1,515 @@
+"""`verify parity --by-layer`: the exported graph run one decoder layer at a time, each layer judged on its own.
+
+The graph is cut into blocks by its nodes' module-path names (`/model/layers.3/...`, as torch.onnx, our fused
+writer and onnxruntime-genai's builder name them):
+
+    embedding:  input_ids ------------------------------> Z^0
+    layer j:    Z^j (+ masks, positions, empty past) ---> Z^{j+1}, present.j.key, present.j.value
+    head:       Z^n8 --final norm, lm_head------------> logits
+
+A block's hidden-state input is whatever crosses into it from the block before: one value in the plain
+graph, two addends (the MLP output and the residual) where a SkipSimplifiedLayerNormalization opens the
+layer. Z is fed as the first addend and zeros as the rest, so the block sees exactly Z; its output is the
+sum of what crosses into the next block. Every block is fed the float64 reference's own input to it (cast to
+the graph's dtype), so a layer's error is its own, not the sum of those before it; PyTorch in the graph's
+dtype is fed the same, for the noise (compare.py's budget, as the whole-graph check judges).
+
+A block's sub-graph is serialized without weights: its initializers keep their external-data location and
+offset, and onnxruntime reads them from the export's own .data file (the session option
+`session.model_external_initializers_file_folder_path`): no copy of the weights, nothing written to disk.
+Peak memory is one layer on each side (the graph's session, the reference's layer in float64) plus the
+embedding or lm_head block. Prefill only: the whole-graph check covers the decode steps through the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from llama_tools import dtypes, files
+from llama_tools.progress import Progress, silent
+
+from .compare import DTYPE_LABEL, Budget, BudgetCheck, judge
+from .graph_io import INPUT_IDS, LOGITS, past_name, present_name
+from .onnx_export import export_onnx, read_metadata
+from .prompts import default_prompts, left_pad, positions
+from .runtime import _ORT, numpy_to_ortvalue, onnxruntime, ortvalue_to_numpy, provider_list
+
+LAYER_NODE = re.compile(r"/model/layers\.(\d+)/")
+EMBEDDING, HEAD = "embedding", "head"
+EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
+_SHAPE_OPS = ("Shape", "Size")  # their outputs describe a value, they do not carry it
+
+
+# --- Cutting the graph -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Block:
+    """One runnable piece of the graph: hidden-state values in (their sum is Z), values out, its nodes."""
+
+    name: str  # "embedding", "layer 3", "head"
+    layer: int | None
+    inputs: tuple[str, ...]  # hidden-state addends fed: Z, then zeros
+    outputs: tuple[str, ...]  # hidden-state addends out (summed), or ("logits",)
+    presents: tuple[str, str] | None  # this layer's K and V outputs
+    nodes: tuple[int, ...]  # indices into the graph's nodes, in graph order
+
+
+class GraphBlocks:
+    """An export's nodes grouped by decoder layer, cut into blocks; read without the weights."""
+
+    def __init__(self, path: str | Path, num_layers: int, present: Callable[[int, str], str] = present_name):
+        import onnx
+
+        self.path = Path(path)
+        self.model = onnx.load(str(path), load_external_data=False)
+        g = self.model.graph
+        self.nodes = list(g.node)
+        self.num_layers = num_layers
+        self.present = present
+        self.producer = {o: i for i, n in enumerate(self.nodes) for o in n.output if o}
+        self.initializers = {t.name: t for t in g.initializer}
+        self.graph_inputs = {i.name: i for i in g.input if i.name not in self.initializers}
+        self.graph_outputs = {o.name: o for o in g.output}
+        self.elem = self.graph_inputs[self._first_past()].type.tensor_type.elem_type if self._first_past() else 1
+        # The node's layer from its name; the builder names its final norm layers.{n8}: that is the head.
+        self.layer_of: list[int | None] = []
+        for n in self.nodes:
+            m = LAYER_NODE.search(n.name)
+            j = int(m.group(1)) if m else None
+            self.layer_of.append(j if j is not None and j < num_layers else None)
+        if not any(j is not None for j in self.layer_of):
+            raise ValueError(f"{path}: no node is named by its decoder layer (like /model/layers.0/...); --by-layer "
+                             f"cuts the graph by those names")
+        self.embed = self._embedding_node()
+        self.stream = self._stream()
+        self.blocks = self._blocks()
+
+    def _first_past(self) -> str | None:
+        return next((n for n in self.graph_inputs if n not in (INPUT_IDS, "attention_mask", "position_ids",
+                                                                   "seqlens_k", "total_sequence_length")), None)
+
+    def _embedding_node(self) -> int:
+        """The Gather of a weight by input_ids: where the hidden state starts."""
+        for i, n in enumerate(self.nodes):
+            if n.op_type == "Gather" and n.input[0] in self.initializers and n.input[1] == INPUT_IDS:
+                return i
+        raise ValueError(f"{self.path}: no Gather of an embedding table by {INPUT_IDS!r}; --by-layer cannot find "
+                         f"where the hidden state starts")
+
+    def _stream(self) -> set[str]:
+        """Values computed from the hidden state (downstream of the embedding lookup; shapes excluded)."""
+        stream = set(o for o in self.nodes[self.embed].output if o)
+        for n in self.nodes[self.embed + 1:]:
+            if n.op_type not in _SHAPE_OPS and any(x in stream for x in n.input):
+                stream.update(o for o in n.output if o)
+        return stream
+
+    def _crossing(self, owner: Callable[[int], bool]) -> tuple[str, ...]:
+        """Hidden-state values that nodes of this block read but another block's nodes wrote, in reading order."""
+        out: list[str] = []
+        for i, n in enumerate(self.nodes):
+            if not owner(i):
+                continue
+            for x in n.input:
+                p = self.producer.get(x)
+                if x in self.stream and p is not None and not owner(p) and x not in out:
+                    out.append(x)
+        return tuple(out)
+
+    def _blocks(self) -> list[Block]:
+        n8 = self.num_layers
+        is_head = lambda i: (self.layer_of[i] is None and i != self.embed and  # noqa: E731
+                             any(o in self.stream for o in self.nodes[i].output))
+        cuts = [self._crossing(lambda i, j=j: self.layer_of[i] == j) for j in range(n8)] + [self._crossing(is_head)]
+        for j, c in enumerate(cuts):
+            where = f"layer {j}" if j < n8 else "the final norm"
+            if not 1 <= len(c) <= 2:
+                raise ValueError(f"{self.path}: {len(c)} hidden-state values cross into {where} ({', '.join(c[:4])}); "
+                                 f"--by-layer cuts graphs where one value (or a residual pair) does")
+        blocks = [Block(EMBEDDING, None, (), cuts[0], None, ())]
+        for j in range(n8):
+            blocks.append(Block(f"layer {j}", j, cuts[j], cuts[j + 1],
+                                (self.present(j, "key"), self.present(j, "value")), ()))
+        blocks.append(Block(HEAD, None, cuts[n8], (LOGITS,), None, ()))
+        return [dataclasses.replace(b, nodes=self._slice(b)) for b in blocks]
+
+    def _slice(self, b: Block) -> tuple[int, ...]:
+        """The nodes the block's outputs need, back to its inputs, graph inputs and initializers."""
+        stop = set(b.inputs) | set(self.graph_inputs) | set(self.initializers)
+        want = [*b.outputs, *(b.presents or ())]
+        for w in want:
+            if w not in self.producer:
+                raise ValueError(f"{self.path}: no node writes {w!r}, which {b.name} should output")
+        keep: set[int] = set()
+        seen: set[str] = set()
+        while want:
+            v = want.pop()
+            if not v or v in seen or v in stop:
+                continue
+            seen.add(v)
+            i = self.producer.get(v)
+            if i is None:
+                raise ValueError(f"{self.path}: {b.name} needs {v!r}, which no node writes and no input feeds")
+            keep.add(i)
+            want.extend(self.nodes[i].input)
+        return tuple(sorted(keep))
+
+    def block_model(self, b: Block) -> Any:
+        """The block as a model: the graph's nodes, its initializers (external data where the export's are)."""
+        import onnx
+        from onnx import helper
+
+        nodes = [self.nodes[i] for i in b.nodes]
+        used = {x for n in nodes for x in n.input if x}
+        inputs = [helper.make_tensor_value_info(x, self.elem, None) for x in b.inputs]
+        inputs += [vi for name, vi in self.graph_inputs.items() if name in used]
+        outputs = [self.graph_outputs.get(x) or helper.make_tensor_value_info(x, self.elem, None)
+                   for x in (*b.outputs, *(b.presents or ()))]
+        inits = [t for name, t in self.initializers.items() if name in used]
+        graph = helper.make_graph(nodes, f"{self.model.graph.name}/{b.name}", inputs, outputs, initializer=inits)
+        model = helper.make_model(graph, opset_imports=list(self.model.opset_import),
+                                  ir_version=self.model.ir_version, functions=list(self.model.functions))
+        assert isinstance(model, onnx.ModelProto), "helper.make_model returns a ModelProto"
+        return model
+
+    def weight_bytes(self, b: Block) -> int:
+        """Bytes of the block's initializers (stored or external)."""
+        total = 0
+        for x in {x for i in b.nodes for x in self.nodes[i].input}:
+            t = self.initializers.get(x)
+            if t is not None:
+                length = next((int(e.value) for e in t.external_data if e.key == "length"), None)
+                total += length if length is not None else len(t.raw_data) or math.prod(t.dims) * 4
+        return total
+
+
+# --- Running a block ---------------------------------------------------------------------------------------
+
+class BlockRunner:
+    """Sessions over the blocks of one export, each created from the block's bytes and dropped after its run."""
+
+    def __init__(self, blocks: GraphBlocks, provider: str = "cpu", tf32: bool = False, row_by_row: bool = False):
+        self.blocks, self.provider, self.tf32, self.row_by_row = blocks, provider, tf32, row_by_row
+
+    def session(self, b: Block) -> Any:
+        ort = onnxruntime()
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.add_session_config_entry(EXTERNAL_FOLDER, str(self.blocks.path.parent.resolve()))
+        try:
+            return ort.InferenceSession(self.blocks.block_model(b).SerializeToString(), sess_options=opts,
+                                        providers=provider_list(self.provider, self.tf32))
+        except Exception as e:  # noqa: BLE001  onnxruntime's own exception types: one line
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            raise ValueError(f"{self.blocks.path}: onnxruntime could not load {b.name} cut from it: {first[:300]}") from None
+
+    def run(self, b: Block, z: np.ndarray | None, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        """Outputs of block `b` fed hidden state z [batch, seq, n2] (None for the embedding), prefill of `ids`."""
+        sess = self.session(b)
+        if not self.row_by_row:
+            return self._run(sess, b, z, ids, mask)
+        # A graph whose attention takes no left padding: each row alone, then put back left-padded.
+        rows = []
+        for r in range(ids.shape[0]):
+            keep = mask[r].astype(bool)
+            rows.append(self._run(sess, b, None if z is None else z[r:r + 1, keep], ids[r:r + 1, keep],
+                                  mask[r:r + 1, keep]))
+        out = {}
+        seq = ids.shape[1]
+        for name, first in rows[0].items():
+            axis = 2 if b.presents and name in b.presents else 1  # presents [1, kv_heads, n, n6]; others [1, n, ...]
+            shape = list(first.shape)
+            shape[0], shape[axis] = len(rows), seq
+            full = np.zeros(shape, first.dtype)
+            for r, o in enumerate(rows):
+                n = o[name].shape[axis]
+                index: list[Any] = [r] + [slice(None)] * (len(shape) - 1)
+                index[axis] = slice(seq - n, seq)
+                full[tuple(index)] = o[name][0]
+            out[name] = full
+        return out
+
+    def _run(self, sess: Any, b: Block, z: np.ndarray | None, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        inputs = {i.name: i for i in sess.get_inputs()}
+        small = {INPUT_IDS: ids, "attention_mask": mask, "position_ids": positions(mask, ids.shape[1]),
+                 "seqlens_k": mask.sum(-1) - 1, "total_sequence_length": np.array(mask.shape[1])}
+        binding = sess.io_binding()
+        keep = []  # the OrtValues bound must outlive the run
+        for name, i in inputs.items():
+            if name in small:
+                arr = np.ascontiguousarray(small[name], dtype=np.dtype(dtypes.from_onnx_type_string(i.type).numpy))
+                binding.bind_cpu_input(name, arr)
+                keep.append(arr)
+                continue
+            if name in b.inputs:
+                assert z is not None, f"{b.name} takes a hidden state"
+                x = z if name == b.inputs[0] else np.zeros_like(z)  # Z + 0 + ... is exactly Z
+            else:  # an empty past (a static buffer: zeros of its length)
+                slots = i.shape[2] if isinstance(i.shape[2], int) else 0
+                x = np.zeros((ids.shape[0], i.shape[1], slots, i.shape[3]), np.float32)  # [batch, kv_heads, past, n6]
+            v = numpy_to_ortvalue(x.astype(np.float32), i.type)
+            binding.bind_ortvalue_input(name, v)
+            keep.append(v)
+        names = [o.name for o in sess.get_outputs()]
+        for name in names:
+            binding.bind_output(name, "cpu")
+        sess.run_with_iobinding(binding)
+        out = {n: ortvalue_to_numpy(v) for n, v in zip(names, binding.get_outputs())}
+        if b.presents:
+            for name in b.presents:  # a static buffer: only the slots written are keys
+                out[name] = out[name][:, :, :mask.shape[1]]
+        return out
+
+
+# --- The reference, one layer at a time --------------------------------------------------------------------
+
+class LayerReference:
+    """The streamed reference's arithmetic, one block at a time, in one dtype; weights cast tensor by tensor."""
+
+    def __init__(self, reader: Any, dtype: Any):
+        import torch
+
+        from llama_tools.model import rope_cache
+
+        self.reader, self.cfg, self.dtype = reader, reader.cfg, dtype
+        self.tables = (rope_cache(self.cfg, "cpu", torch.float64 if dtype == torch.float64 else torch.float32)
+                       if self.cfg.position_encoding == "rope" else None)
+
+    def embed(self, ids: np.ndarray) -> Any:
+        import torch
+
+        t = torch.from_numpy(ids)
+        uniq, inverse = torch.unique(t, return_inverse=True)
+        rows = self.reader.rows("model.embed_tokens.weight", [(int(i), int(i) + 1) for i in uniq])
+        return rows.to(self.dtype)[inverse]  # [n_unique, n2] gathered to [b, n3, n2]
+
+    def layer(self, j: int, z: Any, mask: np.ndarray) -> tuple[Any, Any, Any]:
+        """Decoder j on z: (Z^{j+1}, K, V); the fp32 weights read one tensor at a time, each cast, then freed."""
+        import torch
+
+        from llama_tools.model import DecoderLayer, attention_bias
+        from llama_tools.weights import weight_specs
+
+        prefix = f"model.layers.{j}."
+        state = {}
+        for s in (s for s in weight_specs(self.cfg) if s.layer == j):
+            state[s.name.removeprefix(prefix)] = self.reader.read([s.name])[s.name].to(self.dtype)
+        with torch.device("meta"):
+            layer = DecoderLayer(self.cfg)
+        layer.load_state_dict(state, strict=True, assign=True)
+        del state
+        m = torch.from_numpy(mask)
+        bias = attention_bias(self.cfg, mask.shape[1], 0, m, torch.float32 if self.dtype == torch.float64
+                              else self.dtype, z.device).to(self.dtype)
+        with torch.no_grad():
+            out, (k, v) = layer.eval()(z, bias, torch.from_numpy(positions(mask, mask.shape[1])), self.tables, None)
+        return out, k, v
+
+    def head(self, z: Any) -> Any:
+        """Logits from Z^n8: the final norm, then lm_head in row chunks (the streamed reference's own)."""
+        import torch
+
+        from llama_tools.model import RMSNorm
+        from llama_tools.reference import StreamedReference
+
+        with torch.device("meta"):
+            norm = RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps)
+        norm.load_state_dict({"weight": self.reader.read(["model.norm.weight"])["model.norm.weight"].to(self.dtype)},
+                             assign=True)
+        with torch.no_grad():
+            return StreamedReference(self.reader, dtype=self.dtype)._head(norm(z))
+
+
+# --- The check -------------------------------------------------------------------------------------------
+
+@dataclass
+class BlockResult:
+    """One block's checks: hidden state, K, V for a layer; the logits for the head; Z^0 for the embedding."""
+
+    name: str
+    layer: int | None
+    checks: list[BudgetCheck]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+
+@dataclass
+class ByLayerReport:
+    onnx_path: str
+    source: str
+    provider: str
+    dtype: str
+    graph: str
+    prompt_lengths: list[int]
+    budget: Budget
+    blocks: list[BlockResult]
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    export_seconds: float | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(b.passed for b in self.blocks)
+
+    @property
+    def first_bad(self) -> str | None:
+        """Where the graph first leaves its budget: 'layer 3', 'the embedding', 'logits only'; None when it passes."""
+        bad = next((b for b in self.blocks if not b.passed), None)
+        if bad is None:
+            return None
+        return {EMBEDDING: "the embedding", HEAD: "logits only"}.get(bad.name, bad.name)
+
+    @property
+    def first_bad_layer(self) -> int | None:
+        return next((b.layer for b in self.blocks if not b.passed and b.layer is not None), None)
+
+    @property
+    def checks(self) -> list[BudgetCheck]:
+        return [c for b in self.blocks for c in b.checks]
+
+    def series(self) -> dict[str, Any]:
+        """Per layer error, noise and bound of K, V and the hidden state: what the plot draws (plain data)."""
+        layers = [b for b in self.blocks if b.layer is not None]
+        out: dict[str, Any] = {"layers": [b.layer for b in layers], "first_bad_layer": self.first_bad_layer,
+                               "title": f"{self.onnx_path} ({self.graph}, {self.dtype}), layer by layer"}
+        for what in ("hidden", "key", "value"):
+            cs = [next(c for c in b.checks if c.name.endswith(what)) for b in layers]
+            out[what] = {"error": [c.error for c in cs], "noise": [c.noise for c in cs], "bound": [c.bound for c in cs]}
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"onnx_path": self.onnx_path, "source": self.source, "provider": self.provider, "dtype": self.dtype,
+                "graph": self.graph, "prompt_lengths": self.prompt_lengths, "budget": dataclasses.asdict(self.budget),
+                "mode": "by-layer", "blocks": [{"name": b.name, "layer": b.layer, "passed": b.passed,
+                                                "checks": [c.to_dict() for c in b.checks]} for b in self.blocks],
+                "first_bad": self.first_bad, "first_bad_layer": self.first_bad_layer, "passed": self.passed,
+                "seconds": self.seconds, "notes": self.notes, "timings": self.timings,
+                "export_seconds": self.export_seconds}
+
+
+def verify_by_layer(target: Any, *, prompts: list[list[int]] | None = None, provider: str = "cpu",
+                    dtype: str = "float32", rope_op: str = "llama_tools", tf32: bool = False,
+                    budget: Budget | None = None, progress: Progress = silent) -> ByLayerReport:
+    """`verify parity --by-layer` on a ParityTarget: export on the fly when it is a MODEL, then judge block by block."""
+    from .parity import check_inputs
+
+    check_inputs(prompts or [], 0, target)
+    if target.onnx_path is not None:
+        return _by_layer(target.onnx_path, target, prompts, provider, tf32, budget, progress)
+    with files.temp_dir("parity") as tmp:
+        exported = export_onnx(target.source, Path(tmp) / "model.onnx", dtype=dtype, rope_op=rope_op,
+                               seed=target.seed, progress=progress)
+        meta = read_metadata(exported.path)
+        rep = _by_layer(exported.path, dataclasses.replace(target, meta=meta), prompts, provider, tf32, budget,
+                        progress)
+    rep.onnx_path, rep.export_seconds = f"{target.source.spec} (exported on the fly)", exported.seconds
+    return rep
+
+
+def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, provider: str, tf32: bool,
+              budget: Budget | None, progress: Progress) -> ByLayerReport:
+    import torch
+
+    from llama_tools.reference import reference_model
+
+    from .parity import _channel_order, budget_for
+
+    start = time.perf_counter()
+    meta = target.meta
+    cfg = meta.config
+    io = target.foreign
+    blocks = GraphBlocks(onnx_path, cfg.num_hidden_layers, io.present_name if io is not None else present_name)
+    prompts = prompts or default_prompts(cfg.vocab_size, meta.seed)
+    ids, mask = left_pad(prompts)
+    valid = mask.astype(bool)  # [batch, seq]
+    run_on = "cpu" if provider in ("auto", "cpu") else provider
+    runner = BlockRunner(blocks, run_on, tf32, row_by_row=io is not None and io.row_by_row)
+    largest = max(blocks.weight_bytes(b) for b in blocks.blocks)
+    ref = reference_model(target.source, seed=target.seed, progress=progress, batch=len(prompts), seq=ids.shape[1],
+                          extra_bytes=largest if run_on == "cpu" else 0,
+                          dtype=getattr(torch, dtypes.get(meta.dtype).torch), float64_pass=True)
+    chosen, tf32_note = budget_for(meta.dtype, run_on, {"use_tf32": "1" if tf32 else "0"})
+    budget = budget or chosen
+    truth_side, noise_side = LayerReference(ref.reader, torch.float64), LayerReference(ref.reader, ref.dtype)
+    k_order = _channel_order(meta.rope_layout, ref.cfg.rope_layout, cfg.head_dim)
+    f64 = lambda t: t.to(torch.float64).numpy()  # noqa: E731
+    graph_in = lambda t: t.to(torch.float32).numpy()  # noqa: E731  the graph's dtype rounding happens in the cast below
+    laps: dict[str, float] = {"onnxruntime": 0.0, f"PyTorch {meta.dtype}": 0.0, "PyTorch float64": 0.0}
+
+    def timed(key: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            laps[key] += time.perf_counter() - t0
+
+    results: list[BlockResult] = []
+    n8 = cfg.num_hidden_layers
+
+    def hidden(outs: dict[str, np.ndarray], b: Block) -> np.ndarray:
+        return sum(outs[x].astype(np.float64) for x in b.outputs)  # the addends crossing into the next block
+
+    # Embedding: Z^0 from the ids.
+    emb = blocks.blocks[0]
+    got = timed("onnxruntime", lambda: runner.run(emb, None, ids, mask))
+    z = timed("PyTorch float64", lambda: truth_side.embed(ids))  # Z^0 in float64: [b, n3, n2]
+    ref_z = timed(f"PyTorch {meta.dtype}", lambda: noise_side.embed(ids))
+    results.append(BlockResult(EMBEDDING, None, [judge("embedding Z^0", hidden(got, emb), f64(ref_z), f64(z), valid,
+                                                       meta.dtype, budget)]))
+    for j in range(n8):
+        b = blocks.blocks[1 + j]
+        z_in = z.to(ref.dtype)  # the truth's input, rounded to the graph's dtype: both sides get the same
+        got = timed("onnxruntime", lambda: runner.run(b, graph_in(z_in), ids, mask))
+        r_z, r_k, r_v = timed(f"PyTorch {meta.dtype}", lambda: noise_side.layer(j, z_in, mask))
+        t_z, t_k, t_v = timed("PyTorch float64", lambda: truth_side.layer(j, z, mask))
+        assert b.presents is not None, "a layer block outputs its K and V"
+        gk, gv = got[b.presents[0]][..., k_order], got[b.presents[1]]
+        checks = [judge(f"layer {j} hidden Z^{j + 1}", hidden(got, b), f64(r_z), f64(t_z), valid, meta.dtype, budget)]
+        for what, g, r, t in (("key", gk, r_k, t_k), ("value", gv, r_v, t_v)):
+            # [batch, kv_heads, seq, n6] -> [batch, seq, kv_heads, n6]: positions on axis 1 for the mask
+            checks.append(judge(f"present.{j}.{what}", *(a.transpose(0, 2, 1, 3) for a in (g, f64(r), f64(t))),
+                                valid, meta.dtype, budget))
+        results.append(BlockResult(b.name, j, checks))
+        z = t_z
+        progress(j + 1, n8, "layer by layer")
+    head = blocks.blocks[-1]
+    z_in = z.to(ref.dtype)
+    got = timed("onnxruntime", lambda: runner.run(head, graph_in(z_in), ids, mask))
+    r_l = timed(f"PyTorch {meta.dtype}", lambda: noise_side.head(z_in))
+    t_l = timed("PyTorch float64", lambda: truth_side.head(z))
+    results.append(BlockResult(HEAD, None, [judge("logits (from Z^n8)", got[LOGITS], f64(r_l), f64(t_l), valid,
+                                                  meta.dtype, budget, logits=True)]))
+    label = DTYPE_LABEL.get(meta.dtype, meta.dtype)
+    notes = [f"each block fed PyTorch float64's own input to it (in {label}); error = RMS |onnxruntime - float64|, "
+             f"noise = RMS |PyTorch {label} - float64|; pass when error <= {budget.multiple:g} x noise + "
+             f"{budget.floor_ulps:g} ulp; the prefill only (the whole-graph check covers decode)",
+             f"blocks cut from the graph by node names; weights read from its own files (largest block "
+             f"{largest / 2**20:,.1f} MiB)"]
+    if tf32_note:
+        notes.append(tf32_note)
+    graph = io.producer if io is not None else f"llama-tools {meta.graph}"
+    return ByLayerReport(str(onnx_path), target.source.label, run_on, meta.dtype, graph, [len(p) for p in prompts],
+                         budget, results, time.perf_counter() - start, notes, laps)
+
+
+def by_layer_rows(rep: ByLayerReport, all_layers: bool = False) -> list[dict[str, Any]]:
+    """The table: one row per block (the worst of its checks), every check of a failing block, or of all."""
+    rows = []
+    for b in rep.blocks:
+        worst = max(b.checks, key=lambda c: c.ratio if math.isfinite(c.ratio) else math.inf)
+        shown = b.checks if (all_layers or not b.passed) and len(b.checks) > 1 else [worst]
+        for c in shown:
+            rows.append({"block": b.name, "check": c.name, "RMS error to float64 (ratio; bound)": c.figures(),
+                         "max abs": f"{c.max_error:.3g}", "cosine": f"{c.cosine:.7f}", "result": c.verdict})
+    return rows
