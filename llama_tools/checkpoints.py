@@ -157,6 +157,10 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: to
 
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, device: Any = "cpu",
                     rope_layout: str | None = None, progress: Progress = silent) -> Any:
-    """A checkpoint directory -> an eval-mode Llama holding its weights."""
+    """A checkpoint directory (or a GGUF file) -> an eval-mode Llama holding its weights."""
+    from .gguf_files import is_gguf, load_gguf_model
+
+    if is_gguf(directory):  # one file holding config, weights and vocabulary
+        return load_gguf_model(directory, dtype=dtype, device=device, rope_layout=rope_layout)
     ck = read_checkpoint(directory, rope_layout=rope_layout, progress=progress)
     return model_from_state(ck.cfg, ck.state, dtype, device, consume=True)

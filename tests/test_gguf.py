@@ -277,6 +277,23 @@ def test_load_gguf_model_in_either_row_order(tiny_gguf, tmp_path):
             torch.testing.assert_close(model(ids).logits, want, rtol=0, atol=1e-5)
 
 
+def test_load_model_generate_and_fused_export_take_a_gguf(tiny_gguf, tmp_path):
+    """MODEL may be the .gguf itself wherever a checkpoint directory is taken: the same logits and tokens."""
+    path, _ = tiny_gguf
+    convert(str(path), tmp_path / "hf", to="hf")
+    ids = torch.tensor([[1, 5, 9, 33, 60]])
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(path)(ids).logits, load_model(tmp_path / "hf")(ids).logits,
+                                   rtol=0, atol=1e-5)
+    runs = [CliRunner().invoke(cli, ["generate", str(m), "--ids", "1 5 9", "--max-new-tokens", "6", "--format", "json"])
+            for m in (path, tmp_path / "hf")]
+    assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
+    assert json.loads(runs[0].stdout)["new_ids"] == json.loads(runs[1].stdout)["new_ids"]
+    r = CliRunner().invoke(cli, ["export", "onnx", str(path), "-o", str(tmp_path / "f" / "m.onnx"), "--optimize",
+                                 "--no-client-files", "--format", "json"])
+    assert r.exit_code == 0, r.output
+
+
 def test_streamed_reference_reads_gguf(tiny_gguf, tmp_path):
     from llama_tools.reference import reference_model
 
