@@ -44,6 +44,7 @@ from .runtime import _ORT, numpy_to_ortvalue, onnxruntime, ortvalue_to_numpy, pr
 
 LAYER_NODE = re.compile(r"/model/layers\.(\d+)/")
 EMBEDDING, HEAD = "embedding", "head"
+LAYER_CHECKS = ("hidden", "key", "value")  # a layer block's checks, in this order
 EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 _SHAPE_OPS = ("Shape", "Size")  # their outputs describe a value, they do not carry it
 
@@ -383,8 +384,8 @@ class ByLayerReport:
         layers = [b for b in self.blocks if b.layer is not None]
         out: dict[str, Any] = {"layers": [b.layer for b in layers], "first_bad_layer": self.first_bad_layer,
                                "title": f"{self.onnx_path} ({self.graph}, {self.dtype}), layer by layer"}
-        for what in ("hidden", "key", "value"):
-            cs = [next(c for c in b.checks if c.name.endswith(what)) for b in layers]
+        for i, what in enumerate(LAYER_CHECKS):
+            cs = [b.checks[i] for b in layers]
             out[what] = {"error": [c.error for c in cs], "noise": [c.noise for c in cs], "bound": [c.bound for c in cs]}
         return out
 
@@ -513,3 +514,15 @@ def by_layer_rows(rep: ByLayerReport, all_layers: bool = False) -> list[dict[str
             rows.append({"block": b.name, "check": c.name, "RMS error to float64 (ratio; bound)": c.figures(),
                          "max abs": f"{c.max_error:.3g}", "cosine": f"{c.cosine:.7f}", "result": c.verdict})
     return rows
+
+
+def whole_graph_series(rep: Any) -> dict[str, Any]:
+    """The whole-graph check's K and V per layer (each the sum of the errors before it) as the plot draws them."""
+    kv = {c.name: c for c in rep.checks if c.name.startswith("present.")}
+    layers = sorted({int(n.split(".")[1]) for n in kv})
+    out: dict[str, Any] = {"layers": layers, "first_bad_layer": rep.first_bad_layer,
+                           "title": f"{rep.onnx_path} ({rep.graph}, {rep.dtype}), whole graph"}
+    for what in ("key", "value"):
+        cs = [kv[f"present.{j}.{what}"] for j in layers]
+        out[what] = {"error": [c.error for c in cs], "noise": [c.noise for c in cs], "bound": [c.bound for c in cs]}
+    return out

@@ -321,7 +321,7 @@ def tokenize(model: Any, text: str | None, ids: list[int] | None, no_bos: bool, 
         raise no_tokenizer(model, "decode --ids" if ids is not None else "encode TEXT")
     token_ids = ids if ids is not None else tok.encode(text or "", bos=False if no_bos else None)
     rows = [{"position": i, "id": t, "piece": p} for i, (t, p) in enumerate(zip(token_ids, tok.pieces(token_ids)))]
-    click.echo(render(rows, fmt, json_payload={"ids": token_ids, "text": tok.decode(token_ids), "tokens": rows}))
+    click.echo(render(rows, fmt, numparse=False, json_payload={"ids": token_ids, "text": tok.decode(token_ids), "tokens": rows}))
 
 
 @cli.command(short_help="Continue a prompt with a model (greedy by default).")
@@ -506,11 +506,17 @@ def verify() -> None:
 @click.option("--tf32", is_flag=True, help="Let CUDA run fp32 MatMuls in TF32 (faster, ~1e-3 off; judged by its own "
                                          "tolerance). Default: TF32 off, so fp32 means fp32.")
 @click.option("--all-layers", is_flag=True, help="A row for every present K/V, not only the failing ones.")
+@click.option("--by-layer", is_flag=True, help="Run the graph one decoder layer at a time, each fed float64's own "
+                                             "input to it: each layer's own error, about one layer in memory "
+                                             "(prefill only).")
+@click.option("--plot", "plot", type=click.Path(path_type=Path), default=None, metavar="FILE.png",
+              help="Draw each layer's error and noise (K, V; and the hidden state with --by-layer), the bound and "
+                   "the first layer out of budget (needs the [plot] extra).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on the terminal.")
 @output_options(("table", "json"))
 def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ...], ids: tuple[list[int], ...],
-                  steps: int, provider: str, dtype: str, rope_op: str, tf32: bool, all_layers: bool, quiet: bool,
-                  fmt: str) -> None:
+                  steps: int, provider: str, dtype: str, rope_op: str, tf32: bool, all_layers: bool, by_layer: bool,
+                  plot: Path | None, quiet: bool, fmt: str) -> None:
     """Run TARGET on onnxruntime against PyTorch; exit 0 only when every check passes.
 
     TARGET: an exported .onnx (the PyTorch side is the source in its metadata, or --source), or a MODEL
@@ -520,9 +526,17 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
     Examples:
       llama-tools verify parity
       llama-tools verify parity plain/model.onnx --source ./tiny-meta --prompt "Who is" --steps 4
+      llama-tools verify parity big/model.onnx --by-layer --plot layers.png
     """
     if target is not None:
         check_onnx_exists(target)
+    if plot is not None:
+        from .reports.parity_plot import check_plot_path
+
+        check_plot_path(plot)
+    if by_layer:
+        return _verify_by_layer(target, source, prompts, ids, provider, dtype, rope_op, tf32, all_layers, plot,
+                                quiet, fmt)
     from .exporters.onnx_export import check_args
     from .exporters.parity import check_inputs, resolve_target
     from .exporters.parity import verify_parity as run_parity
@@ -546,6 +560,45 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
         took = f" (after a {rep.export_seconds:.1f} s export)" if rep.export_seconds is not None else ""
         click.echo("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in rep.timings.items()))
         click.echo(f"{'PASS' if rep.passed else 'FAIL'}: checks ran in {rep.seconds:.1f} s{took}")
+    if plot is not None:
+        from .exporters.by_layer import whole_graph_series
+        from .reports.parity_plot import plot_layers
+
+        plot_layers(whole_graph_series(rep), plot)
+    if not rep.passed:
+        sys.exit(1)
+
+
+def _verify_by_layer(target: str | None, source: str | None, prompts: tuple[str, ...], ids: tuple[list[int], ...],
+                     provider: str, dtype: str, rope_op: str, tf32: bool, all_layers: bool, plot: Path | None,
+                     quiet: bool, fmt: str) -> None:
+    """verify parity --by-layer: each decoder layer's own error (exporters/by_layer.py)."""
+    from .exporters.by_layer import by_layer_rows, verify_by_layer
+    from .exporters.onnx_export import check_args
+    from .exporters.parity import check_inputs, resolve_target
+    from .tokenizer import prompt_ids
+
+    check_args(dtype, rope_op, None)
+    tgt = resolve_target(target, source)
+    batch = [prompt_ids(tgt.source, t, None)[0] for t in prompts] + [list(i) for i in ids]
+    check_inputs(batch, 0, tgt)
+    rep = verify_by_layer(tgt, prompts=batch or None, provider=provider, dtype=dtype, rope_op=rope_op, tf32=tf32,
+                          progress=terminal("parity", quiet=quiet))
+    if fmt == "json":
+        click.echo(render([], "json", json_payload=rep.to_dict()))
+    else:
+        click.echo(f"{rep.onnx_path} ({rep.graph}, {rep.dtype}) layer by layer on onnxruntime ({rep.provider}); "
+                   f"reference from {rep.source}; prompts of {rep.prompt_lengths} tokens, left-padded")
+        click.echo(render(by_layer_rows(rep, all_layers), "table", numparse=False))
+        for note in rep.notes:
+            click.echo(f"note: {note}")
+        click.echo("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in rep.timings.items()))
+        where = f"; first out of budget: {rep.first_bad}" if rep.first_bad else ""
+        click.echo(f"{'PASS' if rep.passed else 'FAIL'}{where}: checks ran in {rep.seconds:.1f} s")
+    if plot is not None:
+        from .reports.parity_plot import plot_layers
+
+        plot_layers(rep.series(), plot)
     if not rep.passed:
         sys.exit(1)
 
