@@ -158,7 +158,8 @@ def attention_bias(cfg: ModelConfig, n3: int, past: int, attention_mask: torch.T
     if attention_mask is not None:
         allowed = allowed & attention_mask[:, None, None, :].bool()  # [batch, 1, n3, total]
     neg = torch.finfo(dtype).min
-    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill(~allowed, neg)
+    wide_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # holds the fill value exactly
+    bias = torch.zeros(allowed.shape, dtype=wide_dtype, device=device).masked_fill(~allowed, neg)
     if cfg.position_encoding == "alibi":
         # -m_h (i - j): a per-head penalty growing with the distance to the key.
         slopes = alibi_slopes(cfg.num_attention_heads).to(device)[None, :, None, None]  # [1, n5, 1, 1]

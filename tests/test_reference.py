@@ -170,10 +170,29 @@ def test_refused_up_front_with_the_figure():
 def test_reference_model_picks_streaming_for_checkpoints(tmp_path):
     d = write(TINY, tmp_path)
     assert isinstance(reference_model(d, batch=2, seq=11, steps=8), StreamedReference)
-    plain = reference_model("tiny", seed=3)
-    assert isinstance(plain, Llama) and next(plain.parameters()).dtype == torch.float32
-    assert torch.equal(plain.lm_head.weight, load_model("tiny", seed=3).lm_head.weight)
+    seeded = reference_model("tiny", seed=3)  # built in memory, read layer by layer like a checkpoint
+    ids = torch.randint(3, TINY.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(seeded(ids).logits, load_model("tiny", seed=3)(ids).logits)
     with pytest.raises(ValueError, match="float32 reference needs"):
         reference_model(d, batch=2, seq=11, available=1000)
     with pytest.raises(ValueError, match="float32 reference needs"):
         reference_model("tiny", available=1000)
+
+
+def test_float64_pass_is_the_whole_model_in_float64(tmp_path):
+    """The streamed float64 pass equals the whole model run in float64 with float64 RoPE tables (independent path);
+    the fp32 pass is off by fp32 rounding only, and fp16's by more."""
+    from llama_tools.model import rope_cache
+
+    d = write(TINY, tmp_path)
+    ref = StreamedReference(d)
+    full = load_model(d).double()
+    ids = torch.randint(3, TINY.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = full(ids, rope_tables=rope_cache(TINY, dtype=torch.float64)).logits
+        f64 = ref.with_dtype(torch.float64)(ids).logits
+        f32, f16 = ref(ids).logits.double(), ref.with_dtype(torch.float16)(ids).logits.double()
+    assert f64.dtype == torch.float64 and (f64 - want).abs().max() < 1e-12
+    e32, e16 = (f32 - want).abs().max().item(), (f16 - want).abs().max().item()
+    assert 0 < e32 < 1e-4 and e16 > 100 * e32

@@ -1,0 +1,99 @@
+"""The error budget (compare.judge): figures by hand, the floor, the top-1 rule, and a verdict that matches its figures."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from llama_tools.exporters.compare import BUDGET, EPS, Budget, judge
+from llama_tools.model import RMSNorm, wide
+
+B = Budget(multiple=4.0, floor_ulps=1.0, min_cosine=0.9)
+
+
+def three(err: float, noise: float, shape=(1, 4, 8)):
+    """truth of all 1s; ref off by `noise` and got off by `err` everywhere (so RMS = max = the offset)."""
+    t = np.ones(shape)
+    return t + err, t + noise, t
+
+
+def test_figures_by_hand():
+    got, ref, t = three(3e-6, 1e-6)
+    c = judge("x", got, ref, t, np.ones((1, 4), bool), "float32", B)
+    floor = EPS["float32"] * 1.0  # 1 ulp at RMS |truth| = 1
+    assert c.error == pytest.approx(3e-6) and c.noise == pytest.approx(1e-6)
+    assert c.floor == pytest.approx(floor) and c.bound == pytest.approx(4e-6 + floor)
+    assert c.ratio == pytest.approx(3.0) and c.allowed_ratio == pytest.approx(4 + floor / 1e-6)
+    assert c.passed and c.verdict == "pass"
+    assert c.figures() == "onnxruntime 3e-06, PyTorch fp32 1e-06 (3x; bound 4.12x)"
+    d = c.to_dict()
+    assert d["ratio"] == pytest.approx(3.0) and d["passed"] is True and json.dumps(d)
+
+
+def test_over_budget_fails_and_says_why():
+    got, ref, t = three(5e-6, 1e-6)
+    c = judge("x", got, ref, t, np.ones((1, 4), bool), "float32", B)
+    assert not c.passed and c.verdict == "FAIL: error over budget" and c.ratio == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("err, noise", [(0.0, 0.0), (1e-9, 0.0), (1e-3, 0.0), (2e-6, 1e-6), (9e-6, 1e-6),
+                                        (math.nan, 1e-6)])
+def test_verdict_never_contradicts_its_figures(err, noise):
+    got, ref, t = three(err, noise)
+    c = judge("x", got, ref, t, np.ones((1, 4), bool), "float32", B)
+    shown_ok = c.nonfinite == 0 and c.error <= c.bound and c.cosine >= c.min_cosine and c.decisive_misses == 0
+    assert c.passed == shown_ok and (c.verdict == "pass") == c.passed
+
+
+def test_floor_for_exact_tensors():
+    # PyTorch exact (noise 0): an error below one fp32 ulp at the tensor's size passes, a larger one fails.
+    got, ref, t = three(0.5 * EPS["float32"], 0.0)
+    assert judge("x", got, ref, t, np.ones((1, 4), bool), "float32", B).passed
+    got, ref, t = three(3 * EPS["float32"], 0.0)
+    c = judge("x", got, ref, t, np.ones((1, 4), bool), "float32", B)
+    assert not c.passed and c.ratio == math.inf
+    zeros = np.zeros((1, 4, 8))
+    assert judge("x", zeros, zeros, zeros, np.ones((1, 4), bool), "float16", B).passed  # all exact: 0 <= 0
+
+
+def test_masked_positions_are_not_judged_but_nan_anywhere_fails():
+    got, ref, t = three(1e-6, 1e-6)
+    got[0, 0] = 99.0
+    valid = np.array([[False, True, True, True]])
+    assert judge("x", got, ref, t, valid, "float32", B).passed
+    got[0, 0] = np.nan
+    c = judge("x", got, ref, t, valid, "float32", B)
+    assert c.nonfinite == 8 and not c.passed and "NaN" in c.verdict
+
+
+def test_top1_flip_counts_only_beyond_what_a_within_budget_error_could_flip():
+    t = np.array([[[1.0, 0.999999, 0.0], [3.0, 0.0, 0.0]]])  # position 0: a 1e-6 near-tie
+    ref = t + np.array([[[1e-6, -1e-6, 0.0], [1e-6, 0.0, 0.0]]])
+    got = np.array([[[0.9999995, 0.9999995 + 1e-7, 0.0], [3.0, 0.0, 0.0]]])  # flips the near-tie
+    c = judge("logits", got, ref, t, np.ones((1, 2), bool), "float32", B, logits=True)
+    assert c.top1 == 0.5 and c.decisive_misses == 0
+    assert c.tie == pytest.approx(2 * (4 * 1e-6 + c.floor))
+    got[0, 1] = [0.0, 3.1, 0.0]  # position 1 flips against a margin of 3
+    c = judge("logits", got, ref, t, np.ones((1, 2), bool), "float32", Budget(1e9, 1.0, 0.0), logits=True)
+    assert c.error <= c.bound and c.decisive_misses == 0  # a budget that wide would excuse it: margin 3 < tie
+    c = judge("logits", got, ref, t, np.ones((1, 2), bool), "float32", Budget(1e5, 1.0, 0.0), logits=True)
+    assert c.decisive_misses == 1 and not c.passed and "decisive top-1" in c.verdict
+
+
+def test_every_graph_dtype_has_a_budget():
+    assert set(BUDGET) == {"float32", "float16", "bfloat16"}
+    assert EPS["bfloat16"] == 2.0 ** -7 and EPS["float16"] == 2.0 ** -10
+
+
+def test_float64_stays_wide_in_norms():
+    # The float64 truth is only a truth if the norm does not round through fp32 (wide() keeps float64).
+    x = torch.randn(3, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 7
+    norm = RMSNorm(64, 1e-5).double()
+    want = x.numpy() / np.sqrt((x.numpy() ** 2).mean(-1, keepdims=True) + 1e-5)
+    got = norm(x).detach().numpy()
+    assert got.dtype == np.float64 and np.abs(got - want).max() < 1e-14
+    assert wide(torch.ones(2, dtype=torch.float16)).dtype == torch.float32
