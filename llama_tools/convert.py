@@ -213,9 +213,12 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
             state = {k: v.to(dtypes.to_torch(dtype)) for k, v in state.items()}
     emb = state["model.embed_tokens.weight"]
     cfg = cfg.replace(torch_dtype=dtypes.get(emb.dtype).name)
-    # The tokenizer travels with the weights (tiny's is package data): tokenizer.model and its config, if any.
-    extra = tuple(p for p in ((source.tokenizer, source.tokenizer.parent / "tokenizer_config.json")
-                              if source.tokenizer is not None else ()) if p.is_file())
+    # The tokenizer travels with the weights (tiny's is package data): tokenizer.json or tokenizer.model and the
+    # files that say its special tokens, if any (a GGUF's vocabulary arrived above as texts).
+    tok = source.tokenizer
+    extra = tuple(p for p in ((tok, tok.parent / "tokenizer_config.json", tok.parent / "special_tokens_map.json",
+                               tok.parent / "generation_config.json")
+                              if tok is not None else ()) if p.is_file() and p.name not in texts)
     layout, written = save_checkpoint(cfg, state, dst, to=to, shards=shards, extra_files=extra, extra_texts=texts)
     return ConvertResult(
         source=source.label, destination=str(dst), to=to, layout=layout, files=written, tensors=len(state),

@@ -10,6 +10,7 @@ from .config import ModelConfig
 from .config_files import load_config, looks_like_path
 from .gguf_files import is_gguf, read_gguf_headers
 from .presets import preset_tokenizer
+from .tokenizer import find_tokenizer
 from .weight_files import NO_WEIGHTS, WeightFiles, checkpoint_config, find_weight_files
 
 SourceKind = Literal["preset", "config", "checkpoint"]
@@ -27,7 +28,7 @@ class ModelSource:
     cfg: ModelConfig
     path: Path | None  # absolute; None for a preset
     weights: WeightFiles | None  # a checkpoint's files; None means seeded random weights
-    tokenizer: Path | None  # tokenizer.model beside the config or weights
+    tokenizer: Path | None  # tokenizer.json or tokenizer.model beside the config or weights (tokenizer.KINDS)
 
     @property
     def label(self) -> str:
@@ -65,21 +66,20 @@ def resolve(spec: str | Path, *, weights_required_in_dir: bool = False) -> Model
     p = Path(text)
     if p.is_dir():
         path = p.resolve()
-        tok = path / "tokenizer.model"
+        tok = find_tokenizer(path)
         wf = find_weight_files(path)
         if wf is not None:
-            return ModelSource(text, "checkpoint", checkpoint_config(p, wf), path, wf, tok if tok.is_file() else None)
+            return ModelSource(text, "checkpoint", checkpoint_config(p, wf), path, wf, tok)
         cfg = load_config(p)  # a config-only directory: "neither config.json nor params.json" when neither
         if weights_required_in_dir:
             raise ValueError(f"{p}: {NO_WEIGHTS}; to run seeded random weights, pass its config file "
                              f"({p / Path(cfg.source).name}) instead")
-        return ModelSource(text, "config", cfg, path, None, tok if tok.is_file() else None)
+        return ModelSource(text, "config", cfg, path, None, tok)
     if is_gguf(p):  # one file that holds config, vocabulary and weights
         h = read_gguf_headers(p)
         return ModelSource(text, "checkpoint", h.cfg, p.resolve(), h.files, None)
     if looks_like_path(text):
         cfg = load_config(p)
-        tok = p.resolve().parent / "tokenizer.model"
-        return ModelSource(text, "config", cfg, p.resolve(), None, tok if tok.is_file() else None)
+        return ModelSource(text, "config", cfg, p.resolve(), None, find_tokenizer(p.resolve().parent))
     cfg = load_config(text)
     return ModelSource(text, "preset", cfg, None, None, preset_tokenizer(cfg.name))  # tiny ships one

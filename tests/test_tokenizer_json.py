@@ -248,3 +248,22 @@ def test_export_from_gguf_writes_tokenizer_json(plain, smollm2_gguf, llama_gguf,
     _check_clients(d, Tokenizer(smollm2_gguf), REAL_TEXTS)
     d = _client_dir(plain, llama_gguf, tmp_path / "llama")
     _check_clients(d, Tokenizer(llama_gguf), SPM_PROBES)
+
+
+def test_convert_keeps_a_tokenizer_json(smollm2_hf, tmp_path):
+    """A checkpoint with only tokenizer.json converts with its tokenizer: the copy encodes as the original does."""
+    src = tmp_path / "src"
+    r = CliRunner().invoke(cli, ["convert", "tiny", str(src), "--to", "hf"])
+    assert r.exit_code == 0, r.output
+    (src / "tokenizer.model").unlink(missing_ok=True)  # tiny's own; this checkpoint holds SmolLM2's tokenizer.json
+    (src / "tokenizer_config.json").unlink(missing_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(smollm2_hf / name, src / name)
+    r = CliRunner().invoke(cli, ["convert", str(src), str(tmp_path / "dst"), "--to", "hf"])
+    assert r.exit_code == 0, r.output
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (tmp_path / "dst" / name).read_bytes() == (src / name).read_bytes(), name
+    assert not (tmp_path / "dst" / "tokenizer.model").exists()
+    want = Tokenizer(smollm2_hf / "tokenizer.json").encode(REAL_TEXTS[0])
+    r = CliRunner().invoke(cli, ["tokenize", str(tmp_path / "dst"), REAL_TEXTS[0], "--format", "json"])
+    assert r.exit_code == 0 and json.loads(r.output)["ids"] == want, r.output
