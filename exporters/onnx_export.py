@@ -50,8 +50,8 @@ TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 3, 5
 META = "llama_tools."  # prefix of our metadata_props keys
 # Decoders traced when a model has more; the others are stamped from the last traced one (_stamp_layers).
 STAMP_FROM = 2
-# The traced graph of those layers is kept here between exports (a directory; "off": never), by default in
-# ~/.cache/llama-tools/traces (_trace_cache_path).
+# A directory to keep the traced graph of those layers in between exports (_trace_cache_path); unset: none.
+# Opt-in: the key sees the code's files, not a function patched at run time (tests do that to the model).
 TRACE_CACHE_ENV = "LLAMA_TOOLS_TRACE_CACHE"
 _CACHED = "llama_tools.cache."  # metadata keys of a cached trace (its fake weights and folded transposes)
 
@@ -318,15 +318,14 @@ def _trace_cache_path(template: ModelConfig, dtype: torch.dtype, rope_op: str, o
 
     The trace depends on the config (not its name), dtype, RoPE op, opset, the code that builds and exports
     the model, and the versions of torch and the ONNX libraries: all go into the key, so a change to any
-    traces afresh. TRACE_CACHE_ENV names another directory, or turns the cache off ("off").
+    traces afresh. The directory is TRACE_CACHE_ENV's; unset, empty or "off": no cache.
     """
     import onnxscript
 
     where = os.environ.get(TRACE_CACHE_ENV, "")
-    if where.lower() in ("off", "0", "no", "false"):
+    if where.lower() in ("", "off", "0", "no", "false"):
         return None
-    root = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / \
-        "llama-tools" / "traces"
+    root = Path(where)
     code = hashlib.sha256()
     core, here = Path(llama_tools.__file__).parent, Path(__file__).parent
     for f in (core / "model.py", core / "config.py", here / "onnx_export.py", here / "rope_ops.py",
