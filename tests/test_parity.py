@@ -253,3 +253,27 @@ def test_cli_bad_input_is_one_line(args, needle):
     assert r.exit_code == 1
     assert needle in r.output and "Traceback" not in r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+# --- a real trained model (SmolLM2-135M, logits up to ~30): the budget holds where a fixed bound did not ---
+
+@pytest.fixture(scope="module")
+def smollm2_fused(smollm2_hf, tmp_path_factory):
+    from llama_tools.exporters.pipeline import export
+    from llama_tools.source import resolve
+
+    out = tmp_path_factory.mktemp("smollm2") / "model.onnx"
+    export(resolve(str(smollm2_hf)), out, optimize=True, client_files=False)
+    return out
+
+
+@pytest.mark.slow
+def test_real_model_passes_for_random_ids_and_real_text(smollm2_fused, smollm2_hf):
+    from tokenizers import Tokenizer
+
+    text = Tokenizer.from_file(str(smollm2_hf / "tokenizer.json")).encode("The capital of France is Paris.").ids
+    target = resolve_target(str(smollm2_fused), str(smollm2_hf))
+    rng = np.random.default_rng(7)
+    rep = verify_parity(target, prompts=[text, rng.integers(3, 49152, size=9).tolist()], steps=2)
+    assert rep.passed, [c.figures() for c in rep.checks if not c.passed]
+    assert 1 < max(abs(c.scale) for c in rep.checks)  # real logits, not a seeded model's small ones
