@@ -282,7 +282,7 @@ def test_verify_parity_runs_the_fused_graph(tmp_path):
     res = export_fused("tiny", tmp_path / "model.onnx")
     rep = verify_parity(resolve_target(str(res.path), None), provider="cpu", steps=4)
     assert rep.passed, [c for c in rep.checks if not c.passed]
-    assert rep.tolerance == TOL and rep.decode.agreed == 4
+    assert rep.graph.startswith("llama-tools") and rep.decode.agreed == 4
 
 
 def test_perturbed_weight_fails(model, tmp_path):
@@ -464,7 +464,7 @@ def test_gpu_fused_float16_passes_verify_parity(tmp_path):
     """The issue's CUDA parity goal: the fused fp16 graph on the CUDA provider passes the fp16 tolerance."""
     res = export_fused("tiny", tmp_path / "fp16.onnx", dtype="float16")
     rep = verify_parity(resolve_target(str(res.path), None), provider="cuda", steps=8)
-    assert rep.provider == "cuda" and rep.tolerance == TOLERANCES[("float16", "cuda")]
+    assert rep.provider == "cuda" and rep.dtype == "float16" and rep.budget.multiple > 0
     assert rep.passed, [c for c in rep.checks if not c.passed]
 
 
