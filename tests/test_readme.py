@@ -127,7 +127,13 @@ def run_tour(update: bool = False) -> list[str]:
             elif masked(got) != masked(step.expected):
                 problems.append(f"{step.code!r} prints, masked:\n  " + "\n  ".join(masked(got)) +
                                 "\nREADME shows, masked:\n  " + "\n  ".join(masked(step.expected)))
-    if update:
+    if update:  # re-read: others may have edited the README while the tour ran; only output spans change
+        text = README.read_text(encoding="utf-8")
+        now = steps(text)
+        if [s.code for s in now] != [s.code for s in found]:
+            return ["the README's tour changed while it ran; run --update again"]
+        new_lines = text.splitlines()
+        replacements = [(s.span, s.kind, got) for s, (_, _, got) in zip(now, replacements)]
         for (a, b), kind, got in sorted(replacements, key=lambda r: r[0], reverse=True):
             if a == b and kind == "python":  # a python block with no ```text block yet: add one when it prints
                 if got:
