@@ -214,11 +214,32 @@ def export_graphs(hf_dir: Path, root: Path, graphs: list[str]) -> dict[str, Path
             elif g == "fused":
                 export_fused(str(hf_dir), path)
             elif g == "builder":
-                (root / g).mkdir(parents=True, exist_ok=True)
-                subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o",
-                                str(root / g), "-p", "fp32", "-e", "cpu"], check=True, capture_output=True)
+                builder(hf_dir, root / g, root / "builder-input")
         out[g] = path
     return out
+
+
+def builder(hf_dir: Path, out: Path, work: Path) -> None:
+    """onnxruntime-genai's model builder (fp32, cpu) on the checkpoint, run as tests/test_foreign_graphs.py runs it.
+
+    The builder of onnxruntime-genai 0.18 wants `rope_scaling` as a dict: it reads a directory of links to
+    the checkpoint's files with that one field of config.json filled in.
+    """
+    import json
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from test_foreign_graphs import BUILDER
+
+    work.mkdir(parents=True, exist_ok=True)
+    for f in hf_dir.iterdir():
+        if f.name != "config.json" and not (work / f.name).exists():
+            (work / f.name).symlink_to(f.resolve())
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["rope_scaling"] = cfg.get("rope_scaling") or {"rope_type": "default"}
+    (work / "config.json").write_text(json.dumps(cfg))
+    r = subprocess.run([sys.executable, "-c", BUILDER, "-i", str(work), "-o", str(out), "-p", "fp32", "-e", "cpu"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def main() -> None:

@@ -197,8 +197,10 @@ class GraphBlocks:
 class BlockRunner:
     """Sessions over the blocks of one export, each created from the block's bytes and dropped after its run."""
 
-    def __init__(self, blocks: GraphBlocks, provider: str = "cpu", tf32: bool = False, row_by_row: bool = False):
+    def __init__(self, blocks: GraphBlocks, kv_heads: int, head_dim: int, provider: str = "cpu", tf32: bool = False,
+                 row_by_row: bool = False):
         self.blocks, self.provider, self.tf32, self.row_by_row = blocks, provider, tf32, row_by_row
+        self.kv_heads, self.head_dim = kv_heads, head_dim  # the graph may leave them symbolic
 
     def session(self, b: Block) -> Any:
         ort = onnxruntime()
@@ -255,7 +257,7 @@ class BlockRunner:
                 x = z if name == b.inputs[0] else np.zeros_like(z)  # Z + 0 + ... is exactly Z
             else:  # an empty past (a static buffer: zeros of its length)
                 slots = i.shape[2] if isinstance(i.shape[2], int) else 0
-                x = np.zeros((ids.shape[0], i.shape[1], slots, i.shape[3]), np.float32)  # [batch, kv_heads, past, n6]
+                x = np.zeros((ids.shape[0], self.kv_heads, slots, self.head_dim), np.float32)  # [batch, kv_heads, past, n6]
             v = numpy_to_ortvalue(x.astype(np.float32), i.type)
             binding.bind_ortvalue_input(name, v)
             keep.append(v)
@@ -435,7 +437,8 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
     ids, mask = left_pad(prompts)
     valid = mask.astype(bool)  # [batch, seq]
     run_on = "cpu" if provider in ("auto", "cpu") else provider
-    runner = BlockRunner(blocks, run_on, tf32, row_by_row=io is not None and io.row_by_row)
+    runner = BlockRunner(blocks, cfg.num_key_value_heads, cfg.head_dim, run_on, tf32,
+                         row_by_row=io is not None and io.row_by_row)
     largest = max(blocks.weight_bytes(b) for b in blocks.blocks)
     ref = reference_model(target.source, seed=target.seed, progress=progress, batch=len(prompts), seq=ids.shape[1],
                           extra_bytes=largest if run_on == "cpu" else 0,
