@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from . import dtypes, files
-from .accounting import tensor_total
+from .accounting import nbytes, param_total, tensor_total
 from .config import ModelConfig
 from .config_files import config_to_hf, ffn_hidden_size
 from .formats import FORMATS, WRITABLE, checkpoint_tensors, family_format
@@ -187,6 +187,12 @@ def _stored_weights(path: Path, dtype: str | None) -> tuple[ModelConfig, dict[st
 _WEIGHT_READERS = {"gguf": _gguf_weights}
 
 
+def _output_bytes(source: ModelSource, dtype: str | None) -> int:
+    """The weight bytes convert will write: the stored dtype unless a cast is asked (a GGUF dequantizes to fp32)."""
+    gguf = source.weights is not None and source.weights.kind == "gguf"
+    return nbytes(param_total(source.cfg), dtype or (dtypes.FLOAT32.name if gguf else source.cfg.torch_dtype))
+
+
 def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shards: int = 1, seed: int = 0,
             dtype: str | None = None) -> ConvertResult:
     """SRC (a checkpoint, a GGUF file, or a preset/config with seeded weights) -> DST in `to` layout.
@@ -198,6 +204,7 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
         dtype = dtypes.model_dtype(dtype).name  # a ValueError line before any weight is read
     check_target(to, shards, tensor_total(source.cfg))  # constant time: a 10^8-layer config is not listed
     files.check_output_path(dst, directory=True)
+    files.check_space(dst, _output_bytes(source, dtype))  # before any weight is read: a full disk is one line
     texts: dict[str, str] = {}
     if source.weights is not None:
         assert source.path is not None, "a checkpoint source has a path"
