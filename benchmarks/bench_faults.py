@@ -16,6 +16,11 @@ and each is checked by the whole-graph check and by --by-layer. The table: fault
 the layer named, the worst ratio (error / noise). `--sensitivity` bisects the smallest scale error of one
 matrix that each mode fails on. Default model: SmolLM2-135M-Instruct (tests/realmodels.py, cached).
 
+An epsilon matters only where a token's mean square is near it: x10 (1e-5 -> 1e-4) changes rnorm's output by
+about 9e-5 / (2 ms). In SmolLM2's first layer (Z^0 RMS 0.13) that is ~3e-3, in its middle layers (RMS 15-370)
+1e-7 to 1e-10, below fp32 rounding: no check can see it there and it changes nothing. `--faults eps --layer 0`
+plants it where it matters.
+
 Where to expect each fault: --by-layer judges every layer's output, so it names the layer the fault is in.
 The whole-graph check sees each layer's K and V only, and down_proj of layer j changes no K or V of layer
 j: it names layer j+1, the first K/V the fault reaches (the logits only, when j is the last layer).
