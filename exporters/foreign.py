@@ -78,6 +78,8 @@ def describe_graph(path: str | Path) -> GraphIO:
     import onnx
 
     path = str(path)
+    if Path(path).is_file() and Path(path).stat().st_size == 0:  # protobuf reads 0 bytes as an empty model
+        raise ValueError(f"{path}: empty file; export it again (llama-tools export onnx)")
     try:
         model = onnx.load(path, load_external_data=False)
     except Exception as e:  # protobuf's DecodeError and friends  # noqa: BLE001

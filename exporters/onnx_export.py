@@ -694,7 +694,7 @@ def read_metadata(path: str | Path) -> ExportMetadata:
     """The llama_tools.* metadata of an exported file, without reading its external weights."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: no such file; pass the .onnx file export_onnx wrote")
+        raise ValueError(f"{path}: no such file; pass the .onnx file that `llama-tools export onnx` wrote")
     if path.stat().st_size == 0:
         raise ValueError(f"{path}: empty file; export it again with `llama-tools export onnx`")
     try:
