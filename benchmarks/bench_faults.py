@@ -10,7 +10,8 @@ weights are copied):
     rope        the RoPE base off by 1% (the graph's cos/sin tables recomputed with 1.01 x theta)
     kv-swap     two KV heads swapped in the middle layer (their columns of k_proj and v_proj, or of packed qkv)
     eps         the middle layer's input RMSNorm epsilon x 10 (the node's attribute, or its Add constant)
-    lm-head     lm_head x (1 + 1e-3): only the logits can see it
+    final-norm  the final RMSNorm's gain x (1 + 1e-3): only the logits can see it (lm_head itself may be the
+                embedding, tied, as in SmolLM2)
 
 and each is checked by the whole-graph check and by --by-layer. The table: fault x graph x mode -> verdict,
 the layer named, the worst ratio (error / noise). `--sensitivity` bisects the smallest scale error of one
@@ -44,7 +45,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-FAULTS = ("scale", "rope", "kv-swap", "eps", "lm-head")
+FAULTS = ("scale", "rope", "kv-swap", "eps", "final-norm")
 MODES = ("whole", "by-layer")
 LAYER_NODE = "/model/layers.{j}/"
 
@@ -99,9 +100,10 @@ def plant(onnx_path: str | Path, fault: str, cfg: Any, layer: int, eps: float = 
     if fault == "scale":
         name = p.weight_of(_one(p.nodes(layer, "MatMul", "/mlp/down_proj/"), "down_proj"))
         p.replace(name, p.array(name).astype(np.float64) * (1 + eps))
-    elif fault == "lm-head":
-        node = next(n for n in p.model.graph.node if "logits" in n.output and n.op_type == "MatMul")
-        name = p.weight_of(node)
+    elif fault == "final-norm":  # ours name it /model/norm/..., the builder /model/layers.{n8}/final_norm_layernorm/
+        norm = [n for n in p.model.graph.node if "/model/norm/" in n.name or "final_norm" in n.name]
+        gains = {x for n in norm for x in n.input if x in p.inits and list(p.inits[x].dims) == [cfg.hidden_size]}
+        name = _one(sorted(gains), "final norm gain")
         p.replace(name, p.array(name).astype(np.float64) * (1 + eps))
     elif fault == "rope":
         from llama_tools.rope import rope_inv_freq
@@ -143,7 +145,7 @@ def plant(onnx_path: str | Path, fault: str, cfg: Any, layer: int, eps: float = 
 
 
 def _one(nodes: list[Any], what: str) -> Any:
-    assert len(nodes) == 1, f"expected one {what} node, found {[n.name for n in nodes]}"
+    assert len(nodes) == 1, f"expected one {what}, found {[getattr(n, 'name', n) for n in nodes]}"
     return nodes[0]
 
 
@@ -151,7 +153,7 @@ def expected(fault: str, mode: str, layer: int, n8: int) -> str:
     """Where each mode should place the fault (see the module docstring)."""
     if fault == "rope":
         return "layer 0"
-    if fault == "lm-head":
+    if fault == "final-norm":
         return "logits only"
     if fault == "scale" and mode == "whole":
         return f"layer {layer + 1}" if layer + 1 < n8 else "logits only"

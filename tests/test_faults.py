@@ -2,7 +2,7 @@
 
 Each fault goes into a copy of a correct export (beside it, sharing its .data); `verify parity --by-layer`
 must FAIL and name the layer it is in (layer 0 for the RoPE base, which every layer uses; "logits only" for
-lm_head), the whole-graph check must FAIL too. A scale error far below fp32 rounding must PASS (the check
+the final norm), the whole-graph check must FAIL too. A scale error far below fp32 rounding must PASS (the check
 is not trigger-happy). The builder graph and the real model are the slow cases.
 """
 
@@ -53,9 +53,9 @@ def test_fault_fails_by_layer_and_is_located(graph, checkpoint, fault):
     assert not v.passed and v.located == bf.expected(fault, "by-layer", LAYER, CFG.num_hidden_layers), v
 
 
-@pytest.mark.parametrize("fault", ["scale", "lm-head"])
+@pytest.mark.parametrize("fault", ["scale", "final-norm"])
 def test_fault_fails_the_whole_graph_check(graph, checkpoint, fault):
-    """The whole graph sees layer j's down_proj first in layer j+1's K/V; lm_head in the logits only."""
+    """The whole graph sees layer j's down_proj first in layer j+1's K/V; the final norm in the logits only."""
     v = bf.check(bf.plant(graph, fault, CFG, LAYER), "whole", str(checkpoint), steps=1)
     assert not v.passed and v.located == bf.expected(fault, "whole", LAYER, CFG.num_hidden_layers), v
 
