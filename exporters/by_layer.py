@@ -302,13 +302,22 @@ class LayerReference:
         from llama_tools.weights import weight_specs
 
         prefix = f"model.layers.{j}."
+        # A pass wider than fp32 (the float64 truth) keeps the matrices in fp32 and widens each one as its
+        # Linear runs: one float64 matrix at a time instead of a whole float64 layer (2x its fp32 bytes).
+        wide = torch.finfo(self.dtype).bits > 32
         state = {}
         for s in (s for s in weight_specs(self.cfg) if s.layer == j):
-            state[s.name.removeprefix(prefix)] = self.reader.read([s.name])[s.name].to(self.dtype)
+            t = self.reader.read([s.name])[s.name]
+            state[s.name.removeprefix(prefix)] = t if wide and t.dim() == 2 else t.to(self.dtype)
         with torch.device("meta"):
             layer = DecoderLayer(self.cfg)
         layer.load_state_dict(state, strict=True, assign=True)
         del state
+        if wide:
+            for m in layer.modules():
+                if isinstance(m, torch.nn.Linear):
+                    m.register_forward_pre_hook(_widen(self.dtype))
+                    m.register_forward_hook(_narrow)
         m = torch.from_numpy(mask)
         bias = attention_bias(self.cfg, mask.shape[1], 0, m, torch.float32 if self.dtype == torch.float64
                               else self.dtype, z.device).to(self.dtype)
@@ -329,6 +338,17 @@ class LayerReference:
                              assign=True)
         with torch.no_grad():
             return StreamedReference(self.reader, dtype=self.dtype)._head(norm(z))
+
+
+def _widen(dtype: Any) -> Callable[..., None]:
+    def hook(m: Any, args: Any) -> None:
+        m._narrow, m._parameters["weight"] = m.weight, m.weight.to(dtype)  # the fp32 matrix kept aside
+    return hook
+
+
+def _narrow(m: Any, args: Any, out: Any) -> None:
+    m._parameters["weight"] = m._narrow  # the float64 copy is freed
+    del m._narrow
 
 
 # --- The check -------------------------------------------------------------------------------------------

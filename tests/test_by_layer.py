@@ -175,3 +175,25 @@ def test_a_graph_without_layer_names_is_refused(tmp_path):
     onnx.save(model, tmp_path / "m.onnx")
     with pytest.raises(ValueError, match="no node is named by its decoder layer"):
         GraphBlocks(tmp_path / "m.onnx", 2)
+
+
+def test_the_float64_layer_widened_on_use_is_the_float64_layer(checkpoint):
+    """The truth keeps matrices in fp32 and widens each as it runs: bit for bit a layer built in float64."""
+    from llama_tools.exporters.by_layer import LayerReference
+    from llama_tools.model import DecoderLayer
+    from llama_tools.reference import CheckpointReader
+
+    reader = CheckpointReader(checkpoint)
+    _, mask = left_pad(PROMPTS)
+    z = torch.randn(2, mask.shape[1], CFG.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    got, k, v = LayerReference(reader, torch.float64).layer(1, z, mask)
+    ref = LayerReference(reader, torch.float64)
+    layer = DecoderLayer(CFG).to(torch.float64)
+    names = [n for n in reader.where if n.startswith("model.layers.1.")]
+    layer.load_state_dict({n.removeprefix("model.layers.1."): t.double() for n, t in reader.read(names).items()})
+    from llama_tools.model import attention_bias
+
+    bias = attention_bias(CFG, mask.shape[1], 0, torch.from_numpy(mask), torch.float32, z.device).double()
+    with torch.no_grad():
+        want, (wk, wv) = layer.eval()(z, bias, torch.from_numpy(positions(mask, mask.shape[1])), ref.tables, None)
+    assert torch.equal(got, want) and torch.equal(k, wk) and torch.equal(v, wv)
