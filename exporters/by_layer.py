@@ -17,8 +17,9 @@ dtype is fed the same, for the noise (compare.py's budget, as the whole-graph ch
 A block's sub-graph is serialized without weights: its initializers keep their external-data location and
 offset, and onnxruntime reads them from the export's own .data file (the session option
 `session.model_external_initializers_file_folder_path`): no copy of the weights, nothing written to disk.
-Peak memory is one layer on each side (the graph's session, the reference's layer in float64) plus the
-embedding or lm_head block. Prefill only: the whole-graph check covers the decode steps through the cache.
+Peak memory is one layer on each side (the graph's session; the reference's layer, whose float64 pass keeps
+the matrices in fp32 and widens one at a time) or the embedding / lm_head block, for a checkpoint source (a
+seeded source is built whole in memory first). Prefill only: the whole-graph check covers the decode steps.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from .compare import DTYPE_LABEL, Budget, BudgetCheck, judge
 from .graph_io import INPUT_IDS, LOGITS, past_name, present_name
 from .onnx_export import export_onnx, read_metadata
 from .prompts import default_prompts, left_pad, positions
-from .runtime import _ORT, numpy_to_ortvalue, onnxruntime, ortvalue_to_numpy, provider_list
+from .runtime import cuda_unusable, numpy_to_ortvalue, onnxruntime, ortvalue_to_numpy, provider_list
 
 LAYER_NODE = re.compile(r"/model/layers\.(\d+)/")
 EMBEDDING, HEAD = "embedding", "head"
@@ -456,7 +457,8 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
     prompts = prompts or default_prompts(cfg.vocab_size, meta.seed)
     ids, mask = left_pad(prompts)
     valid = mask.astype(bool)  # [batch, seq]
-    run_on = "cpu" if provider in ("auto", "cpu") else provider
+    # auto: CUDA when a session really runs there (a one-node probe), as the whole-graph check decides
+    run_on = provider if provider != "auto" else ("cuda" if cuda_unusable() is None else "cpu")
     runner = BlockRunner(blocks, cfg.num_key_value_heads, cfg.head_dim, run_on, tf32,
                          row_by_row=io is not None and io.row_by_row)
     largest = max(blocks.weight_bytes(b) for b in blocks.blocks)
