@@ -213,7 +213,8 @@ class BlockRunner:
                                         providers=provider_list(self.provider, self.tf32))
         except Exception as e:  # noqa: BLE001  onnxruntime's own exception types: one line
             first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            raise ValueError(f"{self.blocks.path}: onnxruntime could not load {b.name} cut from it: {first[:300]}") from None
+            raise ValueError(f"{self.blocks.path}: onnxruntime could not load {b.name} cut from it: "
+                             f"{first[:300]}") from None
 
     def run(self, b: Block, z: np.ndarray | None, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
         """Outputs of block `b` fed hidden state z [batch, seq, n2] (None for the embedding), prefill of `ids`."""
@@ -241,7 +242,8 @@ class BlockRunner:
             out[name] = full
         return out
 
-    def _run(self, sess: Any, b: Block, z: np.ndarray | None, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+    def _run(self, sess: Any, b: Block, z: np.ndarray | None, ids: np.ndarray,
+             mask: np.ndarray) -> dict[str, np.ndarray]:
         inputs = {i.name: i for i in sess.get_inputs()}
         small = {INPUT_IDS: ids, "attention_mask": mask, "position_ids": positions(mask, ids.shape[1]),
                  "seqlens_k": mask.sum(-1) - 1, "total_sequence_length": np.array(mask.shape[1])}
@@ -258,7 +260,7 @@ class BlockRunner:
                 x = z if name == b.inputs[0] else np.zeros_like(z)  # Z + 0 + ... is exactly Z
             else:  # an empty past (a static buffer: zeros of its length)
                 slots = i.shape[2] if isinstance(i.shape[2], int) else 0
-                x = np.zeros((ids.shape[0], self.kv_heads, slots, self.head_dim), np.float32)  # [batch, kv_heads, past, n6]
+                x = np.zeros((ids.shape[0], self.kv_heads, slots, self.head_dim), np.float32)  # [b, kv_heads, past, n6]
             v = numpy_to_ortvalue(x.astype(np.float32), i.type)
             binding.bind_ortvalue_input(name, v)
             keep.append(v)
