@@ -99,9 +99,9 @@ class GraphBlocks:
                                                                    "seqlens_k", "total_sequence_length")), None)
 
     def _embedding_node(self) -> int:
-        """The Gather of a weight by input_ids: where the hidden state starts."""
+        """The Gather of a table by input_ids (a weight, or the builder's transposed tied lm_head): Z^0 starts there."""
         for i, n in enumerate(self.nodes):
-            if n.op_type == "Gather" and n.input[0] in self.initializers and n.input[1] == INPUT_IDS:
+            if n.op_type == "Gather" and n.input[1] == INPUT_IDS:
                 return i
         raise ValueError(f"{self.path}: no Gather of an embedding table by {INPUT_IDS!r}; --by-layer cannot find "
                          f"where the hidden state starts")
