@@ -275,19 +275,19 @@ def main() -> None:
         print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs; model {args.model.name}: "
               f"{cfg.num_hidden_layers} layers, width {cfg.hidden_size}, heads {cfg.num_attention_heads}/"
               f"{cfg.num_key_value_heads}; faults in layer {layer}")
-        print(f"{'fault':<9} {'graph':<8} {'mode':<9} {'verdict':<7} {'located':<12} {'expected':<12} "
+        print(f"{'fault':<10} {'graph':<8} {'mode':<9} {'verdict':<7} {'located':<12} {'expected':<12} "
               f"{'worst ratio':>11} {'seconds':>8}")
         for g, path in paths.items():
             for mode in MODES:
                 v = check(path, mode, source)
-                print(f"{'none':<9} {g:<8} {mode:<9} {'PASS' if v.passed else 'FAIL':<7} {v.located:<12} {'-':<12} "
+                print(f"{'none':<10} {g:<8} {mode:<9} {'PASS' if v.passed else 'FAIL':<7} {v.located:<12} {'-':<12} "
                       f"{v.ratio:>11.3g} {v.seconds:>8.1f}", flush=True)
             for fault in args.faults.split(","):
                 faulted = plant(path, fault, cfg, layer)
                 for mode in MODES:
                     v = check(faulted, mode, source)
                     want = expected(fault, mode, layer, cfg.num_hidden_layers)
-                    print(f"{fault:<9} {g:<8} {mode:<9} {'PASS' if v.passed else 'FAIL':<7} {v.located:<12} "
+                    print(f"{fault:<10} {g:<8} {mode:<9} {'PASS' if v.passed else 'FAIL':<7} {v.located:<12} "
                           f"{want:<12} {v.ratio:>11.3g} {v.seconds:>8.1f}", flush=True)
                 faulted.unlink()
         if args.sensitivity:
