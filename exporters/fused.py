@@ -188,9 +188,13 @@ def build_graph(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
 
     # --- lm_head: H = Zbar W^T, W stored [n2, n1] for MatMul (rows L2-normalized first for norm_head) -----------
     w = state.pop("lm_head.weight")
-    if cfg.norm_head:
-        w = F.normalize(w.float(), dim=-1).to(dtype)
-    logits = g.op("/lm_head", "MatMul", [zbar, g.weight("lm_head.MatMul.weight", w.T)], outputs=["logits"])[0]
+    if cfg.tie_word_embeddings and not cfg.norm_head:  # one matrix stored once: the Gather's, transposed here
+        w_t = g.op("/lm_head", "Transpose", [embed], {"perm": [1, 0]})  # [n1, n2] -> [n2, n1]
+    else:
+        if cfg.norm_head:
+            w = F.normalize(w.float(), dim=-1).to(dtype)
+        w_t = g.weight("lm_head.MatMul.weight", w.T)
+    logits = g.op("/lm_head", "MatMul", [zbar, w_t], outputs=["logits"])[0]
 
     logits.type, logits.shape = ir.TensorType(t), ir.Shape(["batch", "sequence_length", cfg.vocab_size])
     for v in presents:

@@ -216,6 +216,7 @@ def test_padded_prefill_and_decode_match_torch(model, exports, rope_op, layout):
     {"qkv_bias": True},  # Qwen2: the packed projection carries the three biases
     {"o_bias": True, "mlp_bias": True},
     {"tie_word_embeddings": True, "norm_head": True},  # lm_head = D, rows L2-normalized (Baichuan2)
+    {"tie_word_embeddings": True},  # lm_head = D itself: one initializer, transposed in the graph
     {"head_dim": 32},  # q_size 128 != hidden 64
     {"num_key_value_heads": 4},  # plain multi-head attention
 ])
@@ -234,6 +235,19 @@ def test_architecture_variants_match_torch(changes, tmp_path):
     got = run(ids, mask, pos, run.empty_cache(2))
     checks = check_step("prefill", got.logits, got.presents, reference(m, ids, mask, pos), mask.astype(bool))
     assert all(c.passed for c in checks), [c for c in checks if not c.passed][0]
+
+
+def test_a_tied_embedding_is_stored_once(tmp_path):
+    """Tied: the Gather and the lm_head MatMul read one initializer; the file is the untied one minus n1 x n2."""
+    sizes = {}
+    for tied in (True, False):
+        path = export_fused(sharp(CFG.replace(tie_word_embeddings=tied)), tmp_path / f"{tied}.onnx").path
+        graph = onnx.load(str(path)).graph
+        big = [i.name for i in graph.initializer if list(i.dims) in ([CFG.vocab_size, CFG.hidden_size],
+                                                                      [CFG.hidden_size, CFG.vocab_size])]
+        assert big == (["model.embed_tokens.weight"] if tied else ["model.embed_tokens.weight", "lm_head.MatMul.weight"])
+        sizes[tied] = path.stat().st_size
+    assert sizes[False] - sizes[True] >= 4 * CFG.vocab_size * CFG.hidden_size - 1024  # one fp32 matrix, +- a node
 
 
 def test_padded_rows_equal_rows_alone(exports):
