@@ -19,7 +19,7 @@ from typing import Any
 from llama_tools import files
 
 EXTRA = "plot"
-PANELS = (("hidden", "hidden state $Z^{j+1}$"), ("key", "present K"), ("value", "present V"))
+PANELS = (("hidden", "hidden state $Z^{j+1}$\n(channels in RMS units)"), ("key", "present K"), ("value", "present V"))
 SUFFIXES = (".png",)
 
 
