@@ -197,3 +197,27 @@ def test_the_float64_layer_widened_on_use_is_the_float64_layer(checkpoint):
     with torch.no_grad():
         want, (wk, wv) = layer.eval()(z, bias, torch.from_numpy(positions(mask, mask.shape[1])), ref.tables, None)
     assert torch.equal(got, want) and torch.equal(k, wk) and torch.equal(v, wv)
+
+
+def test_per_channel_units_keep_a_massive_channel_from_hiding_an_error():
+    """Hand-built hidden states: channel 0 is 1000x the others and carries its own rounding; channel 1 is 1e-4 off.
+
+    Judged as one tensor the massive channel's rounding sets the noise and the error hides; in channel units
+    it fails. Without the error both pass.
+    """
+    from llama_tools.exporters.by_layer import per_channel
+    from llama_tools.exporters.compare import judge
+
+    rng = np.random.default_rng(0)
+    truth = rng.standard_normal((2, 8, 16))  # [batch, seq, n2]
+    truth[..., 0] *= 1000.0
+    valid = np.ones((2, 8), bool)
+    noise = lambda: truth * (1 + 6e-8 * rng.standard_normal(truth.shape))  # noqa: E731  fp32-sized rounding
+    ref, got = noise(), noise()
+    got[..., 1] = truth[..., 1] * (1 + 1e-4)
+    assert judge("whole", got, ref, truth, valid, "float32").passed  # hidden under channel 0's rounding
+    scaled = judge("scaled", *per_channel(got, ref, truth, valid), valid, "float32")
+    assert not scaled.passed and scaled.ratio > 50
+    assert judge("ok", *per_channel(noise(), ref, truth, valid), valid, "float32").passed
+    s = per_channel(got, ref, truth, valid)[2]
+    np.testing.assert_allclose(np.sqrt((s ** 2).mean((0, 1))), 1.0)  # every channel in units of its RMS
