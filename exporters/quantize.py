@@ -95,6 +95,52 @@ def fold_weight_transposes(model: Any) -> int:
     return len(renames)
 
 
+def share_tied_embedding(model: Any, block_size: int) -> bool:
+    """A tied embedding stored once, in int4: the lm_head's MatMulNBits blocks also serve the Gather.
+
+    The full-precision table goes; the embedding becomes com.microsoft.GatherBlockQuantized over the very
+    initializers MatMulNBits reads (onnxruntime-genai's builder shares them the same way):
+
+        B_Q4 [n1, n2/block, block/2] uint8 ──────────────────────────► MatMulNBits (lm_head) ──► logits
+           └──► GatherBlockQuantized(ids) [b, s, n2/block, block] ──Reshape [b, s, n2]──► Z^0
+        scales [n1, n2/block] ──Reshape [n1, n2/block, 1]──┘ (one scale per block along the last axis)
+
+    Returns whether a tied embedding was found (a Gather on E, and a MatMulNBits on E's transpose).
+    """
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    heads = {n.input[1]: n for n in graph.node if n.op_type == "MatMulNBits"}
+    for gather in [n for n in graph.node if n.op_type == "Gather"]:
+        table = gather.input[0]
+        head = heads.get(table + "_t_Q4")  # the quantizer's name for fold_weight_transposes' table + "_t"
+        if table not in inits or head is None or len(head.input) > 3:  # a zero point: not MatMulNBits' default
+            continue
+        n1, n2 = inits[table].dims
+        blocks = -(-n2 // block_size)
+        if n2 % block_size:  # the last block would be padded: the Gather's row would be longer than n2
+            return False
+        p = gather.name.rsplit("/", 1)[0]
+        shape = lambda name, dims: numpy_helper.from_array(np.array(dims, np.int64), f"{p}/{name}")  # noqa: E731
+        graph.initializer.extend([shape("scales_shape", [n1, blocks, 1]), shape("row_shape", [0, 0, n2])])
+        scales = helper.make_node("Reshape", [head.input[2], f"{p}/scales_shape"], [f"{p}/scales_3d"],
+                                  name=f"{p}/Reshape_scales")  # [n1, n2/block] -> [n1, n2/block, 1]
+        rows = helper.make_node("GatherBlockQuantized", [head.input[1], gather.input[1], f"{p}/scales_3d"],
+                                [f"{p}/blocks"], name=f"{p}/GatherBlockQuantized", domain="com.microsoft",
+                                gather_axis=0, quantize_axis=2, block_size=block_size, bits=4)  # [b, s, n2/block, block]
+        flat = helper.make_node("Reshape", [f"{p}/blocks", f"{p}/row_shape"], [gather.output[0]],
+                                name=f"{p}/Reshape_rows")  # [b, s, n2/block, block] -> [b, s, n2]
+        at = list(graph.node).index(gather)
+        graph.node.remove(gather)
+        for k, node in enumerate((scales, rows, flat)):
+            graph.node.insert(at + k, node)
+        if not any(table in n.input for n in graph.node):
+            graph.initializer.remove(inits[table])
+        return True
+    return False
+
+
 def _quantizable(model: Any) -> list[str]:
     """Names of MatMul nodes whose second input is a 2-D initializer: what the quantizer will replace."""
     inits = {t.name: t for t in model.graph.initializer}
@@ -147,6 +193,8 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     quantized = sum(n.op_type == "MatMulNBits" for n in qmodel.graph.node)
     assert quantized == len(candidates) - len(exclude), (
         f"{quantized} MatMulNBits for {len(candidates) - len(exclude)} quantizable MatMuls")
+    if symmetric:  # GatherBlockQuantized reads MatMulNBits' blocks with its default zero point (8) only
+        share_tied_embedding(qmodel, block_size)
     _save_atomic(qmodel, output)
     return QuantizeResult(source=source, path=output, bytes_before=_disk_bytes(source), bytes_after=_disk_bytes(output),
                           quantized=quantized, left_fp=list(exclude), folded_transposes=folded,

@@ -180,6 +180,50 @@ def test_int4_weights_are_block32_symmetric(plain, int4):
         assert np.abs(deq - w).max() > 0  # really quantized (and the check above could fail)
 
 
+@pytest.mark.parametrize("graph", ["plain", "fused"])
+def test_a_tied_int4_embedding_is_the_lm_heads_blocks(graph, tmp_path):
+    """Tied: the Gather becomes GatherBlockQuantized over lm_head's own int4 blocks (no fp32 table left).
+
+    Truth: each gathered row equals MatMulNBits' blocks dequantized by hand (_dequantize), column for column.
+    Negative: asymmetric int4 (zero points, which GatherBlockQuantized's shared layout lacks) keeps the table.
+    """
+    import onnxruntime as ort
+    from onnx import helper
+
+    from llama_tools.exporters.fused import export_fused
+
+    cfg = CFG.replace(tie_word_embeddings=True)
+    model = build_model(cfg, seed=3)
+    full = tmp_path / "full.onnx"
+    (export_fused if graph == "fused" else export_onnx)(model, full)
+    sizes = {}
+    for symmetric in (True, False):
+        out = tmp_path / f"int4-{symmetric}.onnx"
+        quantize_int4(full, out, symmetric=symmetric)
+        sizes[symmetric] = out.stat().st_size
+        m = onnx.load(str(out))
+        ops = [n.op_type for n in m.graph.node]
+        tables = [t.name for t in m.graph.initializer if list(t.dims) == [cfg.vocab_size, cfg.hidden_size]]
+        if not symmetric:
+            assert "GatherBlockQuantized" not in ops and len(tables) == 1, tables  # the Gather keeps its table
+            continue
+        assert "GatherBlockQuantized" in ops and tables == [], tables
+        head = next(n for n in m.graph.node if n.op_type == "MatMulNBits" and n.output[0] == "logits")
+        inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+        w = _dequantize(inits[head.input[1]], inits[head.input[2]], cfg.hidden_size, 32)  # [n2, n1]
+        gathered = next(n for n in m.graph.node if n.op_type == "Reshape" and n.name.endswith("Reshape_rows")).output[0]
+        m.graph.output.append(helper.make_tensor_value_info(gathered, onnx.TensorProto.FLOAT, None))
+        sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        ids = np.array([[1, 7, 300, cfg.vocab_size - 1]], np.int64)
+        feeds = {i.name: (ids if i.name == "input_ids" else np.ones_like(ids) if i.name == "attention_mask"
+                          else np.arange(4)[None] if i.name == "position_ids"
+                          else np.zeros([1, cfg.num_key_value_heads, 0, cfg.head_dim], np.float32))
+                 for i in sess.get_inputs()}
+        rows = sess.run([gathered], feeds)[0]  # [1, 4, n2]
+        np.testing.assert_allclose(rows[0], w.T[ids[0]], rtol=0, atol=1e-6)
+    assert sizes[True] < sizes[False] - 2 * cfg.vocab_size * cfg.hidden_size  # the fp32 table's bytes gone
+
+
 def test_int4_bytes_and_refusals(plain, int4, tmp_path):
     before, after = plain.stat().st_size, int4.stat().st_size
     assert after < 0.42 * before  # tiny's fp32 embedding (32 K of its 158 K weights) stays unquantized
