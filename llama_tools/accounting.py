@@ -128,6 +128,7 @@ class ParamCount:
     memory: list[MemoryRow]
     flops_per_token: int  # forward, 2 per multiply-add of every weight matrix a token passes (no attention)
     attention_flops_per_token: int  # QK^T and PV for one token against `context` keys
+    tied: bool = False  # lm_head W^8 is the embedding D itself (counted once)
     notes: list[str] = field(default_factory=list)
     checkpoint: CheckpointInspection | None = None  # what the files hold, when counted from a directory
 
@@ -324,7 +325,7 @@ def count_params(cfg: ModelConfig, *, context: int | None = None, batch: int = 1
         num_key_value_heads=cfg.num_key_value_heads, attention=cfg.attention_kind, total=total,
         components=components, layer_groups=layer_groups, paper_formula=formula, left_out=left_out, paper_stated=stated,
         active_per_token=active, context=context, batch=batch, memory=memory, flops_per_token=2 * matmul,
-        attention_flops_per_token=4 * n8 * cfg.q_size * context, notes=notes,
+        attention_flops_per_token=4 * n8 * cfg.q_size * context, tied=cfg.tie_word_embeddings, notes=notes,
     )
 
 
@@ -367,8 +368,9 @@ def summary_rows(counts: list[ParamCount]) -> list[dict[str, object]]:
     if any(c.active_per_token != c.total for c in counts):
         rows.append(line("params", "active per token", each(lambda c: f"{c.active_per_token:,}")))
     rows.append(line("params", "non-embedding", each(lambda c: f"{c.non_embedding:,}")))
-    names = [n for n in COMPONENTS if any(c.component(n) for c in counts)]
-    rows += [line("component", n, each(lambda c, n=n: f"{c.component(n):,}")) for n in names]
+    names = [n for n in COMPONENTS if any(c.component(n) for c in counts) or (n == "lm_head" and any(c.tied for c in counts))]
+    rows += [line("component", n, each(lambda c, n=n: "tied: the embedding (0 more)" if n == "lm_head" and c.tied
+                                       else f"{c.component(n):,}")) for n in names]
     rows.append(line("paper", "n8(4 n2² + 3 n2 n7) + n1 n2", each(lambda c: f"{c.paper_formula:,}")))
     if any(c.paper_stated for c in counts):
         rows.append(line("paper", "figure printed in the paper",

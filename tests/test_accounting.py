@@ -236,3 +236,18 @@ def test_replace_derives_head_dim_and_kv_heads_again():
     assert (get_preset("llama-7b").replace(head_dim=128).replace(hidden_size=2048)
             == get_preset("llama-7b").replace(hidden_size=2048))
     assert count_params(c).component("attn.q") == 2 * 768 * 768
+
+
+def test_table_says_tied_in_the_lm_head_row():
+    """Tied: the lm_head row says so (and the total counts D once); untied: it holds n1 x n2."""
+    from llama_tools.accounting import count_params, summary_rows
+    from llama_tools.presets import get_preset
+
+    cfg = get_preset("tiny")
+    for tied in (True, False):
+        c = count_params(cfg.replace(tie_word_embeddings=tied))
+        row = next(r for r in summary_rows([c]) if r["quantity"] == "lm_head")
+        want = "tied: the embedding (0 more)" if tied else f"{cfg.vocab_size * cfg.hidden_size:,}"
+        assert row[c.model] == want and c.tied is tied
+    untied, tied_ = (count_params(cfg.replace(tie_word_embeddings=t)).total for t in (False, True))
+    assert untied - tied_ == cfg.vocab_size * cfg.hidden_size
