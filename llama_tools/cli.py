@@ -452,7 +452,9 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
     data = rep.path.parent / (rep.path.name + ".data")
     rows = [("model", str(rep.path)), ("graph", rep.graph + (" + int4" if rep.quantized else "")),
             ("weights", str(data) if os.path.isfile(data) else "inside the model"), ("size", mb(rep.bytes)),
-            ("parameters", f"{res.params:,}"), ("dtype", res.dtype), ("opset", res.opset),
+            ("parameters", f"{res.params:,}" + (" (tied: lm_head is the embedding, stored once)"
+                                                 if model.cfg.tie_word_embeddings else "")),
+            ("dtype", res.dtype), ("opset", res.opset),
             ("nodes", res.num_nodes), ("RoPE", ROPE_OPS[res.rope_op].display)]
     if rep.quantized:
         q = rep.quantized
@@ -463,7 +465,7 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
     rows += [("time", f"{waited:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())),
              ("peak RSS", mb(res.peak_rss_bytes))]
     payload = {"path": str(rep.path), "graph": rep.graph, "bytes": rep.bytes, "notes": rep.notes,
-               "wall_seconds": waited, "phases": phases,
+               "wall_seconds": waited, "phases": phases, "tied": model.cfg.tie_word_embeddings,
                **{k: v for k, v in dataclasses.asdict(res).items() if k not in ("path", "bytes")},
                "quantized": dataclasses.asdict(rep.quantized) if rep.quantized else None,
                "client_files": [str(p) for p in rep.client_files.written] if rep.client_files else []}
