@@ -428,9 +428,12 @@ def verify_by_layer(target: Any, *, prompts: list[list[int]] | None = None, prov
                     dtype: str = "float32", rope_op: str = "llama_tools", tf32: bool = False,
                     budget: Budget | None = None, progress: Progress = silent) -> ByLayerReport:
     """`verify parity --by-layer` on a ParityTarget: export on the fly when it is a MODEL, then judge block by block."""
-    from .parity import check_inputs
+    from .parity import check_inputs, is_int4
 
     check_inputs(prompts or [], 0, target)
+    if target.onnx_path is not None and is_int4(target.onnx_path):
+        raise ValueError(f"{target.onnx_path}: weight-only int4 (MatMulNBits): an fp32 budget does not apply to it; "
+                         f"measure it with `llama-tools verify int4 {target.onnx_path}` (top-1, KL, perplexity)")
     if target.onnx_path is not None:
         return _by_layer(target.onnx_path, target, prompts, provider, tf32, budget, progress)
     with files.temp_dir("parity") as tmp:
