@@ -23,6 +23,7 @@ from .config import ModelConfig
 from .config_files import config_to_hf, ffn_hidden_size
 from .formats import FORMATS, WRITABLE, checkpoint_tensors, family_format
 from .layouts import fuse_qkv, permute_rope_rows
+from .loading import MAX_RANDOM_INIT_BYTES
 from .source import ModelSource, resolve
 from .weight_files import write_index
 from .weights import weight_specs
@@ -204,7 +205,9 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
         dtype = dtypes.model_dtype(dtype).name  # a ValueError line before any weight is read
     check_target(to, shards, tensor_total(source.cfg))  # constant time: a 10^8-layer config is not listed
     files.check_output_path(dst, directory=True)
-    files.check_space(dst, _output_bytes(source, dtype))  # before any weight is read: a full disk is one line
+    need = _output_bytes(source, dtype)
+    if source.weights is not None or need <= MAX_RANDOM_INIT_BYTES:  # too big to seed: load_model says so below
+        files.check_space(dst, need)  # before any weight is read: a full disk is one line
     texts: dict[str, str] = {}
     if source.weights is not None:
         assert source.path is not None, "a checkpoint source has a path"
