@@ -36,7 +36,6 @@ graph returns a fresh present holding the whole buffer (a copy each step, same n
 
 from __future__ import annotations
 
-import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ from onnx_ir.tensor_adapters import TorchTensor
 from llama_tools import dtypes, files
 from llama_tools.config import ModelConfig
 from llama_tools.model import rope_cache
-from llama_tools.progress import Progress, silent
+from llama_tools.progress import Progress, peak_rss_bytes, silent
 from llama_tools.rope import INTERLEAVED
 from llama_tools.source import resolve
 
@@ -335,7 +334,7 @@ def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rop
         path=output, external_data=data, bytes=size, params=weights.params, num_nodes=len(model.graph),
         rope_nodes=sum(n.op_type == rope_ops.OP_TYPE for n in model.graph), opset=opset,
         dtype=dt.name, rope_op=rope_op, seconds=time.perf_counter() - t0,
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, graph=GRAPH, op_counts=counts,
+        peak_rss_bytes=peak_rss_bytes(), graph=GRAPH, op_counts=counts,
         static_kv=max_length)
 
 

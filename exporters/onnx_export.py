@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import os
-import resource
 import threading
 import time
 import warnings
@@ -34,7 +33,7 @@ from llama_tools import dtypes, files
 from llama_tools.config import ModelConfig
 from llama_tools.loading import load_model
 from llama_tools.model import Llama, rope_cache, tie_weights
-from llama_tools.progress import Progress, silent
+from llama_tools.progress import Progress, peak_rss_bytes, silent
 from llama_tools.source import ModelSource, resolve
 from llama_tools.weights import weight_specs
 
@@ -70,7 +69,7 @@ class ExportResult:
     dtype: str
     rope_op: str
     seconds: float
-    peak_rss_bytes: int  # the process's high-water mark (ru_maxrss), export included
+    peak_rss_bytes: int  # the process's high-water mark (VmHWM), export included
     graph: str = "plain"  # the llama_tools.graph metadata value: "plain" or "fused"
     op_counts: dict[str, int] = field(default_factory=dict)  # fused: "com.microsoft.GroupQueryAttention": 12, ...
     static_kv: int | None = None  # fused: max_length of the shared past/present buffer; None: past grows
@@ -687,7 +686,7 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     return ExportResult(
         path=output, external_data=data, bytes=size, params=weights.params, num_nodes=len(graph.graph),
         rope_nodes=rope_nodes, opset=opset, dtype=dt.name, rope_op=rope_op,
-        seconds=time.perf_counter() - t0, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes())
 
 
 def read_metadata(path: str | Path) -> ExportMetadata:

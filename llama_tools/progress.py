@@ -31,3 +31,21 @@ def terminal(label: str, *, quiet: bool = False, stream=None) -> Progress:
         stream.write("\r\033[K" + line[:160] + end)
         stream.flush()
     return show
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident-memory high-water mark: VmHWM (reset by exec) where Linux has it.
+
+    ru_maxrss is not used first: it survives exec, so a command started by a large parent (a test runner, a
+    notebook) would report the parent's peak as its own.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

@@ -90,7 +90,7 @@ def run(step: Step, cwd: Path) -> tuple[int, list[str]]:
 
 
 MASKS = [
-    (re.compile(r"\b\d+(\.\d+)? ?(s|ms|MB|GB|tokens/s)\b"), "<measure>"),  # timings, sizes, speeds, RSS
+    (re.compile(r"\b\d[\d,]*(\.\d+)? ?(s|ms|MB|GB|tokens/s)\b"), "<measure>"),  # timings, sizes, speeds, RSS
     (re.compile(r"/tmp/\S+|/work/\S+"), "<path>"),
     (re.compile(r"\b\d+(\.\d+)?e[-+]\d+\b"), "<err>"),  # parity errors: depend on the machine's kernels
     (re.compile(r"\b\d+(\.\d+)?x\b"), "<ratio>"),  # error ratios and bounds: machine-dependent too
