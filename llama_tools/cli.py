@@ -642,8 +642,17 @@ def parity_rows(rep: Any, all_layers: bool = False) -> list[dict[str, Any]]:
               help="The fp32 PyTorch side [default: the source in the file's metadata].")
 @click.option("--steps", type=click.IntRange(min=1), default=32, show_default=True,
               help="Greedy decode steps for the top-1 agreement.")
+@click.option("--prompt", default=None, metavar="TEXT",
+              help="Start the greedy decode from this text (the source's tokenizer) [default: 8 seeded ids].")
+@click.option("--ids", default=None, metavar="IDS", help="Raw prompt ids instead of --prompt, e.g. '1 450 29871'.")
+@click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Score KL, perplexity and top-1 on this real text file (its first --max-tokens tokens) "
+                   "[default: the prompt plus fp32's own greedy continuation].")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=256, show_default=True,
+              help="How many tokens of --text to score.")
 @output_options(("table", "json"))
-def verify_int4(target: Path, source: Any, steps: int, fmt: str) -> None:
+def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: str | None, text_file: Path | None,
+                max_tokens: int, fmt: str) -> None:
     """An int4 graph (export --quantize int4) against the fp32 model: top-1, KL and perplexity, never fp32 bounds.
 
     Exit 0 when it meets its own stated thresholds (faithful), 1 otherwise.
@@ -652,13 +661,34 @@ def verify_int4(target: Path, source: Any, steps: int, fmt: str) -> None:
     Example:
       llama-tools export onnx tiny -o int4/model.onnx --quantize int4
       llama-tools verify int4 int4/model.onnx
+      llama-tools verify int4 int4/model.onnx --prompt "The capital of France is" --text wiki.txt
     """
     check_onnx_exists(str(target))
+    if prompt is not None and ids is not None:
+        raise click.UsageError("give at most one of --prompt TEXT or --ids '1 2 3'")
+    from .exporters.onnx_export import read_metadata
     from .exporters.quantize import measure_quant_parity
     from .loading import load_model
+    from .tokenizer import load_tokenizer, no_tokenizer, prompt_ids
 
+    from .source import resolve
+
+    model = source if source is not None else resolve(read_metadata(target).source)
+    start = prompt_ids(model, prompt, ids)[0] if prompt is not None or ids is not None else None
+    sequence = None
+    if text_file is not None:
+        tok = load_tokenizer(model)
+        if tok is None:
+            raise no_tokenizer(model, "score --text")
+        try:
+            text = text_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{text_file}: not UTF-8 text (byte {e.start}); --text takes a text file") from None
+        sequence = tok.encode(text)[:min(max_tokens, model.cfg.max_position_embeddings)]
+        if len(sequence) < 2:
+            raise click.BadParameter(f"{text_file} encodes to {len(sequence)} token(s); give some text", param_hint="--text")
     reference = load_model(source) if source is not None else None
-    rep = measure_quant_parity(target, reference, steps=steps)
+    rep = measure_quant_parity(target, reference, prompt=start, sequence=sequence, steps=steps)
     t = rep.thresholds
     rows = [("top-1 agreement (teacher-forced)", f"{rep.top1_agreement:.1%}", f">= {t.min_top1:.0%}"),
             ("own greedy tokens equal fp32's", f"{rep.free_run_same}/{rep.steps} steps", ""),
