@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
+
 from llama_tools import dtypes, files
 from llama_tools.progress import Progress, silent
 from llama_tools.source import ModelSource
@@ -21,7 +23,7 @@ from llama_tools.source import ModelSource
 from .fused import check_fusable, export_fused
 from .genai import ClientFiles, write_client_files
 from .onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES, ExportResult, export_onnx
-from .quantize import QuantizeResult, quantize_int4
+from .quantize import QUALITY_TEXT, QuantizeResult, QuickQuality, quantize_int4, quick_quality
 
 QUANTIZE = ("int4",)
 
@@ -36,6 +38,7 @@ class ExportReport:
     quantized: QuantizeResult | None
     client_files: ClientFiles | None
     notes: list[str] = field(default_factory=list)
+    quality: QuickQuality | None = None  # int4 against the full-precision graph, on real text when there is a tokenizer
 
     @property
     def bytes(self) -> int:
@@ -62,6 +65,7 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
                 raise
             notes.append(f"{e}: wrote the plain graph")
     kwargs = dict(dtype=dtype, rope_op=rope_op, seed=seed, progress=progress)
+    quality = None
     with _long_name(output) as target:  # OUTPUT itself, or a short name of ours moved onto it at the end
         if quantize is None:
             result = (export_fused(source, target, static_kv=static_kv or False, **kwargs) if graph == "fused"
@@ -78,6 +82,9 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
                           else export_onnx(source, full, say=say, **kwargs))
                 say("quantizing to int4 (onnxruntime MatMulNBits)")
                 quantized = quantize_int4(full, target)
+                if not files.written_through(output):  # a stream cannot be read back
+                    say("measuring int4 against the full-precision graph")
+                    quality = _quality(source, full, target)
     clients = None
     if client_files:
         if files.written_through(output):  # a stream, device or FIFO: there is no directory of ours
@@ -87,7 +94,20 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
             clients = write_client_files(output, tokenizer_dir=source.tokenizer.parent if source.tokenizer else None)
             for path in clients.kept:
                 notes.append(f"kept {path}: it is not a file llama-tools wrote, so it was not replaced")
-    return ExportReport(output, graph, result, quantized, clients, notes)
+    return ExportReport(output, graph, result, quantized, clients, notes, quality)
+
+
+def _quality(source: ModelSource, full: Path, int4: Path) -> QuickQuality:
+    """The int4 graph scored against its full-precision graph: real text through the tokenizer, else seeded ids."""
+    from llama_tools.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(source)
+    if tok is not None:
+        ids, on = tok.encode(QUALITY_TEXT), "a built-in English text"
+    else:
+        ids = np.random.default_rng(0).integers(3, source.cfg.vocab_size, size=64).tolist()
+        on = "64 seeded ids (no tokenizer: random ids hide what real text shows)"
+    return quick_quality(full, int4, source.cfg, ids, on)
 
 
 # --- Before any work: where the export goes, and what is there ----------------------------------------------

@@ -447,6 +447,9 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
     phases = export_phases(started, rep)
     for note in rep.notes:
         click.echo(f"note: {note}", err=True)
+    if rep.quality and rep.quality.warning:
+        click.echo(f"warning: int4 moves this model's answers ({rep.quality.warning}); measure it on your text "
+                   f"with `llama-tools verify int4 {output} --text FILE`, or keep fp16/the fused graph", err=True)
     res = rep.result
     mb = lambda n: f"{n / 1e6:,.1f} MB"  # noqa: E731
     data = rep.path.parent / (rep.path.name + ".data")
@@ -459,6 +462,10 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
     if rep.quantized:
         q = rep.quantized
         rows.append(("int4", f"{q.quantized} MatMulNBits, {q.ratio:.2f}x the bytes"))
+    if rep.quality:
+        qq = rep.quality
+        rows.append(("int4 quality", f"mean KL {qq.mean_kl:.4f} nats, top-1 {qq.top1:.1%} against the full-precision "
+                                     f"graph on {qq.on} ({qq.tokens} tokens)"))
     if rep.client_files:
         rows.append(("client files", ", ".join(p.name for p in rep.client_files.written)))
     waited = sum(phases.values())
@@ -468,6 +475,7 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
                "wall_seconds": waited, "phases": phases, "tied": model.cfg.tie_word_embeddings,
                **{k: v for k, v in dataclasses.asdict(res).items() if k not in ("path", "bytes")},
                "quantized": dataclasses.asdict(rep.quantized) if rep.quantized else None,
+               "int4_quality": dataclasses.asdict(rep.quality) if rep.quality else None,
                "client_files": [str(p) for p in rep.client_files.written] if rep.client_files else []}
     # The graph itself went to standard output (-o -, /dev/stdout): the summary goes to stderr, not into it.
     click.echo(render([{"field": k, "value": v} for k, v in rows], fmt, json_payload=payload),

@@ -1,0 +1,83 @@
+"""export --quantize int4 ends with a quality line measured against the full-precision graph, and warns past it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import numpy_helper
+
+from llama_tools.cli import cli
+from llama_tools.exporters.quantize import QUALITY_WARN_KL, quick_quality
+from llama_tools.presets import get_preset
+
+
+def _export(tmp_path, name="int4"):
+    out = tmp_path / name / "model.onnx"
+    r = CliRunner().invoke(cli, ["export", "onnx", "tiny", "-o", str(out), "--quantize", "int4", "--format", "json",
+                                 "--no-client-files"])
+    assert r.exit_code == 0, r.output
+    return out, json.loads(r.stdout), r.stderr
+
+
+def test_the_quality_line_is_kl_and_top1_against_the_full_graph(tmp_path):
+    out, rep, err = _export(tmp_path)
+    q = rep["int4_quality"]
+    assert q["on"] == "a built-in English text" and q["tokens"] > 50  # tiny ships a tokenizer
+    assert 0 < q["mean_kl"] < QUALITY_WARN_KL and 0.5 < q["top1"] <= 1  # a good int4 of tiny: no warning
+    assert "warning" not in err
+
+
+def _logits(path, ids):
+    import onnxruntime as ort
+
+    cfg = get_preset("tiny")
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    arr = np.array([ids], np.int64)
+    feeds = {i.name: (arr if i.name == "input_ids" else np.ones_like(arr) if i.name == "attention_mask"
+                      else np.arange(len(ids))[None] if i.name == "position_ids"
+                      else np.zeros([1, cfg.num_key_value_heads, 0, cfg.head_dim], np.float32))
+             for i in sess.get_inputs()}
+    return sess.run(["logits"], feeds)[0][0].astype(np.float64)  # [n, n1]
+
+
+def test_quick_quality_by_hand_and_a_bad_graph_warns(tmp_path):
+    """KL and top-1 recomputed in numpy from the two graphs' logits; a graph with one weight scaled x3 warns."""
+    from llama_tools.exporters.fused import export_fused
+    from llama_tools.exporters.quantize import quantize_int4
+
+    cfg = get_preset("tiny")
+    full, int4 = tmp_path / "full.onnx", tmp_path / "int4.onnx"
+    export_fused("tiny", full)
+    quantize_int4(full, int4)
+    ids = np.random.default_rng(1).integers(3, cfg.vocab_size, size=40).tolist()
+    q = quick_quality(full, int4, cfg, ids, "ids")
+    p, r = _logits(full, ids), _logits(int4, ids)
+    lp = p - np.log(np.exp(p - p.max(-1, keepdims=True)).sum(-1, keepdims=True)) - p.max(-1, keepdims=True)
+    lr = r - np.log(np.exp(r - r.max(-1, keepdims=True)).sum(-1, keepdims=True)) - r.max(-1, keepdims=True)
+    kl = (np.exp(lp) * (lp - lr)).sum(-1).mean()
+    assert q.tokens == 40 and abs(q.mean_kl - kl) < 1e-9 and q.top1 == (p.argmax(-1) == r.argmax(-1)).mean()
+    assert q.warning is None
+    # Negative: a graph whose lm_head is scaled x3 (sharper and shifted distributions) is far past the line.
+    m = onnx.load(str(full))
+    for t in m.graph.initializer:
+        if t.name == "lm_head.MatMul.weight":
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * 30, t.name))
+    bad = tmp_path / "bad.onnx"
+    onnx.save(m, str(bad))
+    worse = quick_quality(full, bad, cfg, ids, "ids")
+    assert worse.mean_kl > QUALITY_WARN_KL and worse.warning and "mean KL" in worse.warning
+
+
+@pytest.mark.slow
+def test_a_trained_models_int4_warns(smollm2_hf, tmp_path):
+    """SmolLM2-135M's symmetric int4 loses answers (" Paris." becomes " capital of France."): the export says so."""
+    out = tmp_path / "int4" / "model.onnx"
+    r = CliRunner().invoke(cli, ["export", "onnx", str(smollm2_hf), "-o", str(out), "--quantize", "int4",
+                                 "--format", "json", "--no-client-files"])
+    assert r.exit_code == 0, r.output
+    q = json.loads(r.stdout)["int4_quality"]
+    assert q["mean_kl"] > QUALITY_WARN_KL and "warning: int4 moves this model's answers" in r.stderr
