@@ -12,7 +12,7 @@ import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -46,10 +46,14 @@ class ExportReport:
 
 
 def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", rope_op: str = "llama_tools",
-           optimize: bool = False, quantize: str | None = None, static_kv: int | None = None, seed: int = 0,
+           optimize: bool = False, quantize: str | None = None, int4: dict[str, Any] | None = None,
+           static_kv: int | None = None, seed: int = 0,
            client_files: bool = True, progress: Progress = silent,
            say: Callable[[str], None] = lambda msg: None) -> ExportReport:
-    """Export SOURCE to OUTPUT: fused when asked and possible (else plain, said in a note), int4 when asked."""
+    """Export SOURCE to OUTPUT: fused when asked and possible (else plain, said in a note), int4 when asked.
+
+    int4: quantize_int4's keyword options (block_size, symmetric, accuracy_level, exclude); None: its defaults.
+    """
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"--quantize {quantize!r}: choose one of {', '.join(QUANTIZE)}")
     output = check_output(source, output, dtype=dtype, quantize=quantize)
@@ -81,7 +85,7 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
                 result = (export_fused(source, full, static_kv=static_kv or False, **kwargs) if graph == "fused"
                           else export_onnx(source, full, say=say, **kwargs))
                 say("quantizing to int4 (onnxruntime MatMulNBits)")
-                quantized = quantize_int4(full, target)
+                quantized = quantize_int4(full, target, **(int4 or {}))
                 if not files.written_through(output):  # a stream cannot be read back
                     say("measuring int4 against the full-precision graph")
                     quality = _quality(source, full, target)

@@ -177,8 +177,8 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     candidates = _quantizable(model)
     unknown = [n for n in exclude if n not in candidates]
     if unknown:
-        raise ValueError(f"exclude: {unknown[0]!r} is not a MatMul with a constant weight in {source}; "
-                         f"choose among {', '.join(candidates[:4])}, ...")
+        raise ValueError(f"--int4-keep {unknown[0]!r} is not a MatMul with a constant weight in the graph; "
+                         f"choose among {', '.join(candidates[:4])}, ..., {candidates[-1]}")
     if not [n for n in candidates if n not in exclude]:
         raise ValueError(f"{source}: no MatMul with a constant 2-D weight to quantize to int4 "
                          f"(already quantized, or every one excluded)")

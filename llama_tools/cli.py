@@ -413,13 +413,24 @@ def export() -> None:
                    "(onnxruntime-genai's past_present_share_buffer).")
 @click.option("--quantize", type=click.Choice(["int4"]), default=None,
               help="Weight-only int4 (onnxruntime's MatMulNBits quantizer, block 32); implies --optimize.")
+@click.option("--int4-block-size", type=click.IntRange(min=16), default=None, metavar="N",
+              help="With --quantize int4: weights per scale, a power of two >= 16 [default: 32].")
+@click.option("--int4-asymmetric", is_flag=True,
+              help="With --quantize int4: a zero point per block (costs the tied embedding's sharing).")
+@click.option("--int4-accuracy-level", type=click.IntRange(0, 4), default=None, metavar="0-4",
+              help="With --quantize int4: MatMulNBits' compute type; 4 = int8 activations, the CPU's fast path "
+                   "[default: 4].")
+@click.option("--int4-keep", multiple=True, metavar="NODE",
+              help="With --quantize int4: keep this MatMul in full precision (repeatable), e.g. /lm_head/MatMul.")
 @click.option("--no-client-files", is_flag=True, help="Do not write config.json, genai_config.json and the "
                                                       "tokenizer files beside OUTPUT.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Random init of a preset or config.json.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on the terminal.")
 @output_options(("table", "json"))
 def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bool, static_kv: int | None,
-                quantize: str | None, no_client_files: bool, seed: int, quiet: bool, fmt: str) -> None:
+                quantize: str | None, int4_block_size: int | None, int4_asymmetric: bool,
+                int4_accuracy_level: int | None, int4_keep: tuple[str, ...], no_client_files: bool, seed: int,
+                quiet: bool, fmt: str) -> None:
     """Write MODEL as one ONNX graph for prefill and decode, with the files clients need beside it.
 
     MODEL: a preset (tiny: seeded weights and its tokenizer), a config.json file (seeded random weights),
@@ -435,13 +446,20 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
     from .exporters.pipeline import check_output, export
     from .exporters.rope_ops import ROPE_OPS
 
+    int4 = {k: v for k, v in (("block_size", int4_block_size), ("symmetric", False if int4_asymmetric else None),
+                              ("accuracy_level", int4_accuracy_level), ("exclude", int4_keep or None))
+            if v is not None}
+    if int4 and quantize != "int4":
+        raise click.UsageError("the --int4-* options go with --quantize int4")
+    if int4_block_size is not None and int4_block_size & (int4_block_size - 1):
+        raise click.BadParameter(f"{int4_block_size} is not a power of two", param_hint="--int4-block-size")
     check_args(dtype, rope_op, None)
     check_output(model, output, dtype=dtype, quantize=quantize)  # inputs, streams, a .data not ours, free space
     if model.kind == "config":  # a preset is random by name; a config file gets random weights by asking
         click.echo(f"note: {model.spec} is a config without weights: exporting seeded random weights (seed {seed})",
                    err=True)
     started = time.time()
-    rep = export(model, output, dtype=dtype, rope_op=rope_op, optimize=optimize, quantize=quantize,
+    rep = export(model, output, dtype=dtype, rope_op=rope_op, optimize=optimize, quantize=quantize, int4=int4,
                  static_kv=static_kv, seed=seed, client_files=not no_client_files,
                  progress=terminal("export", quiet=quiet), say=(lambda m: None) if quiet else say)
     phases = export_phases(started, rep)

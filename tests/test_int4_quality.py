@@ -81,3 +81,30 @@ def test_a_trained_models_int4_warns(smollm2_hf, tmp_path):
     assert r.exit_code == 0, r.output
     q = json.loads(r.stdout)["int4_quality"]
     assert q["mean_kl"] > QUALITY_WARN_KL and "warning: int4 moves this model's answers" in r.stderr
+
+
+def test_quantizer_options_reach_the_graph(tmp_path):
+    out = tmp_path / "v" / "model.onnx"
+    r = CliRunner().invoke(cli, ["export", "onnx", "tiny", "-o", str(out), "--quantize", "int4", "--int4-block-size",
+                                 "64", "--int4-asymmetric", "--int4-keep", "/lm_head/MatMul", "--no-client-files",
+                                 "--format", "json"])
+    assert r.exit_code == 0, r.output
+    q = json.loads(r.stdout)["quantized"]
+    assert (q["block_size"], q["symmetric"], q["left_fp"]) == (64, False, ["/lm_head/MatMul"])
+    nodes = onnx.load(str(out)).graph.node
+    nbits = [n for n in nodes if n.op_type == "MatMulNBits"]
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nbits]
+    assert nbits and all(a["block_size"] == 64 for a in attrs) and all(len(n.input) == 4 for n in nbits)  # zero points
+    assert [n.name for n in nodes if n.op_type == "MatMul" and n.name == "/lm_head/MatMul"] == ["/lm_head/MatMul"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--int4-block-size", "64"], "go with --quantize int4"),
+    (["--quantize", "int4", "--int4-block-size", "48"], "not a power of two"),
+    (["--quantize", "int4", "--int4-accuracy-level", "5"], "--int4-accuracy-level"),
+    (["--quantize", "int4", "--int4-keep", "/nope"], "--int4-keep '/nope' is not a MatMul"),
+])
+def test_bad_quantizer_options_are_one_line(argv, says, tmp_path):
+    r = CliRunner().invoke(cli, ["export", "onnx", "tiny", "-o", str(tmp_path / "m.onnx"), *argv])
+    assert r.exit_code != 0 and says in r.output and "Traceback" not in r.output, r.output
+    assert not list(tmp_path.iterdir())  # nothing of ours left

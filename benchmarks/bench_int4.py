@@ -1,0 +1,65 @@
+"""int4 variants of a real trained model: size, quality on real text, and whether it still says "Paris".
+
+Each variant is `llama-tools export onnx HF_DIR --quantize int4 [options]` (the fused graph, then onnxruntime's
+MatMulNBits quantizer), scored by the export's own quality line (KL and top-1 against the full-precision graph on
+its built-in text) and by `verify int4 --text` on a second, held-out paragraph (perplexity vs PyTorch fp32).
+
+    python benchmarks/bench_int4.py [HF_DIR]      # default: the tests' SmolLM2-135M-Instruct (tests/realmodels.py)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TEXT = ("Paris is the capital and largest city of France. With an estimated population of over two million "
+        "residents, it is the centre of the Paris Region. The city is a major railway, highway, and air-transport "
+        "hub served by two international airports. The Louvre is the most-visited art museum in the world.")
+VARIANTS = {
+    "symmetric, block 32 (default)": [],
+    "asymmetric, block 32": ["--int4-asymmetric"],
+    "symmetric, block 16": ["--int4-block-size", "16"],
+    "symmetric, block 64": ["--int4-block-size", "64"],
+    "symmetric, block 32, lm_head kept fp32": ["--int4-keep", "/lm_head/MatMul"],
+}
+
+
+def run(*argv: str) -> dict:
+    done = subprocess.run(["llama-tools", *argv, "--format", "json"], capture_output=True, text=True)
+    if done.returncode not in (0, 1) or not done.stdout.strip():
+        sys.exit(f"{' '.join(argv)}: {done.stderr.strip()}")
+    return json.loads(done.stdout)
+
+
+def main() -> None:
+    if len(sys.argv) > 1:
+        hf = Path(sys.argv[1])
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import realmodels
+
+        hf = realmodels.smollm2_hf()
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; model {hf}")
+    print("| variant | MB | KL vs fp32 graph (built-in text) | top-1 | KL on held-out text | perplexity fp32 -> int4 "
+          "| first 3 greedy tokens equal fp32's |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        text = Path(tmp) / "text.txt"
+        text.write_text(TEXT, encoding="utf-8")
+        for name, opts in VARIANTS.items():
+            out = Path(tmp) / name.replace(" ", "_").replace(",", "") / "model.onnx"
+            exp = run("export", "onnx", str(hf), "-o", str(out), "--quantize", "int4", "--no-client-files", *opts)
+            q = exp["int4_quality"]
+            ver = run("verify", "int4", str(out), "--source", str(hf), "--text", str(text),
+                      "--prompt", "The capital of France is", "--steps", "3")
+            print(f"| {name} | {exp['bytes'] / 1e6:.1f} | {q['mean_kl']:.3f} | {q['top1']:.1%} | {ver['mean_kl']:.3f} "
+                  f"| {ver['ppl_reference']:.2f} -> {ver['ppl_int4']:.2f} | {ver['free_run_same']}/3 |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
