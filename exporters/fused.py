@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -51,7 +51,8 @@ from llama_tools.config import ModelConfig
 from llama_tools.model import rope_cache
 from llama_tools.progress import Progress, peak_rss_bytes, silent
 from llama_tools.rope import INTERLEAVED
-from llama_tools.source import resolve
+from llama_tools.source import ModelSource, resolve
+from llama_tools.weights import weight_specs
 
 from . import rope_ops
 from .graph_io import io_names
@@ -91,6 +92,7 @@ class _Graph:
         self.dtype = dtype
         self.nodes: list[ir.Node] = []
         self.initializers: list[ir.Value] = []
+        self.recipes: dict[str, Callable[[], torch.Tensor]] = {}  # initializer name -> its weight, made when written
         self._names: set[str] = set()
 
     def weight(self, name: str, tensor: torch.Tensor) -> ir.Value:
@@ -99,6 +101,13 @@ class _Graph:
         value = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(_IR[tensor.dtype]),
                          const_value=TorchTensor(tensor, name=name))
         self.initializers.append(value)
+        return value
+
+    def lazy(self, name: str, shape: tuple[int, ...], make: Callable[[], torch.Tensor]) -> ir.Value:
+        """An initializer of `shape` in the graph's dtype whose data `make()` reads only when it is saved."""
+        value = ir.Value(name=name, shape=ir.Shape(list(shape)), type=ir.TensorType(_IR[self.dtype]))
+        self.initializers.append(value)
+        self.recipes[name] = make
         return value
 
     def const(self, name: str, data: Any, dtype: torch.dtype) -> ir.Value:
@@ -127,10 +136,22 @@ def _input(name: str, dtype: ir.DataType, shape: list[int | str]) -> ir.Value:
 
 # --- The graph ------------------------------------------------------------------------------------------------
 
-def build_graph(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, rope_op: str,
-                static_kv: int | None, opset: int = DEFAULT_OPSET) -> ir.Model:
-    """The fused decoder over `state` (HF names, in `dtype`); entries are popped as they are packed."""
+Read = Callable[[list[str]], dict[str, torch.Tensor]]  # HF names -> tensors (any float dtype; cast when written)
+
+
+def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
+                static_kv: int | None, opset: int = DEFAULT_OPSET) -> tuple[ir.Model, dict[str, Callable[[], Any]]]:
+    """The fused decoder, and for each weight initializer the recipe that reads and packs it.
+
+    No weight is read here: `read` is called by a recipe when `onnx_save` writes that initializer, so an
+    export holds one packed matrix at a time (the plain export's streaming, for the fused graph too).
+    """
     g = _Graph(dtype)
+    shapes = {spec.name: spec.shape for spec in weight_specs(cfg)}
+
+    def stored(name: str) -> ir.Value:
+        """A checkpoint tensor as it is (embedding, norms)."""
+        return g.lazy(name, shapes[name], lambda: read([name])[name])
     t = _IR[dtype]
     n_layers, kv_heads, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     slots = static_kv if static_kv is not None else "past_sequence_length"
@@ -174,25 +195,27 @@ def build_graph(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     cos_cache, sin_cache = g.weight("cos_cache", cos.to(table_dtype)), g.weight("sin_cache", sin.to(table_dtype))
 
     # --- Embedding, then the layers ----------------------------------------------------------------------------
-    embed = g.weight("model.embed_tokens.weight", state["model.embed_tokens.weight"])  # [n1, n2]
+    embed = stored("model.embed_tokens.weight")  # [n1, n2]
     z = g.op("/model/embed_tokens", "Gather", [embed, input_ids])  # Z^0: [b, s, n2]
     norm = "model.layers.0.input_layernorm.weight"
-    zbar = g.op("/model/layers.0/input_layernorm", "SimplifiedLayerNormalization", [z, g.weight(norm, state.pop(norm))],
+    zbar = g.op("/model/layers.0/input_layernorm", "SimplifiedLayerNormalization", [z, stored(norm)],
                 {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})  # fp32 inside, as RMSNorm
     presents = []
     for j in range(n_layers):
-        zbar, z, present = _layer(g, cfg, state, j, zbar, z, position_ids, cos_cache, sin_cache, rope_op,
+        zbar, z, present = _layer(g, cfg, read, shapes, j, zbar, z, position_ids, cos_cache, sin_cache, rope_op,
                                   pasts[2 * j], pasts[2 * j + 1], seqlens_k, total_i32, attention_bias, out_names)
         presents += present
 
     # --- lm_head: H = Zbar W^T, W stored [n2, n1] for MatMul (rows L2-normalized first for norm_head) -----------
-    w = state.pop("lm_head.weight")
     if cfg.tie_word_embeddings and not cfg.norm_head:  # one matrix stored once: the Gather's, transposed here
         w_t = g.op("/lm_head", "Transpose", [embed], {"perm": [1, 0]})  # [n1, n2] -> [n2, n1]
     else:
-        if cfg.norm_head:
-            w = F.normalize(w.float(), dim=-1).to(dtype)
-        w_t = g.weight("lm_head.MatMul.weight", w.T)
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+
+        def lm_head() -> torch.Tensor:
+            w = read([head])[head]  # [n1, n2]
+            return (F.normalize(w.float(), dim=-1) if cfg.norm_head else w).T  # [n2, n1], a view: written in slabs
+        w_t = g.lazy("lm_head.MatMul.weight", (cfg.hidden_size, cfg.vocab_size), lm_head)
     logits = g.op("/lm_head", "MatMul", [zbar, w_t], outputs=["logits"])[0]
 
     logits.type, logits.shape = ir.TensorType(t), ir.Shape(["batch", "sequence_length", cfg.vocab_size])
@@ -206,10 +229,10 @@ def build_graph(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
         function = ir.serde.deserialize_function(rope_ops.rope_function(opset))
         model.functions[function.identifier()] = function
         model.opset_imports[rope_ops.DOMAIN] = rope_ops.VERSION
-    return model
+    return model, g.recipes
 
 
-def _layer(g: _Graph, cfg: ModelConfig, state: dict[str, torch.Tensor], j: int, zbar: ir.Value, z: ir.Value,
+def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int, ...]], j: int, zbar: ir.Value, z: ir.Value,
            position_ids: ir.Value, cos_cache: ir.Value, sin_cache: ir.Value, rope_op: str, past_k: ir.Value,
            past_v: ir.Value, seqlens_k: ir.Value, total: ir.Value, attention_bias: ir.Value,
            out_names: list[str]) -> tuple[ir.Value, ir.Value, list[ir.Value]]:
@@ -229,15 +252,22 @@ def _layer(g: _Graph, cfg: ModelConfig, state: dict[str, torch.Tensor], j: int, 
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     i64 = torch.int64
 
+    def stacked(names: list[str]) -> torch.Tensor:
+        """The rows of `names` stacked, read when written: [sum of out, ...]."""
+        parts = read(names)
+        return torch.cat([parts.pop(n) for n in names], dim=0) if len(names) > 1 else parts[names[0]]
+
     def linear(module: str, names: list[str], bias: bool) -> tuple[ir.Value, ir.Value | None]:
         """One MatMul weight [in, out] from HF's [out, in] rows of `names` stacked; their biases likewise."""
-        w = torch.cat([state.pop(f"{pre}.{module}.{n}.weight") for n in names], dim=0)  # [out, in]
+        ws = [f"{pre}.{module}.{n}.weight" for n in names]
+        out = sum(shapes[w][0] for w in ws)
         packed = "_".join(names) if len(names) > 1 else names[0]
-        weight = g.weight(f"{pre}.{module}.{packed}.MatMul.weight", w.T)  # [in, out]
+        weight = g.lazy(f"{pre}.{module}.{packed}.MatMul.weight", (shapes[ws[0]][1], out),
+                        lambda: stacked(ws).T)  # [out, in] -> [in, out], a view: written in slabs
         b = None
         if bias:
-            b = g.weight(f"{pre}.{module}.{packed}.Add.bias",
-                         torch.cat([state.pop(f"{pre}.{module}.{n}.bias") for n in names]))
+            bs = [f"{pre}.{module}.{n}.bias" for n in names]
+            b = g.lazy(f"{pre}.{module}.{packed}.Add.bias", (out,), lambda: stacked(bs))
         return weight, b
 
     def matmul(sub: str, x: ir.Value, weight: ir.Value, bias: ir.Value | None) -> ir.Value:
@@ -271,7 +301,7 @@ def _layer(g: _Graph, cfg: ModelConfig, state: dict[str, torch.Tensor], j: int, 
     r = matmul("self_attn/o_proj", u, w, b)  # [b, s, n2]
     norm = f"{pre}.post_attention_layernorm.weight"
     ybar, _, _, y = g.op(
-        f"{path}/post_attention_layernorm", "SkipSimplifiedLayerNormalization", [r, z, g.weight(norm, state.pop(norm))],
+        f"{path}/post_attention_layernorm", "SkipSimplifiedLayerNormalization", [r, z, g.lazy(norm, shapes[norm], lambda: read([norm])[norm])],
         {"epsilon": float(cfg.rms_norm_eps)}, domain="com.microsoft",
         outputs=[None, "", "", None])  # (normalized, -, -, the sum z + r)
 
@@ -291,7 +321,7 @@ def _layer(g: _Graph, cfg: ModelConfig, state: dict[str, torch.Tensor], j: int, 
     norm_path, norm_name = (("/model/norm", "model.norm.weight") if last else
                             (f"/model/layers.{j + 1}/input_layernorm", f"model.layers.{j + 1}.input_layernorm.weight"))
     zbar_next, _, _, z_next = g.op(
-        norm_path, "SkipSimplifiedLayerNormalization", [d, y, g.weight(norm_name, state.pop(norm_name))],
+        norm_path, "SkipSimplifiedLayerNormalization", [d, y, g.lazy(norm_name, shapes[norm_name], lambda: read([norm_name])[norm_name])],
         {"epsilon": float(cfg.rms_norm_eps)}, domain="com.microsoft",
         outputs=[None, "", "", None])
     return zbar_next, z_next, [present_k, present_v]
@@ -313,25 +343,36 @@ def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rop
     torch_dtype = dtypes.to_torch(dt.name)
     if isinstance(source, (str, Path)):
         source = resolve(source)
-    weights = real_weights(source, torch_dtype, seed, progress)
-    cfg = weights.cfg
-    check_fusable(cfg)
+    if isinstance(source, ModelSource) and source.weights is not None:  # a checkpoint: read when written
+        from llama_tools.reference import open_reader
+
+        assert source.path is not None, "a checkpoint source has a path"
+        reader = open_reader(source.path)
+        cfg, read = reader.cfg, reader.read
+        check_fusable(cfg)
+        label, seed_used, params = source.label, None, sum(spec.numel for spec in weight_specs(cfg))
+    else:  # a preset, config or module: its weights exist in memory once anyway
+        weights = real_weights(source, torch_dtype, seed, progress)
+        cfg, state = weights.cfg, weights.state
+        check_fusable(cfg)
+        read = lambda names: {n: state[n] for n in names}  # noqa: E731
+        label, seed_used, params = weights.source, weights.seed, weights.params
     max_length = _static_length(static_kv, cfg)
-    state = dict(weights.state)  # build_graph pops what it packs; the source's own dict stays whole
-    model = build_graph(cfg, state, torch_dtype, rope_op, max_length, opset)
-    set_metadata(model, cfg, rope_op, dt.name, weights.source, weights.seed)
+    model, recipes = build_graph(cfg, read, torch_dtype, rope_op, max_length, opset)
+    set_metadata(model, cfg, rope_op, dt.name, label, seed_used)
     model.metadata_props[META + "graph"] = GRAPH
     model.metadata_props[META + "static_kv"] = "" if max_length is None else str(max_length)
     # No onnx.checker: it knows no SimplifiedLayerNormalization (onnxruntime's, in the default domain, as
     # onnxruntime-genai's builder writes it); onnxruntime itself is the check (tests/test_fused.py).
-    data = save_model(model, output, external_data_threshold_bytes, False, progress)
+    data = save_model(model, output, external_data_threshold_bytes, False, progress,
+                      source=lambda name: recipes[name]() if name in recipes else None)
     size = output.stat().st_size + (data.stat().st_size if data else 0)
     counts: dict[str, int] = {}
     for node in model.graph:
         key = f"{node.domain}.{node.op_type}" if node.domain else node.op_type
         counts[key] = counts.get(key, 0) + 1
     return ExportResult(
-        path=output, external_data=data, bytes=size, params=weights.params, num_nodes=len(model.graph),
+        path=output, external_data=data, bytes=size, params=params, num_nodes=len(model.graph),
         rope_nodes=sum(n.op_type == rope_ops.OP_TYPE for n in model.graph), opset=opset,
         dtype=dt.name, rope_op=rope_op, seconds=time.perf_counter() - t0,
         peak_rss_bytes=peak_rss_bytes(), graph=GRAPH, op_counts=counts,

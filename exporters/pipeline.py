@@ -23,9 +23,9 @@ from llama_tools.source import ModelSource
 from .fused import check_fusable, export_fused
 from .genai import ClientFiles, write_client_files
 from .onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES, ExportResult, export_onnx
+from .quant_options import QUANTIZE
 from .quantize import QUALITY_TEXT, QuantizeResult, QuickQuality, quantize_int4, quick_quality
 
-QUANTIZE = ("int4",)
 
 
 @dataclass
@@ -87,8 +87,8 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
                 say("quantizing to int4 (onnxruntime MatMulNBits)")
                 quantized = quantize_int4(full, target, **(int4 or {}))
                 if not files.written_through(output):  # a stream cannot be read back
-                    say("measuring int4 against the full-precision graph")
-                    quality = _quality(source, full, target)
+                    say("measuring int4 against the full-precision model")
+                    quality = _quality(source, target, seed)
     clients = None
     if client_files:
         if files.written_through(output):  # a stream, device or FIFO: there is no directory of ours
@@ -101,8 +101,10 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
     return ExportReport(output, graph, result, quantized, clients, notes, quality)
 
 
-def _quality(source: ModelSource, full: Path, int4: Path) -> QuickQuality:
-    """The int4 graph scored against its full-precision graph: real text through the tokenizer, else seeded ids."""
+def _quality(source: ModelSource, int4: Path, seed: int) -> QuickQuality:
+    """The int4 graph scored against the full-precision model, streamed a layer at a time (no fp32 session):
+    real text through the tokenizer, else seeded ids."""
+    from llama_tools.reference import reference_model
     from llama_tools.tokenizer import load_tokenizer
 
     tok = load_tokenizer(source)
@@ -111,7 +113,7 @@ def _quality(source: ModelSource, full: Path, int4: Path) -> QuickQuality:
     else:
         ids = np.random.default_rng(0).integers(3, source.cfg.vocab_size, size=64).tolist()
         on = "64 seeded ids (no tokenizer: random ids hide what real text shows)"
-    return quick_quality(full, int4, source.cfg, ids, on)
+    return quick_quality(reference_model(source, seed=seed), int4, source.cfg, ids, on)
 
 
 # --- Before any work: where the export goes, and what is there ----------------------------------------------

@@ -1,13 +1,13 @@
 """Weight-only int4 of an exported graph with onnxruntime's own quantizer, and its parity measured honestly.
 
-    MatMul(x, Transpose(W))          fold            MatMul(x, W^T)          MatMulNBitsQuantizer
-    W: [out, in] fp32 initializer  ------->  W^T: [in, out] initializer  ----------------------->  MatMulNBits(x, Q4, scales, zp)
-                                                                                                   (block 32 along `in`)
+    MatMul(x, W^T) or MatMul(x, Transpose(W))  ──one weight at a time──►  MatMulNBits(x, W_Q4, scales[, zero points])
+    W [in, out] (or [out, in]) in SOURCE.data      onnxruntime's node quantizer    (block 32 along `in`)
 
-torch.onnx leaves every nn.Linear as Transpose(W) -> MatMul; onnxruntime folds that at session start, but
-its quantizer only touches a MatMul whose weight is an initializer, so the transposes are folded first
-(numpy, on the file's weights). The attention's own MatMuls (two activations) are left alone, as is the
-embedding Gather.
+torch.onnx leaves every nn.Linear as Transpose(W) -> MatMul (and the fused graph's tied lm_head is
+Transpose(E) -> MatMul); onnxruntime folds that at session start, but its quantizer only reads a MatMul whose
+weight is an initializer, so such a weight is transposed as it is quantized. The attention's own MatMuls
+(two activations) are left alone, as is the embedding Gather (a tied one is served by the lm_head's int4
+blocks: `share_tied_embedding`).
 
 int4 cannot meet fp32 tolerances (a 4-bit weight is off by up to half a step, ~3-6% of a block's range), so
 its parity is measured, not passed against them: top-1 agreement over a greedy decode and the KL divergence
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,7 @@ import numpy as np
 
 from llama_tools import files
 
-BLOCK_SIZE = 32
-# MLAS's int4 kernels on the CPU: accuracy level 4 quantizes the activations to int8 per block and runs
-# an int8 dot product (the fast path); 0/1 dequantize to fp32 first.
-ACCURACY_LEVEL = 4
-EXTERNAL_DATA_THRESHOLD_BYTES = 2 * 2**30 - 64 * 2**20  # as onnx_export: protobuf's 2 GiB cap
-
+from .quant_options import ACCURACY_LEVEL, BLOCK_SIZE, INT4_ALGORITHMS
 
 @dataclass(frozen=True)
 class QuantizeResult:
@@ -49,6 +45,7 @@ class QuantizeResult:
     symmetric: bool
     accuracy_level: int
     seconds: float
+    algorithm: str = "rtn"
 
     @property
     def ratio(self) -> float:
@@ -58,41 +55,6 @@ class QuantizeResult:
 def _disk_bytes(path: Path) -> int:
     data = path.parent / (path.name + ".data")
     return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
-
-
-def fold_weight_transposes(model: Any) -> int:
-    """Transpose(W) of a 2-D initializer W -> a new initializer W^T (named W's name + "_t"); returns how many."""
-    from onnx import numpy_helper
-
-    graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    consumers: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers[name] = consumers.get(name, 0) + 1
-    renames: dict[str, str] = {}
-    keep = []
-    for node in graph.node:
-        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
-        src = node.input[0] if node.op_type == "Transpose" else None
-        if src in inits and len(inits[src].dims) == 2 and perm in (None, [1, 0]):
-            w = numpy_helper.to_array(inits[src])  # [out, in]
-            graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T), src + "_t"))  # [in, out]
-            renames[node.output[0]] = src + "_t"
-            consumers[src] -= 1
-            if consumers[src] == 0:  # a tied embedding keeps its Gather; a plain weight goes
-                graph.initializer.remove(inits[src])
-        else:
-            keep.append(node)
-    del graph.node[:]
-    graph.node.extend(keep)
-    for node in graph.node:
-        for i, name in enumerate(node.input):
-            if name in renames:
-                node.input[i] = renames[name]
-    for out in graph.output:
-        assert out.name not in renames, f"graph output {out.name} is a folded weight transpose"
-    return len(renames)
 
 
 def share_tied_embedding(model: Any, block_size: int) -> bool:
@@ -141,25 +103,75 @@ def share_tied_embedding(model: Any, block_size: int) -> bool:
     return False
 
 
-def _quantizable(model: Any) -> list[str]:
-    """Names of MatMul nodes whose second input is a 2-D initializer: what the quantizer will replace."""
-    inits = {t.name: t for t in model.graph.initializer}
-    return [n.name for n in model.graph.node
-            if n.op_type == "MatMul" and n.input[1] in inits and len(inits[n.input[1]].dims) == 2]
+def _weights_of(model: Any) -> dict[str, tuple[str, bool]]:
+    """MatMul node name -> (its 2-D constant weight, whether through a Transpose): what will be quantized.
+
+    torch.onnx leaves nn.Linear as MatMul(x, Transpose(W)) and the fused graph's tied lm_head is
+    MatMul(x, Transpose(E)); the quantizer only reads a MatMul whose weight is an initializer, so those
+    weights are transposed as they are quantized (W^T [in, out], named W + "_t").
+    """
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    transposed = {}
+    for n in graph.node:
+        perm = next((list(a.ints) for a in n.attribute if a.name == "perm"), None)
+        if (n.op_type == "Transpose" and n.input[0] in inits and len(inits[n.input[0]].dims) == 2
+                and perm in (None, [1, 0])):
+            transposed[n.output[0]] = n.input[0]
+    out = {}
+    for n in graph.node:
+        if n.op_type != "MatMul":
+            continue
+        if n.input[1] in inits and len(inits[n.input[1]].dims) == 2:
+            out[n.name] = (n.input[1], False)
+        elif n.input[1] in transposed:
+            out[n.name] = (transposed[n.input[1]], True)
+    return out
+
+
+def _weight_T(tensor: Any, base: Path, transpose: bool) -> np.ndarray:
+    """One 2-D initializer as a contiguous [in, out] array (W^T when `transpose`), read through a memory map
+    of the external data file if it lives there: the only copy made is the one returned."""
+    import onnx_ir as ir
+
+    t = ir.serde.deserialize_tensor(tensor, base)  # an external tensor maps its file lazily; no bytes read yet
+    w = t.numpy()
+    out = np.ascontiguousarray(w.T if transpose else w)
+    del w, t  # the map goes with them: the pages read do not stay resident
+    return out
+
+
+def _node_quantizer(algorithm: str, block_size: int, symmetric: bool, accuracy_level: int) -> Any:
+    """onnxruntime's per-MatMul quantizer (what its MatMulNBitsQuantizer runs on each node)."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    if algorithm == "hqq":  # its zero points are floats: no symmetric form
+        return mnq.HQQWeightOnlyQuantizer(mnq.HQQWeightOnlyQuantConfig(block_size=block_size, bits=4))
+    return mnq.DefaultWeightOnlyQuantizer(mnq.DefaultWeightOnlyQuantConfig(
+        block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=4))
 
 
 def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = BLOCK_SIZE,
                   symmetric: bool = True, accuracy_level: int = ACCURACY_LEVEL,
-                  exclude: tuple[str, ...] = ()) -> QuantizeResult:
+                  exclude: tuple[str, ...] = (), algorithm: str = "rtn") -> QuantizeResult:
     """SOURCE .onnx (plain or fused) -> OUTPUT with every constant-weight MatMul as int4 MatMulNBits, atomically.
 
     symmetric=True (the default): int4 in [-8, 7] times one scale per block of 32 weights, no zero point.
     LLaMA's linear weights are centred on zero, so a zero point buys little (measured: see
     benchmarks/bench_fused.py and tests/test_genai.py) and costs 1/64 byte per weight and a subtraction.
-    exclude: node names to keep in full precision (e.g. "/lm_head/MatMul").
+    exclude: node names to keep in full precision (e.g. "/lm_head/MatMul"). algorithm: "rtn" or "hqq"
+    (always with zero points).
+
+    In bounded memory: the graph is read without its weights; each MatMul's weight is read from SOURCE's
+    .data file, quantized by onnxruntime's own node quantizer on a one-node graph and dropped, so one
+    full-precision matrix and the int4 ones are held at a time; what stays in full precision streams from
+    SOURCE's file to OUTPUT's as it is written (onnx_save).
+
+        MatMul(x, W) or MatMul(x, Transpose(W)):  W ──read──► W^T [in, out] ──node quantizer──►
+                                                  MatMulNBits(x, W_Q4, W_scales[, W_zero_points])
     """
     import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+    from onnx import helper, numpy_helper
 
     t0 = time.perf_counter()
     source, output = Path(source), Path(output)
@@ -169,12 +181,16 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
         raise ValueError(f"{output}: is the source graph; write the int4 graph to another file")
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16 (MatMulNBits), got {block_size}")
+    if algorithm not in INT4_ALGORITHMS:
+        raise ValueError(f"algorithm {algorithm!r}: choose one of {', '.join(INT4_ALGORITHMS)}")
+    symmetric = symmetric and algorithm != "hqq"
     try:
-        model = onnx.load(str(source))
+        model = onnx.load(str(source), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError and friends  # noqa: BLE001
         raise ValueError(f"{source}: not an ONNX model ({type(e).__name__})") from None
-    folded = fold_weight_transposes(model)
-    candidates = _quantizable(model)
+    graph, base = model.graph, source.parent
+    weights = _weights_of(model)
+    candidates = list(weights)
     unknown = [n for n in exclude if n not in candidates]
     if unknown:
         raise ValueError(f"--int4-keep {unknown[0]!r} is not a MatMul with a constant weight in the graph; "
@@ -182,37 +198,83 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     if not [n for n in candidates if n not in exclude]:
         raise ValueError(f"{source}: no MatMul with a constant 2-D weight to quantize to int4 "
                          f"(already quantized, or every one excluded)")
-    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric,
-                                          accuracy_level=accuracy_level, bits=4)
-    quantizer = MatMulNBitsQuantizer(model, block_size=block_size, is_symmetric=symmetric,
-                                     accuracy_level=accuracy_level, nodes_to_exclude=list(exclude),
-                                     algo_config=config)
+    quantizer = _node_quantizer(algorithm, block_size, symmetric, accuracy_level)
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node
-    quantizer.process()
-    qmodel = quantizer.model.model  # onnx.ModelProto
-    quantized = sum(n.op_type == "MatMulNBits" for n in qmodel.graph.node)
+    inits = {t.name: t for t in graph.initializer}
+    nodes, folded = [], 0
+    for node in graph.node:
+        if node.name not in weights or node.name in exclude:
+            nodes.append(node)
+            continue
+        name, through_transpose = weights[node.name]
+        w = _weight_T(inits[name], base, through_transpose)  # [in, out]
+        if through_transpose:
+            name, folded = name + "_t", folded + 1
+        one = helper.make_graph([], "one MatMul", [], [], initializer=[numpy_helper.from_array(w, name)])
+        del w
+        matmul = helper.make_node("MatMul", [node.input[0], name], list(node.output), name=node.name)
+        with warnings.catch_warnings():  # HQQ's torch.from_numpy of a read-only array: its own affair
+            warnings.simplefilter("ignore", UserWarning)
+            nodes += quantizer.quantize(matmul, [one])
+        graph.initializer.extend(t for t in one.initializer if t.name != name)
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    _drop_unused(graph)  # the weights now quantized, and the Transposes that fed them
+    quantized = sum(n.op_type == "MatMulNBits" for n in graph.node)
     assert quantized == len(candidates) - len(exclude), (
         f"{quantized} MatMulNBits for {len(candidates) - len(exclude)} quantizable MatMuls")
     if symmetric:  # GatherBlockQuantized reads MatMulNBits' blocks with its default zero point (8) only
-        share_tied_embedding(qmodel, block_size)
-    _save_atomic(qmodel, output)
+        share_tied_embedding(model, block_size)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    _save_streamed(model, base, output)
     return QuantizeResult(source=source, path=output, bytes_before=_disk_bytes(source), bytes_after=_disk_bytes(output),
                           quantized=quantized, left_fp=list(exclude), folded_transposes=folded,
                           block_size=block_size, symmetric=symmetric, accuracy_level=accuracy_level,
-                          seconds=time.perf_counter() - t0)
+                          seconds=time.perf_counter() - t0, algorithm=algorithm)
 
 
-def _save_atomic(model: Any, output: Path) -> None:
-    """The .onnx (and its .data above 2 GB) appear together, or not at all (llama_tools.files)."""
-    import onnx
+def _drop_unused(graph: Any) -> None:
+    """Nodes whose outputs nothing reads (a Transpose whose MatMul was quantized), then unread initializers."""
+    outputs = {o.name for o in graph.output}
+    while True:
+        read = {i for n in graph.node for i in n.input} | outputs
+        dead = [n for n in graph.node if not any(o in read for o in n.output)]
+        if not dead:
+            break
+        for n in dead:
+            graph.node.remove(n)
+    read = {i for n in graph.node for i in n.input} | outputs
+    for t in [t for t in graph.initializer if t.name not in read]:
+        graph.initializer.remove(t)  # in place: extending a cleared field would copy every int4 tensor once more
 
-    data_name = output.name + ".data"
-    external = model.ByteSize() > EXTERNAL_DATA_THRESHOLD_BYTES
-    with files.atomic_files([output.parent / data_name, output]) as tmp:
-        onnx.save_model(model, str(tmp / output.name), save_as_external_data=external, location=data_name,
-                        all_tensors_to_one_file=True)
-    if not external and (output.parent / data_name).is_file():
-        (output.parent / data_name).unlink()  # a previous run's weights, now stale
+
+def _save_streamed(model: Any, base: Path, output: Path) -> None:
+    """OUTPUT atomically: one self-contained file up to onnx_save's single-file size, else OUTPUT + OUTPUT.data
+    with the weights still in full precision copied from SOURCE's file a tensor at a time."""
+    import onnx_ir as ir
+    from onnx.external_data_helper import uses_external_data
+
+    from llama_tools.progress import silent
+
+    from .onnx_export import save_model
+    from .onnx_save import SINGLE_FILE_MAX_BYTES
+
+    def nbytes(t: Any) -> int:
+        info = {e.key: e.value for e in t.external_data}
+        return int(info.get("length", 0)) if uses_external_data(t) else len(t.raw_data) or t.ByteSize()
+    if sum(nbytes(t) for t in model.graph.initializer) > SINGLE_FILE_MAX_BYTES:
+        ir_model = ir.serde.deserialize_model(model)
+        ir.external_data.set_base_dir(ir_model.graph, base)  # SOURCE's .data, memory-mapped as each is written
+        save_model(ir_model, output, SINGLE_FILE_MAX_BYTES, False, silent)
+        return
+    for i, t in enumerate(model.graph.initializer):  # small: what is left in SOURCE's file comes inside
+        if uses_external_data(t):
+            inside = ir.Tensor(ir.serde.deserialize_tensor(t, base).numpy(), name=t.name)  # bf16 too (ml_dtypes)
+            model.graph.initializer[i].CopyFrom(ir.serde.serialize_tensor(inside))
+    with files.atomic_files([output.parent / (output.name + ".data"), output]) as tmp:
+        (tmp / output.name).write_bytes(model.SerializeToString())  # one copy of the bytes (onnx.save makes more)
+    (output.parent / (output.name + ".data")).unlink(missing_ok=True)  # a previous run's weights, now stale
 
 
 # --- Parity, measured --------------------------------------------------------------------------------
@@ -407,21 +469,36 @@ class QuickQuality:
         return f"mean KL {self.mean_kl:.3f} nats > {QUALITY_WARN_KL}, top-1 {self.top1:.1%}"
 
 
-def quick_quality(full: str | Path, int4: str | Path, cfg: Any, ids: list[int], on: str) -> QuickQuality:
-    """One prefill of `ids` through both graphs on the CPU: mean KL and top-1 agreement of their logits."""
+def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str) -> QuickQuality:
+    """One prefill of `ids` through the full-precision side and the int4 graph on the CPU: mean KL and top-1.
+
+    full: the full-precision graph's path, or the model itself (a `Llama` or the streamed reference, which
+    holds one decoder layer at a time: the export's own check needs no session over the whole fp32 graph).
+    """
     from .prompts import positions
     from .runtime import OnnxLM, create_session
 
     ids = ids[: min(len(ids), 256)]
     arr = np.array([ids], np.int64)  # [1, n]
     mask = np.ones_like(arr)
+    int4_lm = OnnxLM(create_session(Path(int4), "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    if int4_lm.static_length is not None and len(ids) > int4_lm.static_length:
+        ids, arr, mask = ids[: int4_lm.static_length], arr[:, : int4_lm.static_length], mask[:, : int4_lm.static_length]
     logits = []
-    for path in (full, int4):
-        lm = OnnxLM(create_session(Path(path), "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-        if lm.static_length is not None and len(ids) > lm.static_length:
-            ids, arr, mask = ids[: lm.static_length], arr[:, : lm.static_length], mask[:, : lm.static_length]
-        logits.append(np.asarray(lm(arr, mask, positions(mask, arr.shape[1]), lm.empty_cache(1)).logits,
-                                 np.float64)[0])  # [n, n1]
+    for side in (full, int4_lm):
+        if isinstance(side, (str, Path)):
+            side = OnnxLM(create_session(Path(side), "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads,
+                          cfg.head_dim)
+        if isinstance(side, OnnxLM):
+            out = side(arr, mask, positions(mask, arr.shape[1]), side.empty_cache(1)).logits
+        else:  # a torch model: the same prefill
+            import torch
+
+            with torch.no_grad():
+                out = side(torch.from_numpy(arr), torch.from_numpy(mask),
+                           torch.from_numpy(positions(mask, arr.shape[1]))).logits.float().numpy()
+        logits.append(np.asarray(out, np.float64)[0])  # [n, n1]
+        del side
     p_log, q_log = _log_softmax(logits[0]), _log_softmax(logits[1])
     kl = (np.exp(p_log) * (p_log - q_log)).sum(-1)  # [n]
     top1 = float((logits[0].argmax(-1) == logits[1].argmax(-1)).mean())

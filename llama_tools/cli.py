@@ -22,7 +22,8 @@ from . import __version__, dtypes
 from .files import check_output_path, check_writes, cleanup_on_signals, guard_std_streams, stream_fd
 from .formats import BENIGN_SUFFIXES, WRITABLE
 from .output import FORMATS, render
-from .progress import terminal
+from .exporters.quant_options import INT4_ALGORITHMS, QUANTIZE
+from .progress import peak_rss_bytes, terminal
 
 
 _STDOUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EPIPE, errno.EIO)  # an OSError of writing stdout
@@ -411,7 +412,7 @@ def export() -> None:
 @click.option("--static-kv", type=click.IntRange(min=1), default=None, metavar="LENGTH",
               help="With --optimize: one preallocated KV buffer of LENGTH positions shared by past and present "
                    "(onnxruntime-genai's past_present_share_buffer).")
-@click.option("--quantize", type=click.Choice(["int4"]), default=None,
+@click.option("--quantize", type=click.Choice(QUANTIZE), default=None,
               help="Weight-only int4 (onnxruntime's MatMulNBits quantizer, block 32); implies --optimize.")
 @click.option("--int4-block-size", type=click.IntRange(min=16), default=None, metavar="N",
               help="With --quantize int4: weights per scale, a power of two >= 16 [default: 32].")
@@ -420,6 +421,9 @@ def export() -> None:
 @click.option("--int4-accuracy-level", type=click.IntRange(0, 4), default=None, metavar="0-4",
               help="With --quantize int4: MatMulNBits' compute type; 4 = int8 activations, the CPU's fast path "
                    "[default: 4].")
+@click.option("--int4-algorithm", type=click.Choice(list(INT4_ALGORITHMS)), default=None,
+              help="With --quantize int4: " + "; ".join(f"{k}: {v}" for k, v in INT4_ALGORITHMS.items())
+                   + " [default: rtn].")
 @click.option("--int4-keep", multiple=True, metavar="NODE",
               help="With --quantize int4: keep this MatMul in full precision (repeatable), e.g. /lm_head/MatMul.")
 @click.option("--no-client-files", is_flag=True, help="Do not write config.json, genai_config.json and the "
@@ -429,7 +433,8 @@ def export() -> None:
 @output_options(("table", "json"))
 def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bool, static_kv: int | None,
                 quantize: str | None, int4_block_size: int | None, int4_asymmetric: bool,
-                int4_accuracy_level: int | None, int4_keep: tuple[str, ...], no_client_files: bool, seed: int,
+                int4_accuracy_level: int | None, int4_algorithm: str | None, int4_keep: tuple[str, ...],
+                no_client_files: bool, seed: int,
                 quiet: bool, fmt: str) -> None:
     """Write MODEL as one ONNX graph for prefill and decode, with the files clients need beside it.
 
@@ -447,7 +452,8 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
     from .exporters.rope_ops import ROPE_OPS
 
     int4 = {k: v for k, v in (("block_size", int4_block_size), ("symmetric", False if int4_asymmetric else None),
-                              ("accuracy_level", int4_accuracy_level), ("exclude", int4_keep or None))
+                              ("accuracy_level", int4_accuracy_level), ("exclude", int4_keep or None),
+                              ("algorithm", int4_algorithm))
             if v is not None}
     if int4 and quantize != "int4":
         raise click.UsageError("the --int4-* options go with --quantize int4")
@@ -483,12 +489,12 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
     if rep.quality:
         qq = rep.quality
         rows.append(("int4 quality", f"mean KL {qq.mean_kl:.4f} nats, top-1 {qq.top1:.1%} against the full-precision "
-                                     f"graph on {qq.on} ({qq.tokens} tokens)"))
+                                     f"model on {qq.on} ({qq.tokens} tokens)"))
     if rep.client_files:
         rows.append(("client files", ", ".join(p.name for p in rep.client_files.written)))
     waited = sum(phases.values())
     rows += [("time", f"{waited:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())),
-             ("peak RSS", mb(res.peak_rss_bytes))]
+             ("peak RSS", mb(peak_rss_bytes()))]  # the whole run's: export, int4 and its quality check
     payload = {"path": str(rep.path), "graph": rep.graph, "bytes": rep.bytes, "notes": rep.notes,
                "wall_seconds": waited, "phases": phases, "tied": model.cfg.tie_word_embeddings,
                **{k: v for k, v in dataclasses.asdict(res).items() if k not in ("path", "bytes")},

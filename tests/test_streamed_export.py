@@ -1,0 +1,119 @@
+"""The fused and int4 exports stream: weights are read when written, and quantized one MatMul at a time.
+
+Truth is independent of the streaming code: the fused graph of the same weights built in memory (the
+preset), and onnxruntime's own whole-graph MatMulNBitsQuantizer on the same full-precision graph.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+from onnx import numpy_helper
+
+from llama_tools.cli import cli
+from llama_tools.convert import save_checkpoint
+from llama_tools.exporters import fused
+from llama_tools.exporters.fused import export_fused
+from llama_tools.exporters.quantize import quantize_int4, share_tied_embedding
+from llama_tools.model import build_model
+from llama_tools.presets import get_preset
+from llama_tools.reference import CheckpointReader
+
+
+def _inits(path) -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t, base_dir=str(path.parent))
+            for t in onnx.load(str(path), load_external_data=False).graph.initializer}
+
+
+@pytest.mark.parametrize("tied,bias", [(True, False), (False, True)])
+def test_fused_from_a_checkpoint_reads_each_weight_once_when_written(tmp_path, monkeypatch, tied, bias):
+    """Same initializers as the graph built from the model in memory; nothing read while the graph is built;
+    every checkpoint tensor read exactly once, at most three (one packed matrix) per read."""
+    cfg = get_preset("tiny").replace(tie_word_embeddings=tied, qkv_bias=bias, o_bias=bias, mlp_bias=bias)
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype=torch.float32)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(cfg, state, ckpt, to="hf")
+
+    calls: list[list[str]] = []
+    real_read = CheckpointReader.read
+    monkeypatch.setattr(CheckpointReader, "read", lambda self, names, device="cpu": (calls.append(list(names)),
+                                                                                       real_read(self, names, device))[1])
+    built = []
+    real_build = fused.build_graph
+    monkeypatch.setattr(fused, "build_graph", lambda *a, **k: (built.append(len(calls)), real_build(*a, **k))[1])
+    streamed = export_fused(str(ckpt), tmp_path / "streamed.onnx").path
+    assert built == [0], "the checkpoint was read before the graph was built"
+    names = [n for c in calls for n in c]
+    expected = {n for n in state if not (tied and n == "lm_head.weight")}
+    assert sorted(names) == sorted(expected), "each checkpoint tensor read exactly once"
+    assert max(len(c) for c in calls) <= 3, "more than one packed matrix read at a time"
+
+    in_memory = export_fused(model, tmp_path / "memory.onnx").path
+    a, b = _inits(streamed), _inits(in_memory)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.mark.parametrize("graph", ["fused", "plain"])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_node_by_node_equals_onnxruntimes_whole_graph_quantizer(tmp_path, graph, symmetric):
+    """Every int4 tensor equals what onnxruntime's MatMulNBitsQuantizer writes for the whole graph at once."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    from llama_tools.exporters.onnx_export import export_onnx
+
+    full = tmp_path / "full.onnx"
+    (export_fused if graph == "fused" else export_onnx)("tiny", full)
+    ours = quantize_int4(full, tmp_path / "ours.onnx", symmetric=symmetric)
+
+    # The library on the whole graph: Transpose(W) folded into W^T by hand first (its quantizer needs that).
+    m = onnx.load(str(full))
+    inits = {t.name: t for t in m.graph.initializer}
+    for node in [n for n in m.graph.node if n.op_type == "Transpose" and n.input[0] in inits]:
+        w = numpy_helper.to_array(inits[node.input[0]])
+        m.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T), node.input[0] + "_t"))
+        for other in m.graph.node:
+            other.input[:] = [node.input[0] + "_t" if i == node.output[0] else i for i in other.input]
+        m.graph.node.remove(node)
+    config = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=symmetric, accuracy_level=4, bits=4)
+    q = MatMulNBitsQuantizer(m, block_size=32, is_symmetric=symmetric, accuracy_level=4, algo_config=config)
+    q.process()
+    theirs = q.model.model
+    if symmetric:
+        share_tied_embedding(theirs, 32)
+    t_inits = {t.name: numpy_helper.to_array(t) for t in theirs.graph.initializer}
+    o_inits = _inits(ours.path)
+    quantized = [n for n in t_inits if n.endswith("_Q4")]
+    assert len(quantized) == ours.quantized > 0
+    for name in quantized + [n.replace("_Q4", "_scales") for n in quantized]:
+        np.testing.assert_array_equal(o_inits[name], t_inits[name], err_msg=name)
+    assert sorted(o_inits) == sorted(t_inits)
+    o_nodes = [(n.op_type, list(n.input)) for n in onnx.load(str(ours.path)).graph.node]
+    t_nodes = [(n.op_type, list(n.input)) for n in theirs.graph.node]
+    assert sorted(o_nodes) == sorted(t_nodes)
+
+
+def test_int4_hqq_runs_and_scores(tmp_path):
+    """--int4-algorithm hqq: onnxruntime's HQQ (zero points), the export's quality line measured on it."""
+    out = tmp_path / "hqq" / "model.onnx"
+    r = CliRunner().invoke(cli, ["export", "onnx", "tiny", "-o", str(out), "--quantize", "int4",
+                                 "--int4-algorithm", "hqq", "--format", "json", "--no-client-files", "-q"])
+    assert r.exit_code == 0, r.output
+    import json
+
+    rep = json.loads(r.stdout)
+    assert rep["quantized"]["algorithm"] == "hqq" and rep["quantized"]["symmetric"] is False
+    nodes = onnx.load(str(out)).graph.node
+    nbits = [n for n in nodes if n.op_type == "MatMulNBits"]
+    assert nbits and all(len(n.input) == 4 for n in nbits), "HQQ writes a zero point for every MatMulNBits"
+    assert 0 <= rep["int4_quality"]["mean_kl"] < 1 and rep["int4_quality"]["top1"] > 0.5
+    bad = CliRunner().invoke(cli, ["export", "onnx", "tiny", "-o", str(tmp_path / "x.onnx"), "--quantize", "int4",
+                                   "--int4-algorithm", "gptq"])
+    assert bad.exit_code != 0 and "--int4-algorithm" in bad.output and "Traceback" not in bad.output
