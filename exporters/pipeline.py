@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from llama_tools import dtypes, files
-from llama_tools.progress import Progress, silent
+from llama_tools.progress import Progress, release_freed_memory, silent
 from llama_tools.source import ModelSource
 
 from .fused import check_fusable, export_fused
@@ -86,6 +86,7 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
                           else export_onnx(source, full, say=say, **kwargs))
                 say("quantizing to int4 (onnxruntime MatMulNBits)")
                 quantized = quantize_int4(full, target, **(int4 or {}))
+                release_freed_memory()  # the quantizer's garbage is not the quality check's floor
                 if not files.written_through(output):  # a stream cannot be read back
                     say("measuring int4 against the full-precision model")
                     quality = _quality(source, target, seed)

@@ -22,7 +22,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -129,16 +129,55 @@ def _weights_of(model: Any) -> dict[str, tuple[str, bool]]:
     return out
 
 
-def _weight_T(tensor: Any, base: Path, transpose: bool) -> np.ndarray:
-    """One 2-D initializer as a contiguous [in, out] array (W^T when `transpose`), read through a memory map
-    of the external data file if it lives there: the only copy made is the one returned."""
+# RTN quantizes each output column's blocks on their own, so a big matrix goes through the quantizer this many
+# bytes of columns at a time (a 32000 x 4096 lm_head would otherwise be held three times over in fp32).
+CHUNK_BYTES = 32 * 2**20
+
+
+def _columns(tensor: Any, base: Path, transposed: bool) -> tuple[int, int, Callable[[int, int], np.ndarray]]:
+    """(in, out, cols(a, b)) of a MatMul weight: cols gives W^T[:, a:b] as a contiguous [in, b - a] array, read
+    through a memory map of the external data file (only the rows asked for are touched and copied)."""
     import onnx_ir as ir
 
-    t = ir.serde.deserialize_tensor(tensor, base)  # an external tensor maps its file lazily; no bytes read yet
-    w = t.numpy()
-    out = np.ascontiguousarray(w.T if transpose else w)
-    del w, t  # the map goes with them: the pages read do not stay resident
-    return out
+    dims = [int(d) for d in tensor.dims]
+    k, n = (dims[1], dims[0]) if transposed else (dims[0], dims[1])  # stored [out, in] behind a Transpose
+
+    def cols(a: int, b: int) -> np.ndarray:
+        t = ir.serde.deserialize_tensor(tensor, base)  # an external tensor maps its file; no bytes read yet
+        w = t.numpy()
+        out = np.ascontiguousarray(w[a:b].T if transposed else w[:, a:b])  # [in, b - a]
+        del w, t  # the map goes with them: the pages read do not stay resident
+        return out
+    return k, n, cols
+
+
+def _quantize_matmul(quantizer: Any, node: Any, name: str, k: int, n: int,
+                     cols: Callable[[int, int], np.ndarray], chunked: bool) -> tuple[list[Any], list[Any]]:
+    """onnxruntime's node quantizer on MatMul(x, W^T) -> (its nodes, its initializers), W^T [k, n] handed over
+    CHUNK_BYTES of columns at a time when `chunked` and the pieces joined along the output axis: Q4 [n, blocks,
+    blob], scales [n, blocks] and zero points [n, ...] are per column, so the join is what one call would give."""
+    from onnx import helper, numpy_helper
+
+    step = max(1, CHUNK_BYTES // (4 * k)) if chunked else n
+    pieces: list[dict[str, np.ndarray]] = []
+    for a in range(0, n, step):
+        one = helper.make_graph([], "one MatMul", [], [], initializer=[numpy_helper.from_array(cols(a, min(a + step, n)),
+                                                                                               name)])
+        matmul = helper.make_node("MatMul", [node.input[0], name], list(node.output), name=node.name)
+        with warnings.catch_warnings():  # HQQ's torch.from_numpy of a read-only array: its own affair
+            warnings.simplefilter("ignore", UserWarning)
+            nodes = quantizer.quantize(matmul, [one])
+        made = [t for t in one.initializer if t.name != name]
+        if step == n:
+            return nodes, made
+        pieces.append({t.name: numpy_helper.to_array(t) for t in made})
+        del one, made
+    for q in (q for q in nodes if q.op_type == "MatMulNBits"):
+        for attr in q.attribute:
+            if attr.name == "N":
+                attr.i = n  # the last piece's width -> the whole matrix's
+    joined = [numpy_helper.from_array(np.concatenate([p[key] for p in pieces], axis=0), key) for key in pieces[0]]
+    return nodes, joined
 
 
 def _node_quantizer(algorithm: str, block_size: int, symmetric: bool, accuracy_level: int) -> Any:
@@ -207,16 +246,12 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
             nodes.append(node)
             continue
         name, through_transpose = weights[node.name]
-        w = _weight_T(inits[name], base, through_transpose)  # [in, out]
+        k, n, cols = _columns(inits[name], base, through_transpose)
         if through_transpose:
-            name, folded = name + "_t", folded + 1
-        one = helper.make_graph([], "one MatMul", [], [], initializer=[numpy_helper.from_array(w, name)])
-        del w
-        matmul = helper.make_node("MatMul", [node.input[0], name], list(node.output), name=node.name)
-        with warnings.catch_warnings():  # HQQ's torch.from_numpy of a read-only array: its own affair
-            warnings.simplefilter("ignore", UserWarning)
-            nodes += quantizer.quantize(matmul, [one])
-        graph.initializer.extend(t for t in one.initializer if t.name != name)
+            name, folded = name + "_t", folded + 1  # the quantizer names its tensors after this: W_t_Q4, ...
+        made_nodes, made = _quantize_matmul(quantizer, node, name, k, n, cols, chunked=algorithm == "rtn")
+        nodes += made_nodes
+        graph.initializer.extend(made)
     graph.ClearField("node")
     graph.node.extend(nodes)
     _drop_unused(graph)  # the weights now quantized, and the Transposes that fed them
@@ -329,6 +364,12 @@ class QuantParity:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "ppl_change": self.ppl_change, "faithful": self.faithful}
+
+
+def _kl_row(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    """KL(p || q) in nats of one position's logits [n1], in float64."""
+    lp, lq = _log_softmax(p_logits), _log_softmax(q_logits)
+    return float((np.exp(lp) * (lp - lq)).sum())
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -474,32 +515,31 @@ def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str
 
     full: the full-precision graph's path, or the model itself (a `Llama` or the streamed reference, which
     holds one decoder layer at a time: the export's own check needs no session over the whole fp32 graph).
+    One side is run and dropped before the other starts.
     """
+    from .onnx_export import read_metadata
     from .prompts import positions
     from .runtime import OnnxLM, create_session
 
-    ids = ids[: min(len(ids), 256)]
+    static = read_metadata(int4).static_kv  # a static_kv graph holds that many positions
+    ids = ids[: min(len(ids), 256, static or 256)]
     arr = np.array([ids], np.int64)  # [1, n]
     mask = np.ones_like(arr)
-    int4_lm = OnnxLM(create_session(Path(int4), "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-    if int4_lm.static_length is not None and len(ids) > int4_lm.static_length:
-        ids, arr, mask = ids[: int4_lm.static_length], arr[:, : int4_lm.static_length], mask[:, : int4_lm.static_length]
+    pos = positions(mask, arr.shape[1])
     logits = []
-    for side in (full, int4_lm):
+    for side in (int4, full):
         if isinstance(side, (str, Path)):
-            side = OnnxLM(create_session(Path(side), "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads,
-                          cfg.head_dim)
-        if isinstance(side, OnnxLM):
-            out = side(arr, mask, positions(mask, arr.shape[1]), side.empty_cache(1)).logits
+            lm = OnnxLM(create_session(Path(side), "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+            out = lm(arr, mask, pos, lm.empty_cache(1)).logits
+            del lm
         else:  # a torch model: the same prefill
             import torch
 
             with torch.no_grad():
-                out = side(torch.from_numpy(arr), torch.from_numpy(mask),
-                           torch.from_numpy(positions(mask, arr.shape[1]))).logits.float().numpy()
-        logits.append(np.asarray(out, np.float64)[0])  # [n, n1]
-        del side
-    p_log, q_log = _log_softmax(logits[0]), _log_softmax(logits[1])
-    kl = (np.exp(p_log) * (p_log - q_log)).sum(-1)  # [n]
-    top1 = float((logits[0].argmax(-1) == logits[1].argmax(-1)).mean())
+                out = side(torch.from_numpy(arr), torch.from_numpy(mask), torch.from_numpy(pos)).logits.float().numpy()
+        logits.append(np.asarray(out, np.float32)[0])  # [n, n1]
+        del out
+    q_rows, p_rows = logits
+    kl = np.array([_kl_row(p, q) for p, q in zip(p_rows, q_rows)])  # [n], float64 one row at a time
+    top1 = float((p_rows.argmax(-1) == q_rows.argmax(-1)).mean())
     return QuickQuality(tokens=arr.shape[1], on=on, mean_kl=float(kl.mean()), top1=top1)

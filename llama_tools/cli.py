@@ -498,6 +498,7 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
     payload = {"path": str(rep.path), "graph": rep.graph, "bytes": rep.bytes, "notes": rep.notes,
                "wall_seconds": waited, "phases": phases, "tied": model.cfg.tie_word_embeddings,
                **{k: v for k, v in dataclasses.asdict(res).items() if k not in ("path", "bytes")},
+               "peak_rss_bytes": peak_rss_bytes(),  # the whole run's, as the table says
                "quantized": dataclasses.asdict(rep.quantized) if rep.quantized else None,
                "int4_quality": dataclasses.asdict(rep.quality) if rep.quality else None,
                "client_files": [str(p) for p in rep.client_files.written] if rep.client_files else []}

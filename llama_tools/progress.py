@@ -49,3 +49,20 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def release_freed_memory() -> None:
+    """Hand memory that Python has freed back to the system between phases (glibc keeps it otherwise).
+
+    Objects that die leave their pages in malloc's free lists, still resident: a phase that follows (the int4
+    quality check after the quantizer) would stack its own peak on them. A no-op where libc has no malloc_trim.
+    """
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -35,7 +35,7 @@ from .progress import Progress, silent
 from .source import ModelSource, resolve
 from .weights import weight_specs
 
-LM_HEAD_CHUNK_BYTES = 64 * 2**20  # fp32 rows of W^8 (and D) materialized at once
+LM_HEAD_CHUNK_BYTES = 16 * 2**20  # fp32 rows of W^8 (and D) materialized at once (plus their mapped pages)
 
 
 # --- Memory model ----------------------------------------------------------------------------------------

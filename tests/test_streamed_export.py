@@ -63,12 +63,18 @@ def test_fused_from_a_checkpoint_reads_each_weight_once_when_written(tmp_path, m
 
 @pytest.mark.parametrize("graph", ["fused", "plain"])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_int4_node_by_node_equals_onnxruntimes_whole_graph_quantizer(tmp_path, graph, symmetric):
-    """Every int4 tensor equals what onnxruntime's MatMulNBitsQuantizer writes for the whole graph at once."""
+@pytest.mark.parametrize("chunk_bytes", [None, 3000])
+def test_int4_node_by_node_equals_onnxruntimes_whole_graph_quantizer(tmp_path, monkeypatch, graph, symmetric,
+                                                                     chunk_bytes):
+    """Every int4 tensor equals what onnxruntime's MatMulNBitsQuantizer writes for the whole graph at once,
+    also when each matrix goes through the quantizer a few columns at a time (3000 bytes: 11 columns of 64)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
+    from llama_tools.exporters import quantize
     from llama_tools.exporters.onnx_export import export_onnx
 
+    if chunk_bytes:
+        monkeypatch.setattr(quantize, "CHUNK_BYTES", chunk_bytes)
     full = tmp_path / "full.onnx"
     (export_fused if graph == "fused" else export_onnx)("tiny", full)
     ours = quantize_int4(full, tmp_path / "ours.onnx", symmetric=symmetric)
@@ -98,6 +104,8 @@ def test_int4_node_by_node_equals_onnxruntimes_whole_graph_quantizer(tmp_path, g
     o_nodes = [(n.op_type, list(n.input)) for n in onnx.load(str(ours.path)).graph.node]
     t_nodes = [(n.op_type, list(n.input)) for n in theirs.graph.node]
     assert sorted(o_nodes) == sorted(t_nodes)
+    attrs = lambda m: sorted((n.name, str(n.attribute)) for n in m.graph.node if n.op_type == "MatMulNBits")  # noqa: E731
+    assert attrs(onnx.load(str(ours.path))) == attrs(theirs), "K, N, bits, block_size, accuracy_level as theirs"
 
 
 def test_int4_hqq_runs_and_scores(tmp_path):
