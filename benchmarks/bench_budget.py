@@ -1,12 +1,15 @@
 """The error budget's measurements: graph error / PyTorch's own noise, both against float64, per model, dtype, graph.
 
-    python benchmarks/bench_budget.py [--only tiny,wide,smollm2] [--steps 4] [--builder-dir D --optimum-dir D]
+    python benchmarks/bench_budget.py [--only tiny,wide,smollm2] [--dtypes float32,float16,bfloat16] [--steps 4]
+                                      [--builder-dir D --optimum-dir D]
 
 For each model and dtype, PyTorch float64 (the truth) and PyTorch in the dtype (the noise) run once on a batch
 whose rows are several seeds of random ids (and real text for SmolLM2); each graph runs the same batch. Every
 row is then judged alone (its own mask), so each (graph, row) gives one ratio per tensor: the logits, the worst
 layer's K/V, the decode logits. Printed: min / median / max over the rows of the RMS ratio (what `verify parity`
 decides by) and of the max-abs ratio (max |graph - f64| / max |PyTorch - f64|), to show which one is stable.
+bf16 graphs run on the CPU provider emulated (fp32 arithmetic rounded to bf16 after every op, emulation.py),
+against PyTorch's own bf16 on the CPU.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def main() -> None:
     ap.add_argument("--only", default="tiny,wide,smollm2")
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--dtypes", default="float32,float16,bfloat16", help="of those each model is measured in")
     ap.add_argument("--builder-dir", type=Path, help="onnxruntime-genai builder output for SmolLM2 (fp32)")
     ap.add_argument("--optimum-dir", type=Path, help="optimum-cli export onnx output for SmolLM2")
     args = ap.parse_args()
@@ -86,7 +90,7 @@ def main() -> None:
 
         save_checkpoint(get_preset("tiny"), {k: v.detach().clone() for k, v in sharp(get_preset("tiny")).state_dict().items()},
                         tmp / "tiny", to="hf")
-        models.append(("tiny seeded (sharp q/k)", str(tmp / "tiny"), None, ["float32", "float16"], {}))
+        models.append(("tiny seeded (sharp q/k)", str(tmp / "tiny"), None, ["float32", "float16", "bfloat16"], {}))
     if "wide" in args.only:
         from llama_tools.convert import save_checkpoint
         from llama_tools.model import build_model
@@ -106,7 +110,7 @@ def main() -> None:
             extra["builder fp32"] = args.builder_dir / "model.onnx"
         if args.optimum_dir:
             extra["Optimum fp32"] = args.optimum_dir / "model.onnx"
-        models.append(("SmolLM2-135M (trained)", str(hf), text, ["float32", "float16"], extra))
+        models.append(("SmolLM2-135M (trained)", str(hf), text, ["float32", "float16", "bfloat16"], extra))
 
     for name, path, text, dts, extra in models:
         src = resolve(path)
@@ -115,7 +119,7 @@ def main() -> None:
         ids, mask = left_pad(prompts)
         ref32 = reference_model(src, batch=len(prompts), seq=ids.shape[1], steps=args.steps, float64_pass=True)
         truth = run_trace(torch_step(ref32.with_dtype(torch.float64)), ids, mask, args.steps, None)
-        for dt in dts:
+        for dt in (d for d in dts if d in args.dtypes.split(",")):
             ref = run_trace(torch_step(ref32.with_dtype(getattr(torch, dt))), ids, mask, args.steps, None, truth.tokens)
             graphs = {}
             for kind in ("plain", "fused"):

@@ -166,6 +166,8 @@ def _new_session(path: str, providers: list[Any]) -> Any:
     # A failed CUDA start logs an error and a warning through the default logger; we report it in one line.
     ort.set_default_logger_severity(4)
     try:
+        if providers == [_ORT["cpu"]] and bf16_graph(path):
+            return _emulated_bf16_session(path, opts, providers)
         return ort.InferenceSession(path, sess_options=opts, providers=providers)
     except Exception as e:  # onnxruntime raises its own Fail / NotImplemented / InvalidGraph  # noqa: BLE001
         oom = out_of_memory_error(e, f"{path}: loading the weights onto the GPU")
@@ -179,6 +181,39 @@ def _new_session(path: str, providers: list[Any]) -> Any:
         raise ValueError(f"{path}: onnxruntime could not load it ({_first_line(e)[:300]}){hint}") from None
     finally:
         ort.set_default_logger_severity(2)
+
+
+EMULATED_BF16 = "bf16 emulated: fp32 arithmetic rounded to bf16 after every op (the CPU provider has no bf16 kernels)"
+
+
+def bf16_graph(path: str | Path) -> bool:
+    """Whether the graph at `path` is a bf16 one (read without its weights)."""
+    import onnx
+
+    from .emulation import is_bf16_graph
+
+    try:
+        return is_bf16_graph(onnx.load(str(path), load_external_data=False))
+    except Exception:  # not an ONNX file: onnxruntime says so in its own words when it loads it  # noqa: BLE001
+        return False
+
+
+def _emulated_bf16_session(path: str, opts: Any, providers: list[Any]) -> Any:
+    """A CPU session over the bf16 graph emulated in fp32 (emulation.py); the weights are loaded once to convert."""
+    import tempfile
+
+    import onnx
+
+    from .emulation import emulate_bf16
+
+    ort = onnxruntime()
+    model = emulate_bf16(onnx.load(path))
+    if model.ByteSize() < 2**31 - 2**26:  # protobuf's 2 GiB cap, with room for the graph
+        return ort.InferenceSession(model.SerializeToString(), sess_options=opts, providers=providers)
+    with tempfile.TemporaryDirectory(prefix="llama-tools-bf16-") as tmp:  # read into the session, then removed
+        onnx.save_model(model, f"{tmp}/model.onnx", save_as_external_data=True, location="model.onnx.data")
+        del model
+        return ort.InferenceSession(f"{tmp}/model.onnx", sess_options=opts, providers=providers)
 
 
 def _options(sess: Any, provider: str, asked: dict[str, str] | None = None) -> dict[str, str]:
@@ -204,16 +239,17 @@ def create_session(path: str | Path, provider: str = "auto", *, tf32: bool = Fal
         raise ValueError(f"{path}: no such ONNX file")
     path = str(path)
     available = ort.get_available_providers()
+    emulated = f"; {EMULATED_BF16}" if bf16_graph(path) else ""
     if provider == "cpu":
         sess = _new_session(path, provider_list("cpu"))
-        return Session(sess, "cpu", "CPU provider (asked for)", _options(sess, "cpu"), path)
+        return Session(sess, "cpu", "CPU provider (asked for)" + emulated, _options(sess, "cpu"), path)
     if _ORT["cuda"] not in available:
         if provider == "cuda":
             raise ValueError(f"the CUDA provider is not in this onnxruntime build ({ort.__version__}, providers "
                              f"{', '.join(available)}); install onnxruntime-gpu or use --provider cpu")
         sess = _new_session(path, provider_list("cpu"))
-        return Session(sess, "cpu", f"CPU provider: this onnxruntime build ({ort.__version__}) has no CUDA provider",
-                       _options(sess, "cpu"), path)
+        return Session(sess, "cpu", f"CPU provider: this onnxruntime build ({ort.__version__}) has no CUDA provider"
+                       + emulated, _options(sess, "cpu"), path)
     sess = _new_session(path, provider_list("cuda", tf32, device_id))
     first = sess.get_providers()[0]
     if (first[0] if isinstance(first, tuple) else first) == _ORT["cuda"]:  # (name, options) from a stand-in
@@ -223,7 +259,7 @@ def create_session(path: str | Path, provider: str = "auto", *, tf32: bool = Fal
     why = "onnxruntime lists CUDA but could not start it here (no GPU, driver, CUDA or cuDNN libraries)"
     if provider == "cuda":
         raise ValueError(f"--provider cuda: {why}; use --provider cpu or auto")
-    return Session(sess, "cpu", f"CPU provider: {why}", _options(sess, "cpu"), path)
+    return Session(sess, "cpu", f"CPU provider: {why}{emulated}", _options(sess, "cpu"), path)
 
 
 # --- The LM step -------------------------------------------------------------------------------------------
