@@ -1,7 +1,7 @@
 """int4 variants of a real trained model: size, quality on real text, and whether it still says "Paris".
 
 Each variant is `llama-tools export onnx HF_DIR --quantize int4 [options]` (the fused graph, then onnxruntime's
-MatMulNBits quantizer), scored by the export's own quality line (KL and top-1 against the full-precision graph on
+MatMulNBits quantizer), scored by the export's own quality line (KL and top-1 against the full-precision model on
 its built-in text) and by `verify int4 --text` on a second, held-out paragraph (perplexity vs PyTorch fp32).
 
     python benchmarks/bench_int4.py [HF_DIR]      # default: the tests' SmolLM2-135M-Instruct (tests/realmodels.py)
@@ -26,6 +26,8 @@ VARIANTS = {
     "symmetric, block 16": ["--int4-block-size", "16"],
     "symmetric, block 64": ["--int4-block-size", "64"],
     "symmetric, block 32, lm_head kept fp32": ["--int4-keep", "/lm_head/MatMul"],
+    "HQQ, block 32": ["--int4-algorithm", "hqq"],
+    "HQQ, block 64": ["--int4-algorithm", "hqq", "--int4-block-size", "64"],
 }
 
 
@@ -45,7 +47,7 @@ def main() -> None:
 
         hf = realmodels.smollm2_hf()
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; model {hf}")
-    print("| variant | MB | KL vs fp32 graph (built-in text) | top-1 | KL on held-out text | perplexity fp32 -> int4 "
+    print("| variant | MB | KL vs fp32 (built-in text) | top-1 | KL on held-out text | perplexity fp32 -> int4 "
           "| first 3 greedy tokens equal fp32's |")
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:

@@ -135,12 +135,15 @@ def _first_line(e: BaseException) -> str:
 
 
 def _graph_dtype(path: str) -> str:
-    """The element type of past_key_values.0.key ("float16", ...) read from the proto without its weights."""
+    """The element type of past_key_values.0.key ("float16", ...), else of the first float input, read from the
+    proto without its weights."""
     try:
         import onnx
 
         graph = onnx.load(path, load_external_data=False).graph
-        elem = next(i.type.tensor_type.elem_type for i in graph.input if i.name == past_name(0, "key"))
+        floats = (1, 10, 11, 16)  # FLOAT, FLOAT16, DOUBLE, BFLOAT16
+        elem = next(i.type.tensor_type.elem_type for i in sorted(graph.input, key=lambda i: i.name != past_name(0, "key"))
+                    if i.type.tensor_type.elem_type in floats)
         return dtypes.from_onnx(elem).name
     except Exception:  # noqa: BLE001  (only used to word an error)
         return "this"
@@ -166,9 +169,12 @@ def _new_session(path: str, providers: list[Any]) -> Any:
     # A failed CUDA start logs an error and a warning through the default logger; we report it in one line.
     ort.set_default_logger_severity(4)
     try:
-        if providers == [_ORT["cpu"]] and bf16_graph(path):
-            return _emulated_bf16_session(path, opts, providers)
-        return ort.InferenceSession(path, sess_options=opts, providers=providers)
+        try:
+            return ort.InferenceSession(path, sess_options=opts, providers=providers)
+        except Exception as e:  # noqa: BLE001
+            if "NOT_IMPLEMENTED" in str(e) and providers == [_ORT["cpu"]] and bf16_graph(path):
+                return _emulated_bf16_session(path, opts, providers)  # ops the CPU has no bf16 kernel for
+            raise
     except Exception as e:  # onnxruntime raises its own Fail / NotImplemented / InvalidGraph  # noqa: BLE001
         oom = out_of_memory_error(e, f"{path}: loading the weights onto the GPU")
         if oom is not None:
@@ -198,6 +204,11 @@ def bf16_graph(path: str | Path) -> bool:
         return False
 
 
+def _emulated(sess: Any, path: str) -> str:
+    """"; bf16 emulated: ..." when the session runs a bf16 graph in fp32, else ""."""
+    return f"; {EMULATED_BF16}" if getattr(sess, "bf16_emulated", False) else ""
+
+
 def _emulated_bf16_session(path: str, opts: Any, providers: list[Any]) -> Any:
     """A CPU session over the bf16 graph emulated in fp32 (emulation.py); the weights are loaded once to convert."""
     import tempfile
@@ -209,11 +220,14 @@ def _emulated_bf16_session(path: str, opts: Any, providers: list[Any]) -> Any:
     ort = onnxruntime()
     model = emulate_bf16(onnx.load(path))
     if model.ByteSize() < 2**31 - 2**26:  # protobuf's 2 GiB cap, with room for the graph
-        return ort.InferenceSession(model.SerializeToString(), sess_options=opts, providers=providers)
-    with tempfile.TemporaryDirectory(prefix="llama-tools-bf16-") as tmp:  # read into the session, then removed
-        onnx.save_model(model, f"{tmp}/model.onnx", save_as_external_data=True, location="model.onnx.data")
-        del model
-        return ort.InferenceSession(f"{tmp}/model.onnx", sess_options=opts, providers=providers)
+        sess = ort.InferenceSession(model.SerializeToString(), sess_options=opts, providers=providers)
+    else:
+        with tempfile.TemporaryDirectory(prefix="llama-tools-bf16-") as tmp:  # read into the session, then removed
+            onnx.save_model(model, f"{tmp}/model.onnx", save_as_external_data=True, location="model.onnx.data")
+            del model
+            sess = ort.InferenceSession(f"{tmp}/model.onnx", sess_options=opts, providers=providers)
+    sess.bf16_emulated = True  # create_session's note says so
+    return sess
 
 
 def _options(sess: Any, provider: str, asked: dict[str, str] | None = None) -> dict[str, str]:
@@ -239,17 +253,16 @@ def create_session(path: str | Path, provider: str = "auto", *, tf32: bool = Fal
         raise ValueError(f"{path}: no such ONNX file")
     path = str(path)
     available = ort.get_available_providers()
-    emulated = f"; {EMULATED_BF16}" if bf16_graph(path) else ""
     if provider == "cpu":
         sess = _new_session(path, provider_list("cpu"))
-        return Session(sess, "cpu", "CPU provider (asked for)" + emulated, _options(sess, "cpu"), path)
+        return Session(sess, "cpu", "CPU provider (asked for)" + _emulated(sess, path), _options(sess, "cpu"), path)
     if _ORT["cuda"] not in available:
         if provider == "cuda":
             raise ValueError(f"the CUDA provider is not in this onnxruntime build ({ort.__version__}, providers "
                              f"{', '.join(available)}); install onnxruntime-gpu or use --provider cpu")
         sess = _new_session(path, provider_list("cpu"))
         return Session(sess, "cpu", f"CPU provider: this onnxruntime build ({ort.__version__}) has no CUDA provider"
-                       + emulated, _options(sess, "cpu"), path)
+                       + _emulated(sess, path), _options(sess, "cpu"), path)
     sess = _new_session(path, provider_list("cuda", tf32, device_id))
     first = sess.get_providers()[0]
     if (first[0] if isinstance(first, tuple) else first) == _ORT["cuda"]:  # (name, options) from a stand-in
@@ -259,7 +272,7 @@ def create_session(path: str | Path, provider: str = "auto", *, tf32: bool = Fal
     why = "onnxruntime lists CUDA but could not start it here (no GPU, driver, CUDA or cuDNN libraries)"
     if provider == "cuda":
         raise ValueError(f"--provider cuda: {why}; use --provider cpu or auto")
-    return Session(sess, "cpu", f"CPU provider: {why}{emulated}", _options(sess, "cpu"), path)
+    return Session(sess, "cpu", f"CPU provider: {why}{_emulated(sess, path)}", _options(sess, "cpu"), path)
 
 
 # --- The LM step -------------------------------------------------------------------------------------------

@@ -147,7 +147,7 @@ def test_memory_model_by_hand():
     m = reference_memory(cfg, batch=2, seq=11, steps=8)
     layer = 4 * (2 * 4096 + 4 * 4096 * 4096 + 3 * 4096 * 11008)
     assert m.weights == layer == 4 * 202_383_360
-    assert m.head == 64 * 2**20 + 4 * 4096
+    assert m.head == 16 * 2**20 + 4 * 4096
     assert m.kv_cache == 2 * 32 * 2 * 32 * 19 * 128 * 4
     assert m.activations == 4 * (2 * 11 * (8 * 4096 + 3 * 11008 + 3 * 32 * 19) + 2 * 11 * 32000)
     assert m.tables == 2 * 4096 * 64 * 4

@@ -239,12 +239,18 @@ def test_bf16_cache_feeds_and_reads_back(tmp_path):
     np.testing.assert_array_equal(k[0, 0, 5:, 1], torch.tensor([5 * SCALE, 6 * SCALE]).bfloat16().float().numpy())
 
 
-def test_bf16_graph_on_the_cpu_provider_is_refused_in_one_line(tmp_path):
-    export_onnx("tiny", tmp_path / "bf16.onnx", dtype="bfloat16", check=False)
+def test_a_graph_the_cpu_cannot_run_is_refused_in_one_line(tmp_path):
+    """An op with no CPU kernel for its type (a double Atan: onnxruntime's CPU has it in float only), not bf16."""
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph([helper.make_node("Atan", ["x"], ["y"], name="atan")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [2])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)]), tmp_path / "f64.onnx")
     with pytest.raises(ValueError) as e:
-        runtime.create_session(tmp_path / "bf16.onnx", "cpu")
+        runtime.create_session(tmp_path / "f64.onnx", "cpu")
     msg = str(e.value)
-    assert "\n" not in msg and "bfloat16 graph" in msg and "--provider cuda" in msg and "CPU provider" in msg
+    assert "\n" not in msg and "float64 graph" in msg and "--provider cuda" in msg and "CPU provider" in msg
 
 
 # --- out of memory ----------------------------------------------------------------------------------------
