@@ -113,6 +113,21 @@ def _write(f: Any, t: torch.Tensor, dtype: torch.dtype) -> int:
     return n
 
 
+def _copy_external(f: Any, t: ir.ExternalTensor) -> int:
+    """Append an external tensor's bytes read from its file SLAB_BYTES at a time: no memory map, so the pages
+    read never count as ours (a mapped 500 MB embedding would, until unmapped)."""
+    with open(t.path, "rb") as src:
+        src.seek(t.offset or 0)
+        left = t.length if t.length is not None else t.nbytes
+        while left:
+            chunk = src.read(min(SLAB_BYTES, left))
+            if not chunk:
+                raise ValueError(f"{t.path}: ends before tensor {t.name!r} does ({left:,} bytes missing)")
+            f.write(chunk)
+            left -= len(chunk)
+    return t.length if t.length is not None else t.nbytes
+
+
 def check_weightless(path: Path) -> None:
     """onnx.checker with full_check (strict shape inference) on the written proto.
 
@@ -160,7 +175,16 @@ def save_model(model: ir.Model, directory: str | Path, name: str = "model.onnx",
     written = offset = 0
     with open(directory / data_name, "wb") as f:
         for i, v in enumerate(inits):
-            t = _as_torch(fetch(v), v, materialize=False)
+            data = fetch(v)
+            if isinstance(data, ir.ExternalTensor) and data.dtype == v.dtype and data.nbytes >= INLINE_MAX_BYTES:
+                n = _copy_external(f, data)  # another file's tensor as it is (a graph rewritten, int4 around it)
+                v.const_value = ir.ExternalTensor(data_name, offset, n, v.dtype, name=v.name, base_dir=directory,
+                                                  shape=ir.Shape([int(d) for d in v.shape]))
+                offset, written = offset + n, written + 1
+                if callback is not None:
+                    callback(i + 1, len(inits))
+                continue
+            t = _as_torch(data, v, materialize=False)
             dtype = _TORCH_DTYPES[v.dtype]
             if t.numel() * dtype.itemsize < INLINE_MAX_BYTES:
                 v.const_value = _ir_tensor(_as_torch(t, v), v)  # shape constants, toy norms: inside the graph

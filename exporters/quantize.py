@@ -238,6 +238,10 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
         raise ValueError(f"{source}: no MatMul with a constant 2-D weight to quantize to int4 "
                          f"(already quantized, or every one excluded)")
     quantizer = _node_quantizer(algorithm, block_size, symmetric, accuracy_level)
+    # A tied lm_head (MatMul on the Gather's table, transposed) serves the embedding too (share_tied_embedding),
+    # which GatherBlockQuantized can only read without a zero point: with HQQ it is quantized symmetric RTN.
+    gathered = {n.input[0] for n in graph.node if n.op_type == "Gather"}
+    tied_rtn = _node_quantizer("rtn", block_size, True, accuracy_level) if algorithm == "hqq" else None
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node
     inits = {t.name: t for t in graph.initializer}
     nodes, folded = [], 0
@@ -249,7 +253,10 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
         k, n, cols = _columns(inits[name], base, through_transpose)
         if through_transpose:
             name, folded = name + "_t", folded + 1  # the quantizer names its tensors after this: W_t_Q4, ...
-        made_nodes, made = _quantize_matmul(quantizer, node, name, k, n, cols, chunked=algorithm == "rtn")
+        if tied_rtn is not None and through_transpose and weights[node.name][0] in gathered:
+            made_nodes, made = _quantize_matmul(tied_rtn, node, name, k, n, cols, chunked=True)
+        else:
+            made_nodes, made = _quantize_matmul(quantizer, node, name, k, n, cols, chunked=algorithm == "rtn")
         nodes += made_nodes
         graph.initializer.extend(made)
     graph.ClearField("node")
@@ -258,8 +265,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     quantized = sum(n.op_type == "MatMulNBits" for n in graph.node)
     assert quantized == len(candidates) - len(exclude), (
         f"{quantized} MatMulNBits for {len(candidates) - len(exclude)} quantizable MatMuls")
-    if symmetric:  # GatherBlockQuantized reads MatMulNBits' blocks with its default zero point (8) only
-        share_tied_embedding(model, block_size)
+    share_tied_embedding(model, block_size)  # where the lm_head has no zero point (GatherBlockQuantized's default 8)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     _save_streamed(model, base, output)

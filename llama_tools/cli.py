@@ -472,7 +472,8 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
     for note in rep.notes:
         click.echo(f"note: {note}", err=True)
     if rep.quality and rep.quality.warning:
-        click.echo(f"warning: int4 moves this model's answers ({rep.quality.warning}); measure it on your text "
+        hqq = "" if (int4 or {}).get("algorithm") == "hqq" else "try --int4-algorithm hqq (closer, slower on the CPU), "
+        click.echo(f"warning: int4 moves this model's answers ({rep.quality.warning}); {hqq}measure it on your text "
                    f"with `llama-tools verify int4 {output} --text FILE`, or keep fp16/the fused graph", err=True)
     res = rep.result
     mb = lambda n: f"{n / 1e6:,.1f} MB"  # noqa: E731

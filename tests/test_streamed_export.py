@@ -125,3 +125,39 @@ def test_int4_hqq_runs_and_scores(tmp_path):
     bad = CliRunner().invoke(cli, ["export", "onnx", "tiny", "-o", str(tmp_path / "x.onnx"), "--quantize", "int4",
                                    "--int4-algorithm", "gptq"])
     assert bad.exit_code != 0 and "--int4-algorithm" in bad.output and "Traceback" not in bad.output
+
+
+def test_int4_written_beside_its_data_equals_the_single_file(tmp_path, monkeypatch):
+    """Above the single-file size the int4 graph goes to OUT + OUT.data, the full-precision tensors (tiny's
+    untied embedding, norms, RoPE tables) copied from SOURCE's file by plain reads: the same tensors."""
+    from llama_tools.exporters import onnx_save
+
+    full = tmp_path / "full.onnx"
+    export_fused("tiny", full, external_data_threshold_bytes=0)  # SOURCE's weights in full.onnx.data
+    one = quantize_int4(full, tmp_path / "one" / "model.onnx").path
+    monkeypatch.setattr(onnx_save, "SINGLE_FILE_MAX_BYTES", 0)
+    copied = []
+    real_copy = onnx_save._copy_external
+    monkeypatch.setattr(onnx_save, "_copy_external", lambda f, t: (copied.append(t.name), real_copy(f, t))[1])
+    two = quantize_int4(full, tmp_path / "two" / "model.onnx").path
+    assert "model.embed_tokens.weight" in copied, copied
+    assert not (one.parent / "model.onnx.data").exists() and (two.parent / "model.onnx.data").is_file()
+    a, b = _inits(one), _inits(two)
+    assert a.keys() == b.keys() and "model.embed_tokens.weight" in a
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_hqq_keeps_a_tied_embedding_shared(tmp_path):
+    """HQQ's zero points are floats, which GatherBlockQuantized cannot read: a tied lm_head is quantized
+    symmetric RTN instead, so the embedding is still served from its blocks (stored once)."""
+    cfg = get_preset("tiny").replace(tie_word_embeddings=True)
+    torch.manual_seed(0)
+    full = export_fused(build_model(cfg, dtype=torch.float32), tmp_path / "full.onnx").path
+    q = quantize_int4(full, tmp_path / "hqq.onnx", algorithm="hqq")
+    nodes = onnx.load(str(q.path)).graph.node
+    nbits = {n.name: n for n in nodes if n.op_type == "MatMulNBits"}
+    assert len(nbits[next(n for n in nbits if n.startswith("/lm_head"))].input) == 3, "lm_head: no zero point"
+    assert all(len(n.input) == 4 for name, n in nbits.items() if not name.startswith("/lm_head"))
+    assert [n.op_type for n in nodes].count("GatherBlockQuantized") == 1
+    assert "model.embed_tokens.weight" not in _inits(q.path), "the fp32 table is gone"
