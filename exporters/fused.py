@@ -56,8 +56,8 @@ from llama_tools.weights import weight_specs
 
 from . import rope_ops
 from .graph_io import io_names
-from .onnx_export import (DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD_BYTES, META, ExportResult, check_args, real_weights,
-                          save_model, set_metadata)
+from .onnx_export import META, ExportResult, real_weights, save_model, set_metadata
+from .preflight import DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD_BYTES, check_args
 
 GRAPH = "fused"  # the llama_tools.graph metadata value
 FUSED_ROPE_OPS = (rope_ops.OURS.name, "contrib")  # ops that take 3-D [b, s, heads*n6] input

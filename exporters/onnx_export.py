@@ -38,12 +38,11 @@ from llama_tools.source import ModelSource, resolve
 from llama_tools.weights import weight_specs
 
 from . import graph_io, onnx_save, rope_ops
+from .preflight import DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD_BYTES, check_args
 from .graph_io import ATTENTION_MASK, io_names
 
-DEFAULT_OPSET = 20  # torch.onnx's own default; a RoPE op may need more (rope_ops.ROPE_OPS)
 # Above this many bytes of weights they stream to OUT.onnx.data (protobuf caps a file at 2 GiB, and one
 # serialized proto would hold every weight in memory twice).
-EXTERNAL_DATA_THRESHOLD_BYTES = onnx_save.SINGLE_FILE_MAX_BYTES
 # Sizes to trace with: >= 2 and distinct, since torch.export specializes dims of size 0 or 1.
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 3, 5
 META = "llama_tools."  # prefix of our metadata_props keys
@@ -627,16 +626,6 @@ def save_model(model: ir.Model, output: Path, threshold: int, check: bool, progr
 
 
 # --- The entry points ----------------------------------------------------------------------------------------
-
-def check_args(dtype: Any, rope_op: str, opset: int | None) -> tuple[dtypes.DType, int]:
-    """Bad user input -> one-line ValueError, before anything is loaded; returns (dtype, opset)."""
-    dt = dtypes.model_dtype(dtype)
-    op = rope_ops.get_rope_op(rope_op)
-    opset = max(DEFAULT_OPSET, op.min_opset) if opset is None else opset
-    if opset < op.min_opset:
-        raise ValueError(f"opset {opset} is too old for {op.display}; pass opset >= {op.min_opset}")
-    return dt, opset
-
 
 def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | Path, *, dtype: Any = "float32",
                 rope_op: str = rope_ops.OURS.name, opset: int | None = None, seed: int = 0, check: bool = True,

@@ -30,11 +30,8 @@ import torch
 
 from llama_tools import dtypes
 
-# Below this many bytes of weights one self-contained file is fine: serializing it holds the weights about
-# twice more (protobuf's buffer, then the bytes), and onnxruntime parses the proto before copying them out.
-# Above it, OUT.data beside OUT (as onnxruntime-genai's builder always writes): a 135M model's int4 graph
-# (86 MB) written this way peaks ~170 MB lower, and its session ~90 MB lower.
-SINGLE_FILE_MAX_BYTES = 64 * 2**20
+from .preflight import SINGLE_FILE_MAX_BYTES  # noqa: F401  (re-exported: the save's default)
+
 INLINE_MAX_BYTES = 1024  # shape constants and other small initializers stay inside the proto
 Source = Callable[[str], Any]  # initializer name -> torch tensor / numpy array / None (use its const_value)
 

@@ -22,7 +22,8 @@ from llama_tools.source import ModelSource
 
 from .fused import check_fusable, export_fused
 from .genai import ClientFiles, write_client_files
-from .onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES, ExportResult, export_onnx
+from .onnx_export import ExportResult, export_onnx
+from .preflight import check_output
 from .quant_options import QUANTIZE
 from .quantize import QUALITY_TEXT, QuantizeResult, QuickQuality, quantize_int4, quick_quality
 
@@ -118,79 +119,6 @@ def _quality(source: ModelSource, int4: Path, seed: int) -> QuickQuality:
 
 
 # --- Before any work: where the export goes, and what is there ----------------------------------------------
-
-def check_output(source: ModelSource, output: str | Path, *, dtype: str = "float32",
-                 quantize: str | None = None) -> Path:
-    """OUTPUT resolved (a symlink's target) and checked before any work; one-line ValueErrors.
-
-    Refused: an OUTPUT or OUTPUT.data that is one of the files the export reads; an OUTPUT.data there that
-    no graph of ours refers to (someone else's file: never replaced or deleted); a terminal; a stream when
-    the weights need a .data file beside the graph; less free space than the weights take.
-    """
-    given = Path(output)
-    # "-" is standard output; the exporters want a path that stats (/dev/stdout, written through fd 1)
-    output = Path("/dev/stdout") if str(given) == "-" else files.resolve_output(given)
-    files.check_name(output)
-    data = output.parent / (output.name + ".data")
-    if not files.written_through(output):  # a stream, device or FIFO has no .data beside it
-        files.check_output_path(data)
-    files.check_writes([given, data], source.files)  # named as typed; symlinks followed there
-    nbytes = _weight_bytes(source, dtype)
-    fd = files.stream_fd(output)
-    if fd is not None and os.isatty(fd):
-        raise ValueError(f"{output}: a terminal; an ONNX graph is binary: redirect it (> model.onnx) or give a "
-                         f"file path")
-    if files.written_through(output):
-        if nbytes > EXTERNAL_DATA_THRESHOLD_BYTES and quantize is None:
-            raise ValueError(f"{output}: not a regular file, and the weights (~{nbytes:,} bytes) need an "
-                             f"external-data file beside the graph; give a file path")
-    else:
-        _check_data_is_ours(output, data)
-        too_long = len(data.name.encode("utf-8", "surrogateescape")) > files.NAME_MAX
-        if too_long and nbytes > EXTERNAL_DATA_THRESHOLD_BYTES and quantize is None:
-            raise ValueError(f"{output}: the weights (~{nbytes:,} bytes) need {output.name}.data beside it, a name "
-                             f"longer than {files.NAME_MAX} bytes; choose a shorter output name")
-        # int4: the full-precision graph in a scratch dir beside OUTPUT, then the int4 one (~1/6 of it). Random
-        # weights too big to materialize are refused by load_model in their own words: not a disk's matter.
-        from llama_tools.loading import MAX_RANDOM_INIT_BYTES
-
-        if not (source.seeded and nbytes > MAX_RANDOM_INIT_BYTES):
-            files.check_space(output, nbytes + (nbytes // 4 if quantize else 0))
-    return output
-
-
-def _weight_bytes(source: ModelSource, dtype: str) -> int:
-    """The graph's weights at `dtype`, exactly from the config (constant time in the number of layers)."""
-    from llama_tools.accounting import count_params
-
-    return count_params(source.cfg).total * int(dtypes.get(dtypes.model_dtype(dtype).name).bytes)
-
-
-def _refers_to(graph: Path, data_name: str) -> bool:
-    """Whether `graph` is an ONNX file whose initializers live in `data_name` (a .data file we wrote for it)."""
-    import onnx
-
-    try:
-        model = onnx.load(str(graph), load_external_data=False)
-    except Exception:  # not an ONNX file (protobuf's DecodeError, ...): it refers to nothing  # noqa: BLE001
-        return False
-    for t in model.graph.initializer:
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            if any(e.key == "location" and e.value == data_name for e in t.external_data):
-                return True
-    return False
-
-
-def _check_data_is_ours(output: Path, data: Path) -> None:
-    """OUTPUT.data may be replaced (or removed as stale) only when the graph at OUTPUT refers to it."""
-    try:
-        present = os.path.lexists(data)
-    except OSError:
-        return
-    if present and not (output.is_file() and _refers_to(output, data.name)):
-        raise ValueError(f"{data}: is there beside {output}, and no graph of ours refers to it: it is not ours to "
-                         f"replace or delete; move it, or choose another output path")
-
 
 @contextlib.contextmanager
 def _long_name(output: Path) -> Iterator[Path]:

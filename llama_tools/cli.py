@@ -447,8 +447,7 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
       llama-tools export onnx tiny -o plain/model.onnx
       llama-tools export onnx ./tiny-hf -o int4/model.onnx --quantize int4
     """
-    from .exporters.onnx_export import check_args
-    from .exporters.pipeline import check_output, export
+    from .exporters.preflight import check_args, check_output  # no torch: a refusal here is quick
     from .exporters.rope_ops import ROPE_OPS
 
     int4 = {k: v for k, v in (("block_size", int4_block_size), ("symmetric", False if int4_asymmetric else None),
@@ -465,6 +464,8 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
         click.echo(f"note: {model.spec} is a config without weights: exporting seeded random weights (seed {seed})",
                    err=True)
     started = time.time()
+    from .exporters.pipeline import export
+
     rep = export(model, output, dtype=dtype, rope_op=rope_op, optimize=optimize, quantize=quantize, int4=int4,
                  static_kv=static_kv, seed=seed, client_files=not no_client_files,
                  progress=terminal("export", quiet=quiet), say=(lambda m: None) if quiet else say)
@@ -573,7 +574,7 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
     if by_layer:
         return _verify_by_layer(target, source, prompts, ids, provider, dtype, rope_op, tf32, all_layers, plot,
                                 quiet, fmt)
-    from .exporters.onnx_export import check_args
+    from .exporters.preflight import check_args
     from .exporters.parity import check_inputs, resolve_target
     from .exporters.parity import verify_parity as run_parity
     from .tokenizer import prompt_ids
@@ -610,7 +611,7 @@ def _verify_by_layer(target: str | None, source: str | None, prompts: tuple[str,
                      quiet: bool, fmt: str) -> None:
     """verify parity --by-layer: each decoder layer's own error (exporters/by_layer.py)."""
     from .exporters.by_layer import by_layer_rows, verify_by_layer
-    from .exporters.onnx_export import check_args
+    from .exporters.preflight import check_args
     from .exporters.parity import check_inputs, resolve_target
     from .tokenizer import prompt_ids
 

@@ -13,20 +13,19 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from . import dtypes, files
 from .accounting import nbytes, param_total, tensor_total
 from .config import ModelConfig
 from .config_files import config_to_hf, ffn_hidden_size
 from .formats import FORMATS, WRITABLE, checkpoint_tensors, family_format
-from .layouts import fuse_qkv, permute_rope_rows
-from .loading import MAX_RANDOM_INIT_BYTES
-from .source import ModelSource, resolve
+from .source import MAX_RANDOM_INIT_BYTES, ModelSource, resolve
 from .weight_files import write_index
 from .weights import weight_specs
+
+if TYPE_CHECKING:  # torch is imported where weights are touched: refusals before that need none of it
+    import torch
 
 
 @dataclass
@@ -80,6 +79,8 @@ def meta_params(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _hf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]]:
+    from .layouts import fuse_qkv
+
     fmt = family_format(cfg)
     out = {}
     for ct in checkpoint_tensors(cfg, fmt):
@@ -91,6 +92,8 @@ def _hf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[str, 
 
 def _write_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], tmp: Path, shards: int) -> tuple[str, list[str]]:
     from safetensors.torch import save_file
+
+    from .layouts import permute_rope_rows
 
     hf_rows = FORMATS["hf"].rope_layout
     state = permute_rope_rows(state, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rope_layout, hf_rows) \
@@ -114,6 +117,10 @@ def _write_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], tmp: Path, shard
 
 
 def _write_meta(cfg: ModelConfig, state: dict[str, torch.Tensor], tmp: Path, shards: int) -> tuple[str, list[str]]:
+    import torch
+
+    from .layouts import permute_rope_rows
+
     params = meta_params(cfg)
     state = permute_rope_rows(state, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rope_layout,
                               FORMATS["meta"].rope_layout)
@@ -156,14 +163,19 @@ def save_checkpoint(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str |
     return layout, written
 
 
-def check_target(to: str, shards: int, tensors: int) -> None:
-    """Cheap checks of `convert`'s options, before any weight is read."""
+def check_target(to: str, shards: int, tensors: int, cfg: ModelConfig | None = None) -> None:
+    """Cheap checks of `convert`'s options, before any weight is read (cfg: Meta's shard split, by shapes)."""
     if to not in WRITABLE:
         raise ValueError(f"unknown target layout {to!r}; choose one of {', '.join(WRITABLE)}")
     if shards < 1:
         raise ValueError(f"--shards must be >= 1, got {shards}")
     if to == "hf" and shards > tensors:
         raise ValueError(f"--shards {shards} is more than the {tensors} tensors to write; give at most {tensors}")
+    if to == "meta" and shards > 1 and cfg is not None:
+        for s in weight_specs(cfg.replace(num_hidden_layers=1)):  # every layer has the first one's shapes
+            if s.meta_shard_dim is not None and s.shape[s.meta_shard_dim] % shards:
+                raise ValueError(f"--shards {shards}: tensor {s.name} (axis {s.meta_shard_dim} of size "
+                                 f"{s.shape[s.meta_shard_dim]}) does not split into {shards} model-parallel shards")
 
 
 def _gguf_weights(path: Path, dtype: str | None) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, str]]:
@@ -203,7 +215,7 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
     source = resolve(src)
     if dtype is not None:
         dtype = dtypes.model_dtype(dtype).name  # a ValueError line before any weight is read
-    check_target(to, shards, tensor_total(source.cfg))  # constant time: a 10^8-layer config is not listed
+    check_target(to, shards, tensor_total(source.cfg), source.cfg)  # constant time: a 10^8-layer config is not listed
     files.check_output_path(dst, directory=True)
     need = _output_bytes(source, dtype)
     if source.weights is not None or need <= MAX_RANDOM_INIT_BYTES:  # too big to seed: load_model says so below

@@ -10,10 +10,8 @@ from . import dtypes
 from .config import ModelConfig
 from .model import Llama, build_model
 from .progress import Progress, silent
-from .source import ModelSource, resolve
+from .source import MAX_RANDOM_INIT_BYTES, ModelSource, resolve
 
-# A random-init model this large would not fit next to anything else on a workstation.
-MAX_RANDOM_INIT_BYTES = 8 * 2**30
 
 
 def load_model(source: ModelSource | ModelConfig | str, dtype: Any = "float32", device: str = "cpu", seed: int = 0,

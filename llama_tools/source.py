@@ -13,6 +13,8 @@ from .presets import preset_tokenizer
 from .tokenizer import find_tokenizer
 from .weight_files import NO_WEIGHTS, WeightFiles, checkpoint_config, find_weight_files
 
+MAX_RANDOM_INIT_BYTES = 8 * 2**30  # seeded weights above this are refused (load_model) rather than materialized
+
 SourceKind = Literal["preset", "config", "checkpoint"]
 # What commands read beside the weights or a config file: configs, tokenizers (genai copies them).
 READ_BESIDE = ("config.json", "params.json", "generation_config.json", "tokenizer.model", "tokenizer.json",

@@ -33,11 +33,23 @@ def probe(*args: str, cwd=None) -> dict:
     (["verify", "parity", "missing/model.onnx"], "llama-tools export onnx MODEL -o missing/model.onnx"),
     (["verify", "int4", "missing/model.onnx"], "no such file"),
     (["export", "onnx", "tiny", "-o", "x.onnx", "--static-kv", "0"], "--static-kv"),
+    (["export", "onnx", "tiny", "-o", "."], "not a file name"),
+    (["export", "onnx", "tiny", "-o", "/proc/x.onnx"], "under /proc"),
+    (["export", "onnx", "tiny", "-o", "x.onnx", "--quantize", "int4", "--int4-block-size", "24"], "power of two"),
+    (["convert", "tiny", "/proc/x", "--to", "hf"], "under /proc"),
+    (["convert", "tiny", "out", "--to", "meta", "--shards", "1000"], "does not split into 1000"),
 ])
 def test_refused_before_torch(args, says, tmp_path):
     out = probe(*args, cwd=tmp_path)
     assert out["code"] == 1 and says in out["stderr"], out
     assert out["heavy"] == [], f"{' '.join(args)} imported {out['heavy']} before refusing"
+
+
+def test_export_refuses_to_overwrite_its_input_before_torch(tmp_path):
+    """OUTPUT that is the checkpoint's own weights file: refused by the export's own pre-flight (preflight.py)."""
+    assert probe("convert", "tiny", "ck", "--to", "hf", "--format", "json", cwd=tmp_path)["code"] in (0, None)
+    out = probe("export", "onnx", "ck", "-o", "ck/model.safetensors", cwd=tmp_path)
+    assert out["code"] == 1 and "this run reads" in out["stderr"] and out["heavy"] == [], out
 
 
 def test_the_probe_sees_torch(tmp_path):
