@@ -18,6 +18,7 @@ thresholds of `QuantThresholds` (see there for why those numbers).
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -136,19 +137,44 @@ CHUNK_BYTES = 32 * 2**20
 
 def _columns(tensor: Any, base: Path, transposed: bool) -> tuple[int, int, Callable[[int, int], np.ndarray]]:
     """(in, out, cols(a, b)) of a MatMul weight: cols gives W^T[:, a:b] as a contiguous [in, b - a] array, read
-    through a memory map of the external data file (only the rows asked for are touched and copied)."""
-    import onnx_ir as ir
+    from the external data file with positioned reads of just those bytes (a memory map would fault in the
+    whole matrix around a column slice, all counted as ours)."""
+    from onnx import helper, numpy_helper
+    from onnx.external_data_helper import uses_external_data
 
     dims = [int(d) for d in tensor.dims]
     k, n = (dims[1], dims[0]) if transposed else (dims[0], dims[1])  # stored [out, in] behind a Transpose
+    if not uses_external_data(tensor):
+        inside = numpy_helper.to_array(tensor)  # inside the proto: small
+        return k, n, lambda a, b: np.ascontiguousarray(inside[a:b].T if transposed else inside[:, a:b])
+    info = {e.key: e.value for e in tensor.external_data}
+    location, start = info["location"], int(info.get("offset", 0))
+    if Path(location).name != location:  # a name beside the graph, never a path that leaves its directory
+        raise ValueError(f"{base}: tensor {tensor.name!r} points at {location!r}, not a file beside the graph")
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    row = dims[1] * dtype.itemsize  # bytes of one stored row
 
     def cols(a: int, b: int) -> np.ndarray:
-        t = ir.serde.deserialize_tensor(tensor, base)  # an external tensor maps its file; no bytes read yet
-        w = t.numpy()
-        out = np.ascontiguousarray(w[a:b].T if transposed else w[:, a:b])  # [in, b - a]
-        del w, t  # the map goes with them: the pages read do not stay resident
-        return out
+        fd = os.open(base / location, os.O_RDONLY)
+        try:
+            if transposed:  # W [out, in]: rows a..b are one contiguous run
+                w = np.frombuffer(_pread(fd, (b - a) * row, start + a * row), dtype).reshape(b - a, dims[1])
+                return np.ascontiguousarray(w.T)  # [in, b - a]
+            out = np.empty((k, b - a), dtype)  # W^T [in, out]: (b - a) values from each of the k rows
+            width = (b - a) * dtype.itemsize
+            for r in range(k):
+                out[r] = np.frombuffer(_pread(fd, width, start + r * row + a * dtype.itemsize), dtype)
+            return out
+        finally:
+            os.close(fd)
     return k, n, cols
+
+
+def _pread(fd: int, size: int, offset: int) -> bytes:
+    data = os.pread(fd, size, offset)
+    if len(data) != size:
+        raise ValueError(f"external data ends before a tensor does ({size - len(data):,} bytes missing)")
+    return data
 
 
 def _quantize_matmul(quantizer: Any, node: Any, name: str, k: int, n: int,
