@@ -272,12 +272,23 @@ class DecoderLayer(nn.Module):
     def forward(self, z: torch.Tensor, bias: torch.Tensor, position_ids: torch.Tensor,
                 rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
                 past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        y, present = self.attend(z, bias, position_ids, rope_tables, past)
+        return self.feed_forward(y), present
+
+    # The two halves apart, so a streamed reference can hold one half's weights at a time.
+    def attend(self, z: torch.Tensor, bias: torch.Tensor, position_ids: torch.Tensor,
+               rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
+               past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """6.1-6.2: Z^j -> Y^j and the layer's K/V."""
         zbar = self.input_layernorm(z)  # Zbar^j = rnorm(Z^j): [b, n3, n2]
         r, present = self.self_attn(zbar, bias, position_ids, rope_tables, past)
-        y = z + r  # Y^j = Z^j + R^j
+        return z + r, present  # Y^j = Z^j + R^j
+
+    def feed_forward(self, y: torch.Tensor) -> torch.Tensor:
+        """6.3-6.4: Y^j -> Z^{j+1}."""
         ybar = self.post_attention_layernorm(y)  # Ybar^j = rnorm(Y^j)
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return y + ffn(ybar), present  # Z^{j+1} = Y^j + Yhat^j
+        return y + ffn(ybar)  # Z^{j+1} = Y^j + Yhat^j
 
 
 class Backbone(nn.Module):

@@ -1,11 +1,11 @@
-"""A PyTorch fp32 reference that never holds the whole model: one decoder layer's fp32 weights at a time.
+"""A PyTorch fp32 reference that never holds the whole model: one half of a decoder layer's fp32 weights at a time.
 
 For parity checks of big models. The checkpoint stays memory-mapped on disk; each forward pass goes
 
     ids --rows of D--> Z^0 --layer 0--> Z^1 --layer 1--> ... --layer n8-1--> Z^n8 --rnorm--> --W^8 in row chunks--> H
-                        (read, cast to fp32, run for the whole batch, free: one layer resident at a time)
+                        (read, cast to fp32, run for the whole batch, free: half a layer resident at a time)
 
-so the resident weights are one layer in fp32 plus a chunk of lm_head and the embedding rows the ids use,
+so the resident weights are half a layer in fp32 (its attention, then its feed-forward) plus a chunk of lm_head and the embedding rows the ids use,
 and the files' pages are unmapped after every layer. The arithmetic is `llama_tools.model`'s own
 (the same DecoderLayer, attention_bias and rope tables), so it matches `load_model(dir)` to rounding.
 Seeded random sources (presets, configs) have no file to stream from: `reference_model` builds them in fp32 and
@@ -44,7 +44,7 @@ LM_HEAD_CHUNK_BYTES = 16 * 2**20  # fp32 rows of W^8 (and D) materialized at onc
 class ReferenceMemory:
     """Host bytes the fp32 reference needs for a batch; `total` is what `check_fits` compares."""
 
-    weights: int  # resident fp32 weights: one decoder layer (streamed) or the whole model (plain)
+    weights: int  # resident fp32 weights: the larger half of a decoder layer (streamed) or the whole model (plain)
     head: int  # streamed: one fp32 chunk of lm_head plus the final norm; plain: 0 (inside weights)
     activations: int  # the largest layer's intermediates plus the logits
     kv_cache: int  # fp32 K and V of every layer at the longest length
@@ -54,6 +54,11 @@ class ReferenceMemory:
     @property
     def total(self) -> int:
         return self.weights + self.head + self.activations + self.kv_cache + self.tables
+
+
+def _attention_half(name: str) -> bool:
+    """Whether a decoder weight belongs to 6.1-6.2 (input norm, attention) rather than 6.3-6.4."""
+    return ".input_layernorm." in name or ".self_attn." in name
 
 
 def reference_memory(cfg: ModelConfig, batch: int, seq: int, steps: int = 0, streamed: bool = True,
@@ -66,10 +71,13 @@ def reference_memory(cfg: ModelConfig, batch: int, seq: int, steps: int = 0, str
     f32 = itemsize
     specs = weight_specs(cfg)
     per_layer = [sum(s.numel for s in specs if s.layer == j) for j in range(cfg.num_hidden_layers)]
+    # Streamed: a decoder's two halves are read one after the other (the larger is what is resident).
+    per_half = [sum(s.numel for s in specs if s.layer == j and _attention_half(s.name) == a)
+                for j in range(cfg.num_hidden_layers) for a in (True, False)]
     n1, n2, n7 = cfg.vocab_size, cfg.hidden_size, (cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size)
     total = seq + steps
     if streamed:
-        weights = max(per_layer, default=0) * f32
+        weights = max(per_half, default=0) * f32
         head = min(n1 * n2 * f32, max(LM_HEAD_CHUNK_BYTES, n2 * f32)) + n2 * f32
     else:  # the whole model in fp32, plus one layer cast to the pass's dtype when that is wider
         weights, head = sum(s.numel for s in specs) * 4 + (max(per_layer, default=0) * f32 if f32 > 4 else 0), 0
@@ -269,7 +277,7 @@ class StreamTimes:
 class StreamedReference:
     """Callable like `Llama`: (input_ids, attention_mask, position_ids, past_key_values) -> CausalLMOutput.
 
-    Weights come from `CheckpointReader` one decoder layer at a time; `progress(j, n8)` after each layer.
+    Weights come from `CheckpointReader` half a decoder layer at a time (attention, then feed-forward); `progress(j, n8)` after each layer.
     """
 
     def __init__(self, directory: str | Path | Any, *, device: Any = "cpu", progress: Progress = silent,
@@ -294,14 +302,15 @@ class StreamedReference:
         """The same weights (the same open reader), another arithmetic: e.g. the float64 truth beside fp32."""
         return StreamedReference(self.reader, device=self.device, progress=self.progress, dtype=dtype)
 
-    def _layer(self, j: int) -> DecoderLayer:
-        """Decoder j with its fp32 weights, built on the meta device so nothing random is allocated first."""
+    def _half(self, j: int, attention: bool) -> DecoderLayer:
+        """Decoder j with one half's weights (the attention's, or the feed-forward's) read, the other half left
+        on the meta device: built there first, so nothing random is allocated either."""
         prefix = f"model.layers.{j}."
-        names = [s.name for s in weight_specs(self.cfg) if s.layer == j]
+        names = [s.name for s in weight_specs(self.cfg) if s.layer == j and _attention_half(s.name) == attention]
         state = {n: t.to(self.dtype) for n, t in self.reader.read(names, self.device).items()}
         with torch.device("meta"):
             layer = DecoderLayer(self.cfg)
-        layer.load_state_dict({n.removeprefix(prefix): t for n, t in state.items()}, strict=True, assign=True)
+        layer.load_state_dict({n.removeprefix(prefix): t for n, t in state.items()}, strict=False, assign=True)
         return layer.eval()
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -347,13 +356,18 @@ class StreamedReference:
                               z.device).to(z.dtype)
         presents = []
         for j in range(cfg.num_hidden_layers):
-            t0 = time.perf_counter()
-            layer = self._layer(j)
-            t1 = time.perf_counter()
-            z, present = layer(z, bias, position_ids, self._tables, past_key_values[j] if past_key_values else None)
-            del layer  # frees this layer's fp32 weights before the next is read
-            self.times.read += t1 - t0
-            self.times.compute += time.perf_counter() - t1
+            for attention in (True, False):  # one half's weights resident at a time: read, run, free
+                t0 = time.perf_counter()
+                half = self._half(j, attention)
+                t1 = time.perf_counter()
+                if attention:
+                    z, present = half.attend(z, bias, position_ids, self._tables,
+                                             past_key_values[j] if past_key_values else None)  # Y^j
+                else:
+                    z = half.feed_forward(z)  # Z^{j+1}
+                del half
+                self.times.read += t1 - t0
+                self.times.compute += time.perf_counter() - t1
             self.times.layers += 1
             presents.append(present)
             self.progress(j + 1, cfg.num_hidden_layers, "reference layer (streamed)")
