@@ -191,7 +191,7 @@ def save_model(model: ir.Model, directory: str | Path, name: str = "model.onnx",
                                                   shape=ir.Shape([int(d) for d in v.shape]))
                 offset += n
                 written += 1
-            del t  # the source's tensor (a view of its file): dropped before the next is fetched
+            del t, data  # the source's tensor (a view of its file): dropped before the next is fetched
             if callback is not None:
                 callback(i + 1, len(inits))
     path.write_bytes(ir.serde.serialize_model(model).SerializeToString())  # references only: a few MB
