@@ -67,9 +67,14 @@ def share_tied_embedding(model: Any, block_size: int) -> bool:
         B_Q4 [n1, n2/block, block/2] uint8 ──────────────────────────► MatMulNBits (lm_head) ──► logits
            └──► GatherBlockQuantized(ids) [b, s, n2/block, block] ──Reshape [b, s, n2]──► Z^0
         scales [n1, n2/block] ──Reshape [n1, n2/block, 1]──┘ (one scale per block along the last axis)
+        zero points [n1, ceil(blocks/2)] (two per byte) ──unpacked once──► [n1, n2/block, 1] (asymmetric only)
 
+    MatMulNBits packs two blocks' zero points per byte; GatherBlockQuantized reads one per (row, block) here,
+    so an asymmetric lm_head gets its zero points unpacked into a table of their own (1/16 of the int4 data).
+    Float zero points (HQQ's) are not readable by GatherBlockQuantized: such a head is not shared.
     Returns whether a tied embedding was found (a Gather on E, and a MatMulNBits on E's transpose).
     """
+    import onnx
     from onnx import helper, numpy_helper
 
     graph = model.graph
@@ -78,7 +83,10 @@ def share_tied_embedding(model: Any, block_size: int) -> bool:
     for gather in [n for n in graph.node if n.op_type == "Gather"]:
         table = gather.input[0]
         head = heads.get(table + "_t_Q4")  # the quantizer's name for fold_weight_transposes' table + "_t"
-        if table not in inits or head is None or len(head.input) > 3:  # a zero point: not MatMulNBits' default
+        if table not in inits or head is None:
+            continue
+        zp = inits.get(head.input[3]) if len(head.input) > 3 and head.input[3] else None
+        if zp is not None and zp.data_type != onnx.TensorProto.UINT8:  # HQQ's float zero points
             continue
         n1, n2 = inits[table].dims
         blocks = -(-n2 // block_size)
@@ -89,7 +97,14 @@ def share_tied_embedding(model: Any, block_size: int) -> bool:
         graph.initializer.extend([shape("scales_shape", [n1, blocks, 1]), shape("row_shape", [0, 0, n2])])
         scales = helper.make_node("Reshape", [head.input[2], f"{p}/scales_shape"], [f"{p}/scales_3d"],
                                   name=f"{p}/Reshape_scales")  # [n1, n2/block] -> [n1, n2/block, 1]
-        rows = helper.make_node("GatherBlockQuantized", [head.input[1], gather.input[1], f"{p}/scales_3d"],
+        gathered = [head.input[1], gather.input[1], f"{p}/scales_3d"]
+        if zp is not None:  # [n1, ceil(blocks/2)], block b in nibble b % 2 of byte b // 2 -> [n1, blocks, 1]
+            packed = numpy_helper.to_array(zp).reshape(n1, -1)
+            unpacked = np.stack([(packed[:, b // 2] >> (4 * (b % 2))) & 0xF for b in range(blocks)], 1)
+            graph.initializer.append(numpy_helper.from_array(unpacked.astype(np.uint8)[:, :, None],
+                                                             f"{p}/zero_points_3d"))
+            gathered.append(f"{p}/zero_points_3d")
+        rows = helper.make_node("GatherBlockQuantized", gathered,
                                 [f"{p}/blocks"], name=f"{p}/GatherBlockQuantized", domain="com.microsoft",
                                 gather_axis=0, quantize_axis=2, block_size=block_size, bits=4)  # [b, s, n2/block, block]
         flat = helper.make_node("Reshape", [f"{p}/blocks", f"{p}/row_shape"], [gather.output[0]],
@@ -291,7 +306,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     quantized = sum(n.op_type == "MatMulNBits" for n in graph.node)
     assert quantized == len(candidates) - len(exclude), (
         f"{quantized} MatMulNBits for {len(candidates) - len(exclude)} quantizable MatMuls")
-    share_tied_embedding(model, block_size)  # where the lm_head has no zero point (GatherBlockQuantized's default 8)
+    share_tied_embedding(model, block_size)  # a tied lm_head with no zero point or uint8 ones (not HQQ's floats)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     _save_streamed(model, base, output)

@@ -161,3 +161,42 @@ def test_hqq_keeps_a_tied_embedding_shared(tmp_path):
     assert all(len(n.input) == 4 for name, n in nbits.items() if not name.startswith("/lm_head"))
     assert [n.op_type for n in nodes].count("GatherBlockQuantized") == 1
     assert "model.embed_tokens.weight" not in _inits(q.path), "the fp32 table is gone"
+
+
+def test_an_asymmetric_tied_head_serves_the_embedding_as_matmulnbits_reads_it(tmp_path):
+    """Asymmetric RTN: the Gather reads the lm_head's blocks with the zero points unpacked; its rows equal the
+    rows of W that onnxruntime's MatMulNBits itself computes from the same blocks (fed the identity)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    cfg = get_preset("tiny").replace(tie_word_embeddings=True)
+    torch.manual_seed(0)
+    full = export_fused(build_model(cfg, dtype=torch.float32), tmp_path / "full.onnx").path
+    q = quantize_int4(full, tmp_path / "asym.onnx", symmetric=False)
+    m = onnx.load(str(q.path))
+    inits = {t.name: t for t in m.graph.initializer}
+    gbq = next(n for n in m.graph.node if n.op_type == "GatherBlockQuantized")
+    head = next(n for n in m.graph.node if n.op_type == "MatMulNBits" and n.name.startswith("/lm_head"))
+    assert len(gbq.input) == 4 and len(head.input) == 4 and "model.embed_tokens.weight" not in inits
+    n1, n2 = cfg.vocab_size, cfg.hidden_size
+    scales3 = numpy_helper.to_array(inits[head.input[2]]).reshape(n1, -1, 1)
+    rows_graph = helper.make_graph(
+        [helper.make_node("GatherBlockQuantized", [gbq.input[0], "ids", "s3", gbq.input[3]], ["rows"],
+                          domain="com.microsoft", gather_axis=0, quantize_axis=2, block_size=32, bits=4)],
+        "rows", [helper.make_tensor_value_info("ids", TensorProto.INT64, [None])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, None)],
+        initializer=[inits[gbq.input[0]], numpy_helper.from_array(scales3, "s3"), inits[gbq.input[3]]])
+    head_graph = helper.make_graph(
+        [helper.make_node("MatMulNBits", ["x", *head.input[1:]], ["y"], domain="com.microsoft",
+                          K=n2, N=n1, bits=4, block_size=32)],
+        "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n2, n2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[inits[i] for i in head.input[1:]])
+    run = lambda g, feeds: ort.InferenceSession(helper.make_model(g, opset_imports=[  # noqa: E731
+        helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)]).SerializeToString(),
+        providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    rows = run(rows_graph, {"ids": np.arange(n1)}).reshape(n1, n2)
+    w = run(head_graph, {"x": np.eye(n2, dtype=np.float32)[None]})[0].T  # [n1, n2]: W as MatMulNBits sees it
+    assert rows.shape == w.shape == (n1, n2)
+    np.testing.assert_allclose(rows, w, rtol=0, atol=1e-6)
+    assert not np.allclose(rows, np.round(rows)), "real dequantized values, not a degenerate table"
