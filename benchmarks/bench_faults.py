@@ -226,8 +226,9 @@ def export_graphs(hf_dir: Path, root: Path, graphs: list[str]) -> dict[str, Path
     return out
 
 
-def builder(hf_dir: Path, out: Path, work: Path) -> None:
-    """onnxruntime-genai's model builder (fp32, cpu) on the checkpoint, run as tests/test_foreign_graphs.py runs it.
+def builder(hf_dir: Path, out: Path, work: Path, precision: str = "fp32") -> None:
+    """onnxruntime-genai's model builder (cpu, `precision`: fp32 or int4) on the checkpoint, run as
+    tests/test_foreign_graphs.py runs it.
 
     The builder of onnxruntime-genai 0.18 wants `rope_scaling` as a dict: it reads a directory of links to
     the checkpoint's files with that one field of config.json filled in.
@@ -244,7 +245,7 @@ def builder(hf_dir: Path, out: Path, work: Path) -> None:
     cfg = json.loads((hf_dir / "config.json").read_text())
     cfg["rope_scaling"] = cfg.get("rope_scaling") or {"rope_type": "default"}
     (work / "config.json").write_text(json.dumps(cfg))
-    r = subprocess.run([sys.executable, "-c", BUILDER, "-i", str(work), "-o", str(out), "-p", "fp32", "-e", "cpu"],
+    r = subprocess.run([sys.executable, "-c", BUILDER, "-i", str(work), "-o", str(out), "-p", precision, "-e", "cpu"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
 
