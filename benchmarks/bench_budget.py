@@ -1,6 +1,6 @@
 """The error budget's measurements: graph error / PyTorch's own noise, both against float64, per model, dtype, graph.
 
-    python benchmarks/bench_budget.py [--only tiny,wide,smollm2] [--dtypes float32,float16,bfloat16] [--steps 4]
+    python benchmarks/bench_budget.py [--only tiny,wide,smollm2,glublm] [--dtypes float32,float16,bfloat16] [--steps 4]
                                       [--builder-dir D --optimum-dir D]
 
 For each model and dtype, PyTorch float64 (the truth) and PyTorch in the dtype (the noise) run once on a batch
@@ -72,7 +72,7 @@ def stats(xs: list[float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="tiny,wide,smollm2")
+    ap.add_argument("--only", default="tiny,wide,smollm2,glublm")
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--dtypes", default="float32,float16,bfloat16", help="of those each model is measured in")
@@ -111,6 +111,15 @@ def main() -> None:
         if args.optimum_dir:
             extra["Optimum fp32"] = args.optimum_dir / "model.onnx"
         models.append(("SmolLM2-135M (trained)", str(hf), text, ["float32", "float16", "bfloat16"], extra))
+
+    if "glublm" in args.only:
+        import realmodels
+        from tokenizers import Tokenizer
+
+        g = realmodels.glublm_hf()
+        text = [1] + Tokenizer.from_file(str(Path(g) / "tokenizer.json")).encode(
+            "hello little fish. what is the ocean like?", add_special_tokens=False).ids
+        models.append(("GlubLM 0.3.1 (trained)", str(g), text, ["float32", "float16", "bfloat16"], {}))
 
     for name, path, text, dts, extra in models:
         src = resolve(path)

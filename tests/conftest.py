@@ -67,3 +67,11 @@ def smollm2_hf():
     import realmodels
 
     return _real_model(realmodels.smollm2_hf)
+
+
+@pytest.fixture(scope="session")
+def glublm_hf():
+    """GlubLM 0.3.1 (a trained 35M LLaMA, untied, MHA 10/10) as a HF checkpoint, converted from its sdist's ONNX."""
+    import realmodels
+
+    return _real_model(realmodels.glublm_hf)

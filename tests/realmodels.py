@@ -165,3 +165,111 @@ def smollm2_hf() -> Path:
 if __name__ == "__main__":
     print(smollm2_gguf())
     print(smollm2_hf())
+
+
+# --- GlubLM 0.3.1: a second trained LLaMA-architecture model, untied, plain multi-head attention ----------------
+# PyPI ships it inside the glublm sdist (the wheel has none) as a uint8-quantized ONNX graph with its tokenizer.json
+# (HF byte-level BPE; no tokenizer.model). It is a 35M "goldfish" chat model (dim 640, 8 layers, 10 heads of 64,
+# SwiGLU 1280, vocab 5120, 96 positions) whose code differs from LLaMA in three exact ways, folded here: the
+# embeddings are multiplied by sqrt(640) (folded into the table: its lm_head is a separate matrix), Q/K/V are one
+# matrix (split), and RoPE is interleaved (q/k rows permuted to HF's half layout, as HF's LLaMA converter does).
+GLUBLM_SDIST = "glublm==0.3.1"
+GLUBLM_SDIST_NAME = "glublm-0.3.1.tar.gz"
+GLUBLM_SDIST_SHA256 = "497b5a006c7c93b6bd7d2b119b40ab29c725431201a3ac1860727aaf60de105b"
+GLUBLM_ONNX_SHA256 = "7ea84017f79859e653f05b00e793a7dfb774889fac6c1dd0db23f6b8ed9d0843"
+GLUBLM_FORMAT_VERSION = "1"
+
+
+def _glublm_files(tmp: Path) -> tuple[Path, Path]:
+    """web/model.onnx and web/tokenizer.json out of the sdist (downloaded, checked by hash)."""
+    import tarfile
+
+    # The package says Requires-Python >= 3.12: its sdist is fetched as for 3.12 (nothing of it is installed).
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "--no-binary", "glublm", "--only-binary=:none:",
+           "--python-version", "3.12", "-d", str(tmp), GLUBLM_SDIST]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    archive = tmp / GLUBLM_SDIST_NAME
+    if done.returncode != 0 or not archive.is_file():
+        last = (done.stderr.strip().splitlines() or ["no sdist"])[-1]
+        raise Unavailable(f"pip download {GLUBLM_SDIST} failed: {last}")
+    if _sha256(archive) != GLUBLM_SDIST_SHA256:
+        raise Unavailable(f"{GLUBLM_SDIST_NAME} has an unexpected sha256")
+    out = []
+    with tarfile.open(archive) as tar:
+        for name in ("model.onnx", "tokenizer.json"):
+            member = tar.getmember(f"glublm-0.3.1/web/{name}")  # by name: nothing else of the archive is read
+            with tar.extractfile(member) as src, open(tmp / name, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            out.append(tmp / name)
+    if _sha256(out[0]) != GLUBLM_ONNX_SHA256:
+        raise Unavailable("glublm's web/model.onnx has an unexpected sha256")
+    return out[0], out[1]
+
+
+def glublm_hf() -> Path:
+    """GlubLM as a HF LLaMA checkpoint (fp32 safetensors of the dequantized weights, config, tokenizer.json)."""
+    dest = cache_dir() / f"glublm-0.3.1-hf-v{GLUBLM_FORMAT_VERSION}"
+    if (dest / "model.safetensors").is_file():
+        return dest
+    with _locked("glublm-hf"):
+        if (dest / "model.safetensors").is_file():
+            return dest
+        try:
+            import math
+
+            import numpy as np
+            import onnx
+            import torch
+            from onnx import numpy_helper
+            from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+        except ImportError as e:  # pragma: no cover - the test extra installs them
+            raise Unavailable(f"converting glublm needs onnx, torch and transformers: {e}") from e
+        with tempfile.TemporaryDirectory(dir=cache_dir()) as t:
+            tmp = Path(t)
+            onnx_path, tokenizer_json = _glublm_files(tmp)
+            graph = onnx.load(str(onnx_path))
+            init = {i.name: numpy_helper.to_array(i) for i in graph.graph.initializer}
+
+            def dequantized(base: str) -> np.ndarray:  # per-tensor uint8: W = (q - zero_point) * scale
+                q = init[base + "_quantized"].astype(np.float32)
+                return (q - np.float32(init[base + "_zero_point"])) * np.float32(init[base + "_scale"])
+
+            weight_of = {n.name: n.input[1].removesuffix("_quantized") for n in graph.graph.node
+                         if n.op_type == "MatMulInteger"}
+
+            def linear(node: str) -> torch.Tensor:  # stored [in, out] -> nn.Linear's [out, in]
+                return torch.from_numpy(np.ascontiguousarray(dequantized(weight_of[node]).T))
+
+            d, layers, heads, ffn, vocab = 640, 8, 10, 1280, 5120
+            hd = d // heads
+            cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
+                              num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=96,
+                              rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu",
+                              attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                              torch_dtype="float32")
+            # interleaved RoPE pairs (2i, 2i+1) -> HF's halves (i, i + hd/2): rows of each head regrouped
+            half = lambda w: w.view(heads, hd // 2, 2, d).transpose(1, 2).reshape(d, d)  # noqa: E731
+            state = {"model.embed_tokens.weight": torch.from_numpy(dequantized("embedding.weight")) * math.sqrt(d),
+                     "model.norm.weight": torch.tensor(init["final_norm.weight"]),
+                     "lm_head.weight": linear("/lm_head/MatMul_quant")}
+            for i in range(layers):
+                p, b = f"model.layers.{i}.", f"/blocks.{i}/"
+                q, k, v = linear(b + "attn/qkv_proj/MatMul_quant").chunk(3, dim=0)  # [3 d, d] -> 3 x [d, d]
+                state.update({
+                    p + "self_attn.q_proj.weight": half(q), p + "self_attn.k_proj.weight": half(k),
+                    p + "self_attn.v_proj.weight": v,
+                    p + "self_attn.o_proj.weight": linear(b + "attn/out_proj/MatMul_quant"),
+                    p + "mlp.gate_proj.weight": linear(b + "ffn/gate_proj/MatMul_quant"),
+                    p + "mlp.up_proj.weight": linear(b + "ffn/up_proj/MatMul_quant"),
+                    p + "mlp.down_proj.weight": linear(b + "ffn/down_proj/MatMul_quant"),
+                    p + "input_layernorm.weight": torch.tensor(init[f"blocks.{i}.norm1.weight"]),
+                    p + "post_attention_layernorm.weight": torch.tensor(init[f"blocks.{i}.norm2.weight"])})
+            with torch.device("meta"):
+                model = LlamaForCausalLM(cfg)
+            model.load_state_dict({k: v.contiguous() for k, v in state.items()}, strict=True, assign=True)
+            work = tmp / "hf"
+            model.save_pretrained(work)
+            PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), bos_token="<bos>", eos_token="<eos>",
+                                    pad_token="<pad>", unk_token="<unk>").save_pretrained(work)
+            os.replace(work, dest)
+    return dest

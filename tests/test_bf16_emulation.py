@@ -79,3 +79,22 @@ def test_a_bf16_export_is_judged_on_the_cpu_and_a_fault_fails(tmp_path, optimize
     assert r.exit_code == 1, r.output
     failed = [c["name"] for c in json.loads(r.stdout)["checks"] if not c["passed"]]
     assert "present.0.value" in failed, failed
+
+
+def test_by_layer_runs_bf16_blocks_emulated_and_locates_a_fault(tmp_path):
+    """--by-layer cuts bf16 blocks the CPU cannot run: each runs emulated, fed its input rounded to bf16."""
+    out = tmp_path / "model.onnx"
+    assert CliRunner().invoke(cli, ["export", "onnx", "tiny", "-o", str(out), "--dtype", "bfloat16", "-q",
+                                    "--no-client-files"]).exit_code == 0
+    r = CliRunner().invoke(cli, ["verify", "parity", str(out), "--by-layer", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert EMULATED_BF16 in json.loads(r.stdout)["notes"]
+    m = onnx.load(str(out))
+    t = next(t for t in m.graph.initializer if "layers.0.self_attn" in t.name and "v_proj" in t.name)
+    bits = np.frombuffer(t.raw_data, np.int16).copy()
+    t.raw_data = (torch.from_numpy(bits).view(torch.bfloat16).float() * 1.1).bfloat16().view(torch.int16).numpy().tobytes()
+    bad = tmp_path / "bad.onnx"
+    onnx.save(m, str(bad))
+    r = CliRunner().invoke(cli, ["verify", "parity", str(bad), "--by-layer", "--source", "tiny", "--format", "json"])
+    assert r.exit_code == 1, r.output
+    assert "layer 0" in r.output or '"layer": 0' in r.stdout or "present.0.value" in r.stdout, r.stdout[:500]
