@@ -41,7 +41,9 @@ from .compare import DTYPE_LABEL, Budget, BudgetCheck, judge
 from .graph_io import INPUT_IDS, LOGITS, past_name, present_name
 from .onnx_export import export_onnx, read_metadata
 from .prompts import default_prompts, left_pad, positions
-from .runtime import cuda_unusable, numpy_to_ortvalue, onnxruntime, ortvalue_to_numpy, provider_list
+from .emulation import emulate_bf16, is_bf16_graph
+from .runtime import (EMULATED_BF16, bf16_bits_to_float32, cuda_unusable, float32_to_bf16_bits, numpy_to_ortvalue, onnxruntime,
+                      ortvalue_to_numpy, provider_list)
 
 LAYER_NODE = re.compile(r"/model/layers\.(\d+)/")
 EMBEDDING, HEAD = "embedding", "head"
@@ -202,15 +204,30 @@ class BlockRunner:
                  row_by_row: bool = False):
         self.blocks, self.provider, self.tf32, self.row_by_row = blocks, provider, tf32, row_by_row
         self.kv_heads, self.head_dim = kv_heads, head_dim  # the graph may leave them symbolic
+        self.emulated = False  # whether a block ran bf16 emulated (the CPU has no bf16 kernels)
 
     def session(self, b: Block) -> Any:
         ort = onnxruntime()
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         opts.add_session_config_entry(EXTERNAL_FOLDER, str(self.blocks.path.parent.resolve()))
+        providers = provider_list(self.provider, self.tf32)
+        model = self.blocks.block_model(b)
         try:
-            return ort.InferenceSession(self.blocks.block_model(b).SerializeToString(), sess_options=opts,
-                                        providers=provider_list(self.provider, self.tf32))
+            try:
+                return ort.InferenceSession(model.SerializeToString(), sess_options=opts, providers=providers)
+            except Exception as e:  # noqa: BLE001
+                if not ("NOT_IMPLEMENTED" in str(e) and self.provider == "cpu" and is_bf16_graph(model)):
+                    raise
+            # The CPU has no bf16 kernels: this block in fp32 rounded to bf16 after every op (emulation.py),
+            # its weights (one layer's) read into it first.
+            from onnx.external_data_helper import load_external_data_for_model
+
+            load_external_data_for_model(model, str(self.blocks.path.parent.resolve()))
+            sess = ort.InferenceSession(emulate_bf16(model).SerializeToString(), sess_options=opts,
+                                        providers=providers)
+            sess.bf16_emulated = self.emulated = True  # its inputs: bf16 values held in fp32 (_run rounds them)
+            return sess
         except Exception as e:  # noqa: BLE001  onnxruntime's own exception types: one line
             first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
             raise ValueError(f"{self.blocks.path}: onnxruntime could not load {b.name} cut from it: "
@@ -261,7 +278,10 @@ class BlockRunner:
             else:  # an empty past (a static buffer: zeros of its length)
                 slots = i.shape[2] if isinstance(i.shape[2], int) else 0
                 x = np.zeros((ids.shape[0], self.kv_heads, slots, self.head_dim), np.float32)  # [b, kv_heads, past, n6]
-            v = numpy_to_ortvalue(x.astype(np.float32), i.type)
+            x = x.astype(np.float32)
+            if getattr(sess, "bf16_emulated", False):  # what a bf16 input would hold: the value rounded to bf16
+                x = bf16_bits_to_float32(float32_to_bf16_bits(x))
+            v = numpy_to_ortvalue(x, i.type)
             binding.bind_ortvalue_input(name, v)
             keep.append(v)
         names = [o.name for o in sess.get_outputs()]
@@ -531,6 +551,8 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
              f"{largest / 2**20:,.1f} MiB)"]
     if tf32_note:
         notes.append(tf32_note)
+    if runner.emulated:
+        notes.append(EMULATED_BF16)
     graph = io.producer if io is not None else f"llama-tools {meta.graph}"
     return ByLayerReport(str(onnx_path), target.source.label, run_on, meta.dtype, graph, [len(p) for p in prompts],
                          budget, results, time.perf_counter() - start, notes, laps)
