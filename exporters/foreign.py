@@ -26,6 +26,7 @@ from llama_tools.config import ModelConfig
 from llama_tools.rope import HALF, INTERLEAVED
 
 from .graph_io import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS
+from .rope_ops import ATTR_INTERLEAVED, OP_TYPE
 from .runtime import OnnxLM, StepOutput
 
 PAST = ("past_key_values.{i}.{kv}", "past.{i}.{kv}")
@@ -112,8 +113,9 @@ def describe_graph(path: str | Path) -> GraphIO:
     elem = inputs[past[0].format(i=0, kv="key")].type.tensor_type.elem_type
     logits = _dims(outputs[LOGITS])
     gqa = [n for n in g.node if n.op_type == "GroupQueryAttention"]
-    interleaved = any(a.name in ("rotary_interleaved", "interleaved") and a.i for n in g.node
-                      if n.op_type in ("GroupQueryAttention", "RotaryEmbedding") for a in n.attribute)
+    # GQA's own rotary says "rotary_interleaved"; the RotaryEmbedding ops (ours, contrib, ONNX) ATTR_INTERLEAVED
+    interleaved = any(a.name in ("rotary_interleaved", ATTR_INTERLEAVED) and a.i for n in g.node
+                      if n.op_type in ("GroupQueryAttention", OP_TYPE) for a in n.attribute)
     producer = ("onnxruntime-genai builder" if (Path(path).parent / "genai_config.json").is_file() and gqa
                 else "Optimum" if model.producer_name == "pytorch" and POSITION_IDS in inputs else
                 model.producer_name or "unknown")
