@@ -300,12 +300,12 @@ class BlockRunner:
 class LayerReference:
     """The streamed reference's arithmetic, one block at a time, in one dtype; weights cast tensor by tensor."""
 
-    def __init__(self, reader: Any, dtype: Any):
+    def __init__(self, reader: Any, dtype: Any, reassociated: bool = False):
         import torch
 
         from llama_tools.model import rope_cache
 
-        self.reader, self.cfg, self.dtype = reader, reader.cfg, dtype
+        self.reader, self.cfg, self.dtype, self.reassociated = reader, reader.cfg, dtype, reassociated
         self.tables = (rope_cache(self.cfg, "cpu", torch.float64 if dtype == torch.float64 else torch.float32)
                        if self.cfg.position_encoding == "rope" else None)
 
@@ -336,6 +336,10 @@ class LayerReference:
             layer = DecoderLayer(self.cfg)
         layer.load_state_dict(state, strict=True, assign=True)
         del state
+        if self.reassociated:
+            from llama_tools.reference import reassociate
+
+            reassociate(layer)
         if wide:
             for m in layer.modules():
                 if isinstance(m, torch.nn.Linear):
@@ -360,7 +364,7 @@ class LayerReference:
         norm.load_state_dict({"weight": self.reader.read(["model.norm.weight"])["model.norm.weight"].to(self.dtype)},
                              assign=True)
         with torch.no_grad():
-            return StreamedReference(self.reader, dtype=self.dtype)._head(norm(z))
+            return StreamedReference(self.reader, dtype=self.dtype, reassociated=self.reassociated)._head(norm(z))
 
 
 def _widen(dtype: Any) -> Callable[..., None]:
@@ -493,10 +497,13 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
     chosen, tf32_note = budget_for(meta.dtype, run_on, {"use_tf32": "1" if tf32 else "0"})
     budget = budget or chosen
     truth_side, noise_side = LayerReference(ref.reader, torch.float64), LayerReference(ref.reader, ref.dtype)
+    alt_side = LayerReference(ref.reader, ref.dtype, reassociated=True)  # a second correct implementation
     k_order = _channel_order(meta.rope_layout, ref.cfg.rope_layout, cfg.head_dim)
     f64 = lambda t: t.to(torch.float64).numpy()  # noqa: E731
     graph_in = lambda t: t.to(torch.float32).numpy()  # noqa: E731  the graph's dtype rounding happens in the cast below
-    laps: dict[str, float] = {"onnxruntime": 0.0, f"PyTorch {meta.dtype}": 0.0, "PyTorch float64": 0.0}
+    laps: dict[str, float] = {"onnxruntime": 0.0, f"PyTorch {meta.dtype}": 0.0,
+                              f"PyTorch {meta.dtype} reassociated": 0.0, "PyTorch float64": 0.0}
+    alt_key = f"PyTorch {meta.dtype} reassociated"
 
     def timed(key: str, fn: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()
@@ -518,20 +525,23 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
     ref_z = timed(f"PyTorch {meta.dtype}", lambda: noise_side.embed(ids))
     results.append(BlockResult(EMBEDDING, None, [judge("embedding Z^0", hidden(got, emb), f64(ref_z), f64(z), valid,
                                                        meta.dtype, budget)]))
+    prompts = [list(p) for p in prompts]
     for j in range(n8):
         b = blocks.blocks[1 + j]
         z_in = z.to(ref.dtype)  # the truth's input, rounded to the graph's dtype: both sides get the same
         got = timed("onnxruntime", lambda: runner.run(b, graph_in(z_in), ids, mask))
         r_z, r_k, r_v = timed(f"PyTorch {meta.dtype}", lambda: noise_side.layer(j, z_in, mask))
+        a_z, a_k, a_v = timed(alt_key, lambda: alt_side.layer(j, z_in, mask))
         t_z, t_k, t_v = timed("PyTorch float64", lambda: truth_side.layer(j, z, mask))
         assert b.presents is not None, "a layer block outputs its K and V"
         gk, gv = got[b.presents[0]][..., k_order], got[b.presents[1]]
-        checks = [judge(f"layer {j} hidden Z^{j + 1}", *per_channel(hidden(got, b), f64(r_z), f64(t_z), valid), valid,
-                        meta.dtype, budget)]
-        for what, g, r, t in (("key", gk, r_k, t_k), ("value", gv, r_v, t_v)):
+        g_z, r_z64, a_z64, t_z64 = per_channel(hidden(got, b), f64(t_z), valid, f64(r_z), f64(a_z))
+        checks = [judge(f"layer {j} hidden Z^{j + 1}", g_z, (r_z64, a_z64), t_z64, valid, meta.dtype, budget)]
+        for what, g, r, a, t in (("key", gk, r_k, a_k, t_k), ("value", gv, r_v, a_v, t_v)):
             # [batch, kv_heads, seq, n6] -> [batch, seq, kv_heads, n6]: positions on axis 1 for the mask
-            checks.append(judge(f"present.{j}.{what}", *(a.transpose(0, 2, 1, 3) for a in (g, f64(r), f64(t))),
-                                valid, meta.dtype, budget))
+            kv = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+            checks.append(judge(f"present.{j}.{what}", kv(g), (kv(f64(r)), kv(f64(a))), kv(f64(t)), valid,
+                                meta.dtype, budget))
         results.append(BlockResult(b.name, j, checks))
         z = t_z
         progress(j + 1, n8, "layer by layer")
@@ -539,12 +549,15 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
     z_in = z.to(ref.dtype)
     got = timed("onnxruntime", lambda: runner.run(head, graph_in(z_in), ids, mask))
     r_l = timed(f"PyTorch {meta.dtype}", lambda: noise_side.head(z_in))
+    a_l = timed(alt_key, lambda: alt_side.head(z_in))
     t_l = timed("PyTorch float64", lambda: truth_side.head(z))
-    results.append(BlockResult(HEAD, None, [judge("logits (from Z^n8)", got[LOGITS], f64(r_l), f64(t_l), valid,
-                                                  meta.dtype, budget, logits=True)]))
+    results.append(BlockResult(HEAD, None, [judge("logits (from Z^n8)", got[LOGITS], (graph_in(r_l), graph_in(a_l)),
+                                                  f64(t_l), valid, meta.dtype, budget, logits=True)]))
     label = DTYPE_LABEL.get(meta.dtype, meta.dtype)
     notes = [f"each block fed PyTorch float64's own input to it (in {label}); error = RMS |onnxruntime - float64|, "
-             f"noise = RMS |PyTorch {label} - float64| (the hidden state's channels each in units of their RMS); "
+             f"noise = the larger RMS |PyTorch {label} - float64| of two correct implementations (PyTorch's, and "
+             f"PyTorch's with every matrix product summed in another order; the hidden state's channels each in "
+             f"units of their RMS); "
              f"pass when error <= {budget.multiple:g} x noise + {budget.floor_ulps:g} ulp; the prefill only (the "
              f"whole-graph check covers decode)",
              f"blocks cut from the graph by node names; weights read from its own files (largest block "
@@ -558,8 +571,9 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
                          budget, results, time.perf_counter() - start, notes, laps)
 
 
-def per_channel(got: np.ndarray, ref: np.ndarray, truth: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, ...]:
-    """[batch, seq, n2] each divided by its channel's float64 RMS over the valid positions: errors in channel units.
+def per_channel(got: np.ndarray, truth: np.ndarray, valid: np.ndarray, *refs: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(got, *refs, truth) [batch, seq, n2], each divided by its channel's float64 RMS over the valid positions:
+    errors in channel units.
 
     A trained model's residual stream has a few channels hundreds of times larger than the rest (SmolLM2: RMS
     15-370 in its middle layers); their rounding would set the whole tensor's RMS noise and hide an error
@@ -568,7 +582,7 @@ def per_channel(got: np.ndarray, ref: np.ndarray, truth: np.ndarray, valid: np.n
     """
     scale = np.sqrt(np.mean(np.square(truth[valid]), axis=0))  # [n2]
     scale = np.where(scale > 0, scale, 1.0)[None, None, :]  # an all-zero channel stays as it is
-    return got / scale, ref / scale, truth / scale
+    return (got / scale, *(r / scale for r in refs), truth / scale)
 
 
 def by_layer_rows(rep: ByLayerReport, all_layers: bool = False) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -168,6 +169,9 @@ class BudgetCheck:
     decisive_misses: int  # argmax differs where float64's top-2 margin exceeds `tie`
     tie: float  # the margin a within-budget error could flip: 2 x (multiple x max_noise + floor)
     nonfinite: int  # NaN or Inf in the graph's output, anywhere (padding included)
+    # Each correct implementation's RMS error to float64 (PyTorch, then PyTorch with its sums reassociated);
+    # `noise` is the largest: what any of them differs by.
+    noises: tuple[float, ...] = ()
 
     @property
     def bound(self) -> float:
@@ -222,19 +226,29 @@ def rms(x: np.ndarray) -> float:
     return float(np.sqrt(np.mean(np.square(x)))) if x.size else 0.0
 
 
-def judge(name: str, got: np.ndarray, ref: np.ndarray, truth: np.ndarray, valid: np.ndarray, dtype: str,
-          budget: Budget | None = None, logits: bool = False) -> BudgetCheck:
-    """got/ref/truth: [batch, seq, ...] (positions on axis 1); valid: [batch, seq] bool; dtype: the graph's."""
-    assert got.shape == ref.shape == truth.shape, f"{name}: shapes {got.shape}, {ref.shape}, {truth.shape} differ"
+def judge(name: str, got: np.ndarray, ref: np.ndarray | Sequence[np.ndarray], truth: np.ndarray, valid: np.ndarray,
+          dtype: str, budget: Budget | None = None, logits: bool = False) -> BudgetCheck:
+    """got/ref/truth: [batch, seq, ...] (positions on axis 1); valid: [batch, seq] bool; dtype: the graph's.
+
+    ref: one correct implementation in the graph's dtype, or several (the noise is the largest of their errors).
+    """
+    refs = [ref] if isinstance(ref, np.ndarray) else list(ref)
+    assert refs and all(got.shape == r.shape == truth.shape for r in refs), \
+        f"{name}: shapes {got.shape}, {[r.shape for r in refs]}, {truth.shape} differ"
     assert valid.shape == got.shape[:2], f"{name}: mask {valid.shape} does not match {got.shape[:2]}"
     assert dtype in EPS, f"{name}: no rounding unit for dtype {dtype!r}"
     budget = budget or BUDGET[dtype]
     nonfinite = int(np.size(got) - np.isfinite(got).sum())
-    g, r, t = (a[valid].astype(np.float64) for a in (got, ref, truth))  # [positions, ...]
+    g, t = (a[valid].astype(np.float64) for a in (got, truth))  # [positions, ...]
     scale = rms(t)
     floor = budget.floor(dtype, scale)
-    noise_d = np.abs(r - t)
-    noise, max_noise = rms(noise_d), float(noise_d.max()) if noise_d.size else 0.0
+    noises, max_noise = [], 0.0
+    for r in refs:
+        noise_d = np.abs(r[valid].astype(np.float64) - t)
+        noises.append(rms(noise_d))
+        max_noise = max(max_noise, float(noise_d.max()) if noise_d.size else 0.0)
+        del noise_d
+    noise = max(noises)
     if nonfinite:
         error = max_error = cos = math.nan
     else:
@@ -250,4 +264,4 @@ def judge(name: str, got: np.ndarray, ref: np.ndarray, truth: np.ndarray, valid:
         top1 = float(agree.mean()) if agree.size else 1.0
         misses = int(((~agree) & (margin(t2) > tie)).sum())
     return BudgetCheck(name, dtype, error, noise, floor, budget.multiple, max_error, max_noise, scale, cos,
-                       budget.min_cosine, top1, misses, tie, nonfinite)
+                       budget.min_cosine, top1, misses, tie, nonfinite, tuple(noises))

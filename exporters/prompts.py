@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 
@@ -30,3 +33,97 @@ def default_prompts(vocab_size: int, seed: int | None) -> list[list[int]]:
     """
     rng = np.random.default_rng(seed or 0)
     return [rng.integers(3, vocab_size, size=n).tolist() for n in (11, 6)]
+
+
+# --- The default inputs: real text through the model's own tokenizer -----------------------------------------------
+# Built-in passages (written for this tool): prose in three languages, code, and a chat turn rendered in the model's
+# own template when it has one. Real text is what a model is trained on; random ids drive its activations where no
+# text goes (one such row made onnxruntime's fp32 kernels 8x less exact than PyTorch's on a correct export).
+PASSAGES = (
+    ("English prose",
+     "The river had been rising for three days, and by the fourth morning the old bridge was gone. People from the "
+     "village gathered on the bank to watch the brown water carry branches, fence posts and a lost boat downstream."),
+    ("French prose",
+     "Le train du soir quittait la gare à sept heures. Dans le dernier wagon, une femme lisait une lettre qu'elle "
+     "avait déjà lue cent fois, tandis que la campagne défilait sous une lumière dorée."),
+    ("German prose",
+     "Im Winter war der kleine Laden an der Ecke der einzige Ort, an dem noch Licht brannte. Der alte Uhrmacher "
+     "arbeitete bis spät in die Nacht, weil jede Uhr in der Stadt irgendwann zu ihm kam."),
+    ("Python code",
+     "def moving_average(values, window):\n    \"\"\"Mean of each run of `window` consecutive values.\"\"\"\n"
+     "    total = sum(values[:window])\n    out = [total / window]\n    for i in range(window, len(values)):\n"
+     "        total += values[i] - values[i - window]\n        out.append(total / window)\n    return out\n"),
+)
+CHAT_TURN = "In two sentences, why does ice float on water?"
+ROW_TOKENS = (40, 32, 24, 16, 28)  # a row's length at most: different lengths, so the batch needs left padding
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The rows both sides run, and what they are, in words (the report's header says it)."""
+
+    rows: list[list[int]]
+    what: str
+
+
+def random_rows(vocab_size: int, count: int, seed: int) -> list[list[int]]:
+    """`count` seeded rows of random ids (>= 3, past <unk>, <s>, </s>), lengths 11, 6, 16, 3, 8, ... (padding)."""
+    rng = np.random.default_rng(seed)
+    lengths = (11, 6, 16, 3, 8)
+    return [rng.integers(3, vocab_size, size=lengths[i % len(lengths)]).tolist() for i in range(count)]
+
+
+def render_chat(template: str, user: str, bos: str | None, eos: str | None) -> str:
+    """One user turn and the generation prompt through the model's Jinja chat template (sandboxed, as transformers)."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=[{"role": "user", "content": user}], add_generation_prompt=True,
+                                            bos_token=bos or "", eos_token=eos or "")
+
+
+def text_inputs(tok: Any, vocab_size: int, longest: int) -> Inputs:
+    """The built-in passages (and a chat turn) through `tok`, each row cut to ROW_TOKENS and to `longest` tokens."""
+    from llama_tools.tokenizer import check_vocab
+
+    texts = list(PASSAGES)
+    rendered = None
+    template = getattr(tok, "chat_template", None)
+    if template:
+        try:
+            rendered = render_chat(template, CHAT_TURN, tok.piece_of(tok.special.bos_id),
+                                   tok.piece_of(tok.special.eos_ids[0] if tok.special.eos_ids else None))
+        except Exception:  # noqa: BLE001  a template we cannot render: the turn goes in as plain text, said below
+            rendered = None
+    rows, names = [], []
+    for (name, text), cap in zip(texts + [("chat turn", rendered or CHAT_TURN)], ROW_TOKENS):
+        ids = tok.encode(text, bos=None if rendered is None or name != "chat turn" else False)[:min(cap, longest)]
+        if not ids:
+            continue
+        try:
+            check_vocab(ids, vocab_size, "text")
+        except ValueError:
+            raise ValueError(f"{tok.path}: encodes the built-in text to id {max(ids)}, outside the model's "
+                             f"vocabulary of {vocab_size}; the tokenizer does not fit the model (pass --random-ids N "
+                             f"to check the graph without it)") from None
+        rows.append(ids)
+        names.append(name + (" in the model's chat template" if name == "chat turn" and rendered else ""))
+    return Inputs(rows, f"built-in text through {tok.path.name} ({', '.join(names)})")
+
+
+def default_inputs(source: Any, vocab_size: int, context: int, *, random_ids: int | None = None,
+                   seed: int = 0) -> Inputs:
+    """Real text through MODEL's tokenizer when it has one; seeded random ids with --random-ids N or without one."""
+    from llama_tools.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(source) if random_ids is None else None
+    if tok is not None:
+        return text_inputs(tok, vocab_size, max(1, context))
+    count = random_ids if random_ids is not None else 2
+    why = "--random-ids" if random_ids is not None else "the model has no tokenizer"
+    return Inputs(random_rows(vocab_size, count, seed), f"{count} rows of seeded random ids (seed {seed}; {why})")

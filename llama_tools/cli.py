@@ -22,6 +22,7 @@ from . import __version__, dtypes
 from .files import check_output_path, check_writes, cleanup_on_signals, guard_std_streams, stream_fd
 from .formats import BENIGN_SUFFIXES, WRITABLE
 from .output import FORMATS, render
+from .exporters.parity_options import MODES
 from .exporters.quant_options import INT4_ALGORITHMS, QUANTIZE
 from .progress import peak_rss_bytes, terminal
 
@@ -526,15 +527,21 @@ def verify() -> None:
     """Check an export against the PyTorch model."""
 
 
-@verify.command("parity", short_help="An ONNX graph on onnxruntime against PyTorch: logits, K/V, greedy decode.")
+@verify.command("parity", short_help="An ONNX graph on onnxruntime against PyTorch, layer by layer and whole.")
 @click.argument("target", required=False)
 @click.option("--source", default=None, help="The PyTorch side when TARGET is an .onnx file "
                                               "[default: the source in the file's metadata].")
-@click.option("--prompt", "prompts", multiple=True, help="Text, encoded with the checkpoint's tokenizer.model; "
-                                                        "repeat for a batch.")
+@click.option("--prompt", "prompts", multiple=True, help="Text, encoded with the checkpoint's tokenizer "
+                                                        "(tokenizer.json, tokenizer.model or a GGUF vocabulary); "
+                                                        "repeat for a batch [default: built-in text].")
 @click.option("--ids", "ids", multiple=True, type=IdsArg(), help="Raw ids, e.g. '1 450 29871'; repeat for a batch.")
+@click.option("--random-ids", "random_ids", type=click.IntRange(1, 64), default=None, metavar="N",
+              help="N rows of seeded random ids instead of text: a stress test (the default only without a "
+                   "tokenizer).")
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
+              help="Seed of --random-ids.")
 @click.option("--steps", type=click.IntRange(min=0), default=8, show_default=True,
-              help="Greedy decode steps through the KV cache.")
+              help="Greedy decode steps through the KV cache (whole-graph check).")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: CUDA when a session really runs on it, else the CPU.")
 @click.option("--dtype", type=DTYPE_CHOICE, default=dtypes.FLOAT32.name, show_default=True,
@@ -542,19 +549,25 @@ def verify() -> None:
 @_rope_op_option(" (when TARGET is a model exported on the fly)")
 @click.option("--tf32", is_flag=True, help="Let CUDA run fp32 MatMuls in TF32 (faster, ~1e-3 off; judged by its own "
                                          "tolerance). Default: TF32 off, so fp32 means fp32.")
-@click.option("--all-layers", is_flag=True, help="A row for every present K/V, not only the failing ones.")
-@click.option("--by-layer", is_flag=True, help="Run the graph one decoder layer at a time, each fed float64's own "
-                                             "input to it: each layer's own error, about one layer in memory "
-                                             "(prefill only).")
+@click.option("--all-layers", is_flag=True, help="A row for every check of every layer, not only the failing ones.")
+@click.option("--checks", type=click.Choice(MODES), default="auto", show_default=True,
+              help="layers: each decoder layer fed float64's own input to it (prefill; about one layer in memory); "
+                   "whole: the graph end to end (prefill and greedy decode); both; auto: layers, and whole while "
+                   "the graph's weights are <= 1 GiB.")
+@click.option("--by-layer", is_flag=True, help="The same as --checks layers.")
 @click.option("--plot", "plot", type=click.Path(path_type=Path), default=None, metavar="FILE.png",
-              help="Draw each layer's error and noise (K, V; and the hidden state with --by-layer), the bound and "
-                   "the first layer out of budget (needs the [plot] extra).")
+              help="Draw each layer's error and noise (K, V and the hidden state; the whole graph's K and V with "
+                   "--checks whole), the bound and the first layer out of budget (needs the [plot] extra).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on the terminal.")
 @output_options(("table", "json"))
 def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ...], ids: tuple[list[int], ...],
-                  steps: int, provider: str, dtype: str, rope_op: str, tf32: bool, all_layers: bool, by_layer: bool,
-                  plot: Path | None, quiet: bool, fmt: str) -> None:
-    """Run TARGET on onnxruntime against PyTorch; exit 0 only when every check passes.
+                  random_ids: int | None, seed: int, steps: int, provider: str, dtype: str, rope_op: str, tf32: bool,
+                  all_layers: bool, checks: str, by_layer: bool, plot: Path | None, quiet: bool, fmt: str) -> None:
+    """Run TARGET on onnxruntime against PyTorch float64; exit 0 only when every check passes.
+
+    The verdict and the first bad layer come from each decoder layer run on its own, fed float64's input to it;
+    the whole graph (prefill and greedy decode) is judged beside it while its weights are <= 1 GiB. Inputs:
+    built-in text (prose, code, a chat turn) through the model's tokenizer, or seeded random ids without one.
 
     TARGET: an exported .onnx (the PyTorch side is the source in its metadata, or --source), or a MODEL
     (preset, config.json, checkpoint directory) exported on the fly; default: tiny.
@@ -563,6 +576,7 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
     Examples:
       llama-tools verify parity
       llama-tools verify parity plain/model.onnx --source ./tiny-meta --prompt "Who is" --steps 4
+      llama-tools verify parity big/model.onnx --checks both --random-ids 5 --seed 3
       llama-tools verify parity big/model.onnx --by-layer --plot layers.png
     """
     if target is not None:
@@ -571,73 +585,63 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
         from .reports.parity_plot import check_plot_path
 
         check_plot_path(plot)
-    if by_layer:
-        return _verify_by_layer(target, source, prompts, ids, provider, dtype, rope_op, tf32, all_layers, plot,
-                                quiet, fmt)
+    if random_ids is not None and (prompts or ids):
+        raise click.UsageError("give --random-ids N, or --prompt/--ids, not both")
     from .exporters.preflight import check_args
-    from .exporters.parity import check_inputs, resolve_target
-    from .exporters.parity import verify_parity as run_parity
+    from .exporters.parity import resolve_target
+    from .exporters.verdict import parity_inputs, verify
     from .tokenizer import prompt_ids
 
     check_args(dtype, rope_op, None)
     tgt = resolve_target(target, source)
     batch = [prompt_ids(tgt.source, t, None)[0] for t in prompts] + [list(i) for i in ids]
-    check_inputs(batch, steps, tgt)
-    rep = run_parity(tgt, prompts=batch or None, provider=provider, steps=steps, dtype=dtype, rope_op=rope_op,
-                     tf32=tf32, progress=terminal("parity", quiet=quiet))
+    if by_layer and checks not in ("auto", "layers"):
+        raise click.UsageError(f"--by-layer is --checks layers; it cannot go with --checks {checks}")
+    mode = "layers" if by_layer else checks
+    inputs = parity_inputs(tgt, batch or None, steps if mode != "layers" else 0, random_ids, seed)
+    v = verify(tgt, inputs, mode=mode, provider=provider, steps=steps, dtype=dtype, rope_op=rope_op, tf32=tf32,
+               progress=terminal("parity", quiet=quiet))
     if fmt == "json":
-        click.echo(render([], "json", json_payload=rep.to_dict()))
+        click.echo(render([], "json", json_payload=v.to_dict()))
     else:
-        options = ", ".join(f"{k}={v}" for k, v in rep.provider_options.items())
-        click.echo(f"{rep.onnx_path} ({rep.graph}, {rep.dtype}) on onnxruntime, {rep.provider_note} [{options}]; "
-                   f"reference {rep.reference} from {rep.source}; prompts of {rep.prompt_lengths} tokens, left-padded")
-        click.echo(render(parity_rows(rep, all_layers), "table", numparse=False))
-        for note in rep.notes:
-            click.echo(f"note: {note}")
-        took = f" (after a {rep.export_seconds:.1f} s export)" if rep.export_seconds is not None else ""
-        click.echo("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in rep.timings.items()))
-        click.echo(f"{'PASS' if rep.passed else 'FAIL'}: checks ran in {rep.seconds:.1f} s{took}")
+        _print_verdict(v, all_layers)
     if plot is not None:
         from .exporters.by_layer import whole_graph_series
         from .reports.parity_plot import plot_layers
 
-        plot_layers(whole_graph_series(rep), plot)
-    if not rep.passed:
+        plot_layers(v.by_layer.series() if v.by_layer is not None else whole_graph_series(v.whole), plot)
+        click.echo(f"plot: {plot}", err=fmt == "json")
+    if not v.passed:
         sys.exit(1)
 
 
-def _verify_by_layer(target: str | None, source: str | None, prompts: tuple[str, ...], ids: tuple[list[int], ...],
-                     provider: str, dtype: str, rope_op: str, tf32: bool, all_layers: bool, plot: Path | None,
-                     quiet: bool, fmt: str) -> None:
-    """verify parity --by-layer: each decoder layer's own error (exporters/by_layer.py)."""
-    from .exporters.by_layer import by_layer_rows, verify_by_layer
-    from .exporters.preflight import check_args
-    from .exporters.parity import check_inputs, resolve_target
-    from .tokenizer import prompt_ids
+def _print_verdict(v: Any, all_layers: bool) -> None:
+    """The header, the layer-local table, the whole-graph table, notes, times and the verdict line."""
+    from .exporters.by_layer import by_layer_rows
 
-    check_args(dtype, rope_op, None)
-    tgt = resolve_target(target, source)
-    batch = [prompt_ids(tgt.source, t, None)[0] for t in prompts] + [list(i) for i in ids]
-    check_inputs(batch, 0, tgt)
-    rep = verify_by_layer(tgt, prompts=batch or None, provider=provider, dtype=dtype, rope_op=rope_op, tf32=tf32,
-                          progress=terminal("parity", quiet=quiet))
-    if fmt == "json":
-        click.echo(render([], "json", json_payload=rep.to_dict()))
-    else:
-        click.echo(f"{rep.onnx_path} ({rep.graph}, {rep.dtype}) layer by layer on onnxruntime ({rep.provider}); "
-                   f"reference from {rep.source}; prompts of {rep.prompt_lengths} tokens, left-padded")
-        click.echo(render(by_layer_rows(rep, all_layers), "table", numparse=False))
-        for note in rep.notes:
+    first = v.by_layer or v.whole
+    click.echo(f"{first.onnx_path} ({first.graph}, {first.dtype}); reference from {first.source}")
+    click.echo(f"inputs: {v.inputs}; {len(v.prompt_lengths)} rows of {v.prompt_lengths} tokens, left-padded")
+    if v.by_layer is not None:
+        r = v.by_layer
+        click.echo(f"layer by layer on onnxruntime ({r.provider}), each layer fed float64's input to it:")
+        click.echo(render(by_layer_rows(r, all_layers), "table", numparse=False))
+        for note in r.notes:
             click.echo(f"note: {note}")
-        click.echo("time: " + ", ".join(f"{k} {v:.2f} s" for k, v in rep.timings.items()))
-        where = f"; first out of budget: {rep.first_bad}" if rep.first_bad else ""
-        click.echo(f"{'PASS' if rep.passed else 'FAIL'}{where}: checks ran in {rep.seconds:.1f} s")
-    if plot is not None:
-        from .reports.parity_plot import plot_layers
-
-        plot_layers(rep.series(), plot)
-    if not rep.passed:
-        sys.exit(1)
+        click.echo("time: " + ", ".join(f"{k} {t:.2f} s" for k, t in r.timings.items()))
+    if v.whole is not None:
+        r = v.whole
+        options = ", ".join(f"{k}={o}" for k, o in r.provider_options.items())
+        click.echo(f"whole graph on onnxruntime, {r.provider_note} [{options}]; prefill and greedy decode:")
+        click.echo(render(parity_rows(r, all_layers), "table", numparse=False))
+        for note in r.notes:
+            click.echo(f"note: {note}")
+        click.echo("time: " + ", ".join(f"{k} {t:.2f} s" for k, t in r.timings.items()))
+    for note in v.notes:
+        click.echo(f"note: {note}")
+    took = f" (after a {v.export_seconds:.1f} s export)" if v.export_seconds is not None else ""
+    where = f"; first out of budget: {v.first_bad}" if v.first_bad else ""
+    click.echo(f"{'PASS' if v.passed else 'FAIL'}{where}: checks ran in {v.seconds:.1f} s{took}")
 
 
 def check_onnx_exists(target: str) -> None:

@@ -36,6 +36,36 @@ from .source import ModelSource, resolve
 from .weights import weight_specs
 
 LM_HEAD_CHUNK_BYTES = 16 * 2**20  # fp32 rows of W^8 (and D) materialized at once (plus their mapped pages)
+# A second correct implementation of the same arithmetic: every matrix product's dot products summed in chunks of
+# this many terms, the chunks added last to first. Another order of the same sums, as another runtime's kernel may
+# choose; its error to float64 is a second sample of what a correct runtime may differ by (verify parity's noise).
+REASSOCIATE_CHUNK = 32
+
+
+def reassociated_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T with the K axis summed in chunks of REASSOCIATE_CHUNK, last chunk first: [.., K] x [N, K] -> [.., N]."""
+    k = w.shape[1]
+    y = None
+    for a in reversed(range(0, k, REASSOCIATE_CHUNK)):
+        part = x[..., a:a + REASSOCIATE_CHUNK] @ w[:, a:a + REASSOCIATE_CHUNK].T
+        y = part if y is None else y + part
+    assert y is not None, "a matrix product over at least one term"
+    return y
+
+
+def _reassociated_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    y = reassociated_matmul(x, self.weight)
+    return y + self.bias if self.bias is not None else y
+
+
+def reassociate(module: torch.nn.Module) -> torch.nn.Module:
+    """MODULE with every Linear computed by reassociated_matmul (the same weights; another order of its sums)."""
+    import types
+
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.forward = types.MethodType(_reassociated_linear, m)
+    return module
 
 
 # --- Memory model ----------------------------------------------------------------------------------------
@@ -281,12 +311,13 @@ class StreamedReference:
     """
 
     def __init__(self, directory: str | Path | Any, *, device: Any = "cpu", progress: Progress = silent,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, reassociated: bool = False):
         # A directory or GGUF file to open, or a reader already open (shared by the passes of several dtypes).
         self.reader = open_reader(directory) if isinstance(directory, (str, Path)) else directory
         self.cfg = self.reader.cfg
         self.device = torch.device(device)
         self.dtype = dtype  # each layer's weights are cast to it as they stream: fp32, fp16, bf16 or float64
+        self.reassociated = reassociated  # matrix products summed in another order (reassociated_matmul)
         self.progress = progress
         self.times = StreamTimes()
         # RoPE tables in fp32 as the model keeps them, in float64 for a float64 truth.
@@ -298,9 +329,10 @@ class StreamedReference:
     def eval(self) -> "StreamedReference":
         return self
 
-    def with_dtype(self, dtype: torch.dtype) -> "StreamedReference":
+    def with_dtype(self, dtype: torch.dtype, reassociated: bool = False) -> "StreamedReference":
         """The same weights (the same open reader), another arithmetic: e.g. the float64 truth beside fp32."""
-        return StreamedReference(self.reader, device=self.device, progress=self.progress, dtype=dtype)
+        return StreamedReference(self.reader, device=self.device, progress=self.progress, dtype=dtype,
+                                 reassociated=reassociated)
 
     def _half(self, j: int, attention: bool) -> DecoderLayer:
         """Decoder j with one half's weights (the attention's, or the feed-forward's) read, the other half left
@@ -311,7 +343,7 @@ class StreamedReference:
         with torch.device("meta"):
             layer = DecoderLayer(self.cfg)
         layer.load_state_dict({n.removeprefix(prefix): t for n, t in state.items()}, strict=False, assign=True)
-        return layer.eval()
+        return reassociate(layer.eval()) if self.reassociated else layer.eval()
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Z^0: only the rows of D the ids name are read; [b, n3] -> [b, n3, n2]."""
@@ -332,7 +364,7 @@ class StreamedReference:
             t1 = time.perf_counter()
             if cfg.norm_head:
                 w = F.normalize(w, dim=-1)  # row-wise, so chunking does not change it
-            out.append(zbar @ w.T)  # [b, n3, rows]
+            out.append(reassociated_matmul(zbar, w) if self.reassociated else zbar @ w.T)  # [b, n3, rows]
             self.times.read += t1 - t0
             self.times.compute += time.perf_counter() - t1
         return torch.cat(out, dim=-1)

@@ -42,6 +42,7 @@ class Tokenizer:
 
     path: Path
     special: SpecialTokens
+    chat_template: str | None = None  # the model's Jinja chat template, when it ships one
 
     def __new__(cls, path: str | Path, *args: Any, **kwargs: Any) -> Tokenizer:
         if cls is Tokenizer:
@@ -94,6 +95,10 @@ class Tokenizer:
             ids = ids + [self.special.eos_ids[0]]
         return ids
 
+    def piece_of(self, i: int | None) -> str | None:
+        """The piece of id I (None for None or an id outside the vocabulary)."""
+        return self._piece(i) if i is not None and 0 <= i < self.vocab_size else None
+
     def check_ids(self, ids: list[int]) -> None:
         """ValueError naming the first id outside the vocabulary."""
         check_vocab(ids, self.vocab_size, str(self.path))
@@ -124,6 +129,7 @@ class SentencePieceTokenizer(Tokenizer):
         self.special = special_tokens(self.path.parent, self.token_id, add_bos=True,
                                       bos_id=own_bos if own_bos >= 0 else None,
                                       eos_ids=(own_eos,) if own_eos >= 0 else ())
+        self.chat_template = read_chat_template(self.path.parent)
 
     @property
     def vocab_size(self) -> int:
@@ -166,6 +172,7 @@ class JsonTokenizer(Tokenizer):
         self.special = special_tokens(self.path.parent, self.token_id, add_bos=bool(before),
                                       add_eos=bool(after), bos_id=before[0] if before else None,
                                       eos_ids=tuple(after[-1:]), config=config)
+        self.chat_template = read_chat_template(self.path.parent, config)
 
     @property
     def vocab_size(self) -> int:
@@ -258,6 +265,21 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: not a JSON file ({e})") from None
     return data if isinstance(data, dict) else {}
+
+
+def read_chat_template(folder: Path, config: dict[str, Any] | None = None) -> str | None:
+    """The chat template: tokenizer_config.json's `chat_template` (a string, or the one named "default" of a list), or
+    chat_template.jinja beside it; None when the model ships none."""
+    cfg = config if config is not None else _read_json(folder / "tokenizer_config.json")
+    t = cfg.get("chat_template")
+    if isinstance(t, list):
+        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+    if isinstance(t, str) and t.strip():
+        return t
+    jinja = folder / "chat_template.jinja"
+    if config is None and jinja.is_file() and jinja.stat().st_size < 1 << 20:
+        return jinja.read_text(encoding="utf-8", errors="replace")
+    return None
 
 
 def _content(token: Any) -> str | None:

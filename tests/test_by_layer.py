@@ -216,8 +216,8 @@ def test_per_channel_units_keep_a_massive_channel_from_hiding_an_error():
     ref, got = noise(), noise()
     got[..., 1] = truth[..., 1] * (1 + 1e-4)
     assert judge("whole", got, ref, truth, valid, "float32").passed  # hidden under channel 0's rounding
-    scaled = judge("scaled", *per_channel(got, ref, truth, valid), valid, "float32")
+    scaled = judge("scaled", *per_channel(got, truth, valid, ref), valid, "float32")
     assert not scaled.passed and scaled.ratio > 50
-    assert judge("ok", *per_channel(noise(), ref, truth, valid), valid, "float32").passed
-    s = per_channel(got, ref, truth, valid)[2]
+    assert judge("ok", *per_channel(noise(), truth, valid, ref), valid, "float32").passed
+    s = per_channel(got, truth, valid, ref)[2]
     np.testing.assert_allclose(np.sqrt((s ** 2).mean((0, 1))), 1.0)  # every channel in units of its RMS
