@@ -46,7 +46,7 @@ from typing import Any, Callable
 import numpy as np
 
 FAULTS = ("scale", "rope", "kv-swap", "eps", "final-norm")
-MODES = ("whole", "by-layer")
+MODES = ("default", "whole", "by-layer")  # default: the verdict as `verify parity` gives it
 LAYER_NODE = "/model/layers.{j}/"
 
 
@@ -177,6 +177,13 @@ def check(onnx_path: str | Path, mode: str, source: str | None = None, steps: in
 
     t0 = time.perf_counter()
     target = resolve_target(str(onnx_path), source)
+    if mode == "default":
+        from llama_tools.exporters.verdict import parity_inputs, verify
+
+        v = verify(target, parity_inputs(target, None, steps), provider="cpu", steps=steps)
+        checks = [c for r in (v.by_layer, v.whole) if r is not None for c in r.checks]
+        ratio = max((c.ratio for c in checks if math.isfinite(c.ratio)), default=math.inf)
+        return Verdict(v.passed, v.first_bad or "-", ratio, time.perf_counter() - t0)
     if mode == "by-layer":
         rep: Any = verify_by_layer(target, provider="cpu")
         located = rep.first_bad or "-"

@@ -226,6 +226,11 @@ def rms(x: np.ndarray) -> float:
     return float(np.sqrt(np.mean(np.square(x)))) if x.size else 0.0
 
 
+# Elements of a tensor judged at once (float64 copies of this many: 16 MiB each), so a [batch, seq, 152k] logits
+# tensor never has a whole float64 twin.
+CHUNK_ELEMENTS = 1 << 21
+
+
 def judge(name: str, got: np.ndarray, ref: np.ndarray | Sequence[np.ndarray], truth: np.ndarray, valid: np.ndarray,
           dtype: str, budget: Budget | None = None, logits: bool = False) -> BudgetCheck:
     """got/ref/truth: [batch, seq, ...] (positions on axis 1); valid: [batch, seq] bool; dtype: the graph's.
@@ -239,29 +244,49 @@ def judge(name: str, got: np.ndarray, ref: np.ndarray | Sequence[np.ndarray], tr
     assert dtype in EPS, f"{name}: no rounding unit for dtype {dtype!r}"
     budget = budget or BUDGET[dtype]
     nonfinite = int(np.size(got) - np.isfinite(got).sum())
-    g, t = (a[valid].astype(np.float64) for a in (got, truth))  # [positions, ...]
-    scale = rms(t)
+    where = np.nonzero(valid)  # the real positions, visited CHUNK_ELEMENTS at a time: float64 copies of a chunk only
+    width = max(1, math.prod(got.shape[2:]))
+    step = max(1, CHUNK_ELEMENTS // width)
+    n = len(where[0])
+    sq_t = sq_e = dot = sq_g = 0.0
+    sq_r = [0.0] * len(refs)
+    max_error = max_noise = 0.0
+    argmax_g, argmax_t, margins = [], [], []
+    for a in range(0, n, step):
+        idx = (where[0][a:a + step], where[1][a:a + step])
+        g, t = got[idx].astype(np.float64), truth[idx].astype(np.float64)  # [chunk, ...]
+        sq_t += float(np.square(t).sum())
+        for i, r in enumerate(refs):
+            d = np.abs(r[idx].astype(np.float64) - t)
+            sq_r[i] += float(np.square(d).sum())
+            max_noise = max(max_noise, float(d.max()) if d.size else 0.0)
+        if not nonfinite:
+            d = np.abs(g - t)
+            sq_e += float(np.square(d).sum())
+            max_error = max(max_error, float(d.max()) if d.size else 0.0)
+            dot += float((g * t).sum())
+            sq_g += float(np.square(g).sum())
+        if logits:
+            g2, t2 = g.reshape(-1, g.shape[-1]), t.reshape(-1, t.shape[-1])  # [chunk, vocab]
+            argmax_g.append(g2.argmax(-1))
+            argmax_t.append(t2.argmax(-1))
+            margins.append(margin(t2))
+    count = n * width
+    scale = math.sqrt(sq_t / count) if count else 0.0
     floor = budget.floor(dtype, scale)
-    noises, max_noise = [], 0.0
-    for r in refs:
-        noise_d = np.abs(r[valid].astype(np.float64) - t)
-        noises.append(rms(noise_d))
-        max_noise = max(max_noise, float(noise_d.max()) if noise_d.size else 0.0)
-        del noise_d
+    noises = [math.sqrt(x / count) if count else 0.0 for x in sq_r]
     noise = max(noises)
     if nonfinite:
         error = max_error = cos = math.nan
     else:
-        err_d = np.abs(g - t)
-        error, max_error = rms(err_d), float(err_d.max()) if err_d.size else 0.0
-        denom = np.linalg.norm(g) * np.linalg.norm(t)
-        cos = float((g * t).sum() / denom) if denom else 1.0
+        error = math.sqrt(sq_e / count) if count else 0.0
+        denom = math.sqrt(sq_g) * math.sqrt(sq_t)
+        cos = dot / denom if denom else 1.0
     tie = 2 * (budget.multiple * max_noise + floor)
     top1, misses = None, 0
     if logits:
-        g2, t2 = g.reshape(-1, g.shape[-1]), t.reshape(-1, t.shape[-1])  # [positions, vocab]
-        agree = g2.argmax(-1) == t2.argmax(-1)
+        agree = np.concatenate(argmax_g) == np.concatenate(argmax_t) if argmax_g else np.ones(0, bool)
         top1 = float(agree.mean()) if agree.size else 1.0
-        misses = int(((~agree) & (margin(t2) > tie)).sum())
+        misses = int(((~agree) & (np.concatenate(margins) > tie)).sum()) if agree.size else 0
     return BudgetCheck(name, dtype, error, noise, floor, budget.multiple, max_error, max_noise, scale, cos,
                        budget.min_cosine, top1, misses, tie, nonfinite, tuple(noises))

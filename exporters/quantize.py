@@ -456,24 +456,42 @@ def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt
     from .prompts import positions
     from .runtime import OnnxLM, create_session
 
+    from .foreign import check_matches, describe_graph, foreign_lm
+    from .parity import has_our_metadata
+
     onnx_path = Path(onnx_path)
-    meta = read_metadata(onnx_path)
-    cfg = meta.config
+    io = None
+    if not has_our_metadata(onnx_path):  # another exporter's graph (the builder's int4): its I/O read from it
+        io = describe_graph(onnx_path)
+        if reference is None:
+            raise ValueError(f"{onnx_path} was not written by llama-tools ({io.producer}); pass --source with the "
+                             f"checkpoint it was exported from")
+        if not isinstance(reference, Llama):
+            reference = load_model(reference, dtype="float32")
+        check_matches(io, reference.cfg, str(getattr(reference.cfg, "name", "--source")))
+        meta = None
+        cfg = reference.cfg
+    else:
+        meta = read_metadata(onnx_path)
+        cfg = meta.config
     rng = np.random.default_rng(0)
     prompt = list(prompt) if prompt else rng.integers(3, cfg.vocab_size, size=8).tolist()
     longest = max(len(prompt) + steps, len(sequence) if sequence else 0)
-    if meta.static_kv is not None and longest > meta.static_kv:
+    if meta is not None and meta.static_kv is not None and longest > meta.static_kv:
         raise ValueError(f"{onnx_path}: its static KV buffer holds {meta.static_kv} positions, but the prompt and "
                          f"{steps} steps need {longest}; use fewer steps, or export with a larger --static-kv")
     if reference is None:
+        assert meta is not None, "a foreign graph's reference is given (checked above)"
         if meta.seed is None and not Path(meta.source).is_dir():
             raise ValueError(f"{onnx_path}: exported from weights no seed reproduces; pass the fp32 model as reference")
         reference = load_model(meta.source, dtype="float32", seed=meta.seed or 0)
     if not isinstance(reference, Llama):
-        reference = load_model(reference, dtype="float32", seed=meta.seed or 0)
+        reference = load_model(reference, dtype="float32", seed=meta.seed if meta is not None and meta.seed else 0)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    lm = OnnxLM(create_session(onnx_path, "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    session = create_session(onnx_path, "cpu")
+    lm = (foreign_lm(session, io, cfg) if io is not None
+          else OnnxLM(session, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim))
     reference = reference.float().eval()
 
     def onnx_step(ids: list[int], past: Any, total: int) -> Any:

@@ -68,7 +68,17 @@ class Verdict:
         return self.whole.first_bad_layer if self.whole is not None else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": "verdict", "inputs": self.inputs, "prompt_lengths": self.prompt_lengths,
+        """One check alone: its own report's fields (and the inputs); both: each report under its key."""
+        if (self.by_layer is None) != (self.whole is None):
+            rep = self.by_layer or self.whole
+            assert rep is not None, "a verdict runs at least one check"
+            d = rep.to_dict()
+            return {**d, "inputs": self.inputs, "notes": d["notes"] + self.notes, "first_bad": self.first_bad,
+                    "export_seconds": self.export_seconds}
+        first = self.by_layer or self.whole
+        assert first is not None, "a verdict runs at least one check"
+        return {"mode": "verdict", "onnx_path": first.onnx_path, "source": first.source, "graph": first.graph,
+                "dtype": first.dtype, "inputs": self.inputs, "prompt_lengths": self.prompt_lengths,
                 "passed": self.passed, "first_bad": self.first_bad, "first_bad_layer": self.first_bad_layer,
                 "by_layer": self.by_layer.to_dict() if self.by_layer is not None else None,
                 "whole_graph": self.whole.to_dict() if self.whole is not None else None,
@@ -125,7 +135,7 @@ def _run(onnx_path: Path, target: ParityTarget, inputs: Inputs, mode: str, provi
     if mode == "auto" and not whole:
         notes.append(f"the whole-graph check (decode through the KV cache) is left out by default: the graph's "
                      f"{weights / 2**30:.1f} GiB of weights are over {WHOLE_GRAPH_BYTES / 2**30:g} GiB; "
-                     f"--whole-graph runs it too")
+                     f"`--checks both` runs it too")
     by_layer = None
     if mode != "whole":
         by_layer = _by_layer(onnx_path, target, inputs.rows, provider, tf32, None, progress)

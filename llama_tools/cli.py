@@ -601,16 +601,17 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
     inputs = parity_inputs(tgt, batch or None, steps if mode != "layers" else 0, random_ids, seed)
     v = verify(tgt, inputs, mode=mode, provider=provider, steps=steps, dtype=dtype, rope_op=rope_op, tf32=tf32,
                progress=terminal("parity", quiet=quiet))
-    if fmt == "json":
-        click.echo(render([], "json", json_payload=v.to_dict()))
-    else:
-        _print_verdict(v, all_layers)
     if plot is not None:
         from .exporters.by_layer import whole_graph_series
         from .reports.parity_plot import plot_layers
 
         plot_layers(v.by_layer.series() if v.by_layer is not None else whole_graph_series(v.whole), plot)
-        click.echo(f"plot: {plot}", err=fmt == "json")
+    if fmt == "json":
+        click.echo(render([], "json", json_payload={**v.to_dict(), "plot": str(plot) if plot else None}))
+    else:
+        _print_verdict(v, all_layers)
+        if plot is not None:
+            click.echo(f"plot: {plot}")
     if not v.passed:
         sys.exit(1)
 
@@ -712,6 +713,12 @@ def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: 
 
     from .source import resolve
 
+    if source is None:
+        from .exporters.parity import has_our_metadata
+
+        if not has_our_metadata(target):
+            raise ValueError(f"{target} was not written by llama-tools; pass --source with the checkpoint it was "
+                             f"exported from")
     model = source if source is not None else resolve(read_metadata(target).source)
     start = prompt_ids(model, prompt, ids)[0] if prompt is not None or ids is not None else None
     sequence = None

