@@ -35,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from llama_tools import dtypes, files
-from llama_tools.progress import Progress, silent
+from llama_tools.progress import Progress, release_freed_memory, silent
 
 from .compare import DTYPE_LABEL, Budget, BudgetCheck, judge
 from .graph_io import INPUT_IDS, LOGITS, past_name, present_name
@@ -211,6 +211,9 @@ class BlockRunner:
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         opts.add_session_config_entry(EXTERNAL_FOLDER, str(self.blocks.path.parent.resolve()))
+        # A block runs once: MLAS's prepacked copy of each weight would double the block's memory for nothing
+        # (Qwen2.5-0.5B's lm_head block: +0.5 GB at the run's peak).
+        opts.add_session_config_entry("session.disable_prepacking", "1")
         providers = provider_list(self.provider, self.tf32)
         model = self.blocks.block_model(b)
         try:
@@ -548,6 +551,7 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
     head = blocks.blocks[-1]
     z_in = z.to(ref.dtype)
     got = timed("onnxruntime", lambda: runner.run(head, graph_in(z_in), ids, mask))
+    release_freed_memory()  # the head block's session (lm_head) is gone: its pages go back before the logits' checks
     r_l = timed(f"PyTorch {meta.dtype}", lambda: noise_side.head(z_in))
     a_l = timed(alt_key, lambda: alt_side.head(z_in))
     t_l = timed("PyTorch float64", lambda: truth_side.head(z))
