@@ -95,6 +95,44 @@ def cost(path: Path, source: str) -> None:
               f"({peak / weights:.2f}x the weights' {weights / 2**30:.2f} GiB)", flush=True)
 
 
+def growth(hf: Path, random_ids: bool = False) -> list[float]:
+    """Amplification through depth: Z^0 perturbed by one fp32 ulp (relative 2^-24, random signs) in the float64
+    reference; per layer, RMS |K, V change| / RMS |K, V| in units of that ulp (1: no growth)."""
+    import numpy as np
+    import torch
+
+    from llama_tools.exporters.prompts import default_inputs, left_pad, random_rows
+    from llama_tools.reference import reference_model
+
+    src = resolve_source(hf)
+    rows = random_rows(src.cfg.vocab_size, 2, 0) if random_ids else default_inputs(src, src.cfg.vocab_size, 64).rows
+    ids, mask = left_pad(rows)
+    ref = reference_model(src, batch=len(rows), seq=ids.shape[1]).with_dtype(torch.float64)
+    clean = ref(torch.from_numpy(ids), torch.from_numpy(mask)).past_key_values
+    embed = ref._embed
+    gen = torch.Generator().manual_seed(0)
+
+    def nudged(input_ids):
+        z = embed(input_ids)
+        signs = torch.randint(0, 2, z.shape, generator=gen, dtype=torch.float64) * 2 - 1
+        return z * (1 + signs * 2.0 ** -24)
+    ref._embed = nudged
+    moved = ref(torch.from_numpy(ids), torch.from_numpy(mask)).past_key_values
+    valid = torch.from_numpy(mask.astype(bool))
+    out = []
+    for (ck, cv), (mk, mv) in zip(clean, moved):
+        num = sum(float(((m - c).transpose(1, 2)[valid] ** 2).mean()) for c, m in ((ck, mk), (cv, mv)))
+        den = sum(float((c.transpose(1, 2)[valid] ** 2).mean()) for c in (ck, cv))
+        out.append(float(np.sqrt(num / den)) / 2.0 ** -24)
+    return out
+
+
+def resolve_source(hf: Path):
+    from llama_tools.source import resolve
+
+    return resolve(str(hf))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=",".join(MODELS))
@@ -102,6 +140,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--faults", default="scale,rope,kv-swap")
     ap.add_argument("--cost", action="store_true")
+    ap.add_argument("--growth", action="store_true", help="only the growth of a one-ulp perturbation per layer")
     ap.add_argument("--keep", type=Path, help="keep the exports here (and reuse them)")
     args = ap.parse_args()
     from llama_tools.source import resolve
@@ -111,6 +150,13 @@ def main() -> None:
         hf = Path(MODELS[name]())
         cfg = resolve(str(hf)).cfg
         layer = cfg.num_hidden_layers // 2
+        if args.growth:
+            for what, rnd in (("built-in text", False), ("2 rows of random ids", True)):
+                g = growth(hf, rnd)
+                print(f"growth of a one-ulp perturbation of Z^0 on {what}, per layer (K and V; 1 = none): "
+                      f"{' '.join(f'{x:.2g}' for x in g)}; largest {max(g):.3g} at layer {g.index(max(g))}",
+                      flush=True)
+            continue
         print(f"\n{name}: {cfg.num_hidden_layers} layers, width {cfg.hidden_size}, heads {cfg.num_attention_heads}/"
               f"{cfg.num_key_value_heads}, vocab {cfg.vocab_size}, rope_theta {cfg.rope_theta:g}, "
               f"tied {cfg.tie_word_embeddings}, q/k/v bias {cfg.qkv_bias}", flush=True)

@@ -97,3 +97,44 @@ def test_float64_stays_wide_in_norms():
     got = norm(x).detach().numpy()
     assert got.dtype == np.float64 and np.abs(got - want).max() < 1e-14
     assert wide(torch.ones(2, dtype=torch.float16)).dtype == torch.float32
+
+
+def test_a_second_implementation_sums_in_another_order():
+    """reassociated_matmul is the same product (float64: equal to 1e-12) summed in another order (fp32: not
+    bitwise equal, within fp32 rounding of the sums), so its error to float64 is a second, independent sample."""
+    import torch
+
+    from llama_tools.reference import REASSOCIATE_CHUNK, reassociate, reassociated_matmul
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 7, 4 * REASSOCIATE_CHUNK + 5, generator=g), torch.randn(50, 4 * REASSOCIATE_CHUNK + 5,
+                                                                                  generator=g)
+    exact = x.double() @ w.double().T
+    assert torch.allclose(reassociated_matmul(x.double(), w.double()), exact, rtol=0, atol=1e-12)
+    a, b = reassociated_matmul(x, w), x @ w.T
+    assert not torch.equal(a, b)
+    for y in (a, b):
+        assert float((y.double() - exact).abs().max()) < 1e-4 * float(exact.abs().max())
+    lin = torch.nn.Linear(w.shape[1], 50)
+    with torch.no_grad():
+        want = lin(x)
+    reassociate(lin)
+    with torch.no_grad():
+        assert torch.allclose(lin(x), want, atol=1e-5) and not torch.equal(lin(x), want)
+
+
+def test_the_noise_is_the_larger_of_the_implementations():
+    """Two references: the noise is the larger RMS error; a graph 5x the smaller but 1x the larger passes, and a
+    graph far off fails whichever reference is taken (the check can still fail)."""
+    rng = np.random.default_rng(0)
+    truth = rng.standard_normal((2, 8, 32))
+    valid = np.ones((2, 8), bool)
+    quiet = truth + 1e-7 * rng.standard_normal(truth.shape)
+    loud = truth + 5e-7 * rng.standard_normal(truth.shape)
+    got = truth + 5e-7 * rng.standard_normal(truth.shape)
+    alone = judge("one", got, quiet, truth, valid, "float32")
+    both = judge("two", got, (quiet, loud), truth, valid, "float32")
+    assert both.noise == pytest.approx(max(both.noises)) and both.noises[0] < both.noises[1]
+    assert alone.noise == pytest.approx(both.noises[0]) and both.passed and both.ratio < 2 < alone.ratio
+    far = truth * (1 + 1e-3)
+    assert not judge("far", far, (quiet, loud), truth, valid, "float32").passed
