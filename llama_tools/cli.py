@@ -664,7 +664,7 @@ def parity_rows(rep: Any, all_layers: bool = False) -> list[dict[str, Any]]:
     if kv:
         worst = max(kv, key=lambda c: c.ratio if math.isfinite(c.ratio) else math.inf)
         ok = all(c.passed for c in kv)
-        rows.append(row(worst, f"present.* ({len(kv)} K/V, worst ratio {worst.name})",
+        rows.append(row(worst, f"present.* (worst of {len(kv)} K/V)",
                         "pass" if ok else f"FAIL from layer {rep.first_bad_layer}"))
         rows += [row(c) for c in kv if all_layers or not c.passed]
     if "decode logits" in by_name:
