@@ -27,7 +27,7 @@ from llama_tools.progress import Progress, silent
 
 from .by_layer import ByLayerReport, _by_layer
 from .parity_options import MODES, WHOLE_GRAPH_BYTES
-from .parity import ParityReport, ParityTarget, _verify, _weight_bytes, check_inputs, is_int4
+from .parity import ParityReport, ParityTarget, _verify, check_inputs, is_int4
 from .prompts import Inputs, default_inputs
 
 
@@ -126,10 +126,20 @@ def verify(target: ParityTarget, inputs: Inputs, *, mode: str = "auto", provider
     return verdict
 
 
+def graph_bytes(onnx_path: Path) -> int:
+    """The graph's file and every external-data file its initializers name (read without the weights)."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    names = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
+    files = {(onnx_path.parent / n).resolve() for n in names}
+    return onnx_path.stat().st_size + sum(f.stat().st_size for f in files if f.is_file())
+
+
 def _run(onnx_path: Path, target: ParityTarget, inputs: Inputs, mode: str, provider: str, steps: int, tf32: bool,
          progress: Progress) -> Verdict:
     start = time.perf_counter()
-    weights = _weight_bytes(onnx_path)
+    weights = graph_bytes(onnx_path)
     whole = mode in ("whole", "both") or (mode == "auto" and weights <= WHOLE_GRAPH_BYTES)
     notes = []
     if mode == "auto" and not whole:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import ModelConfig, RopeScaling
+from .rope import HALF
 from .formats import FORMATS, checkpoint_tensors
 from .header_readers import TensorInfo
 from .weight_files import WeightFiles
@@ -35,8 +36,20 @@ SUFFIX = ".gguf"
 MAGIC = b"GGUF"
 KIND = "gguf"  # WeightFiles.kind of a GGUF source
 GGUF = FORMATS[KIND]
-# general.architecture values whose tensors and metadata are LLaMA's (llama.cpp writes Mistral as "llama").
-ARCHITECTURES = {"llama": "llama"}
+
+
+@dataclass(frozen=True)
+class GgufArchitecture:
+    """A general.architecture we read: the family it is, and the q/k row order llama.cpp's converter stores."""
+
+    family: str
+    rope_layout: str
+
+
+# llama.cpp writes Mistral as "llama" and permutes its q/k rows to Meta's interleaved order (its rope type NORM);
+# qwen2 keeps HF's rows (rope type NEOX: the two halves) and adds q/k/v biases, found by their tensor names.
+ARCHITECTURES = {"llama": GgufArchitecture("llama", GGUF.rope_layout),
+                 "qwen2": GgufArchitecture("qwen2", HALF)}
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -157,14 +170,14 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
                                                                        8192, required=False)))
     bos, eos = field_value(reader, "tokenizer.ggml.bos_token_id"), field_value(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        name=path.stem, source=str(path), family=ARCHITECTURES[arch],
+        name=path.stem, source=str(path), family=ARCHITECTURES[arch].family,
         vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
         num_hidden_layers=int(get("block_count")), num_attention_heads=heads,
         num_key_value_heads=int(get("attention.head_count_kv", heads, required=False)),
         head_dim=head_dim if head_dim != hidden // max(heads, 1) else 0,
         rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
         rope_theta=_f32(get("rope.freq_base", 10000.0, required=False)), rope_scaling=scaling,
-        rope_layout=GGUF.rope_layout, max_position_embeddings=int(get("context_length", 2048, required=False)),
+        rope_layout=ARCHITECTURES[arch].rope_layout, max_position_embeddings=int(get("context_length", 2048, required=False)),
         tie_word_embeddings="output.weight" not in names,  # llama.cpp leaves the tied lm_head out
         qkv_bias="blk.0.attn_q.bias" in names, o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names,

@@ -30,6 +30,10 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
+# Qwen2's split (its tokenizer.json): Llama 3's with every digit alone.
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
 def _byte_level() -> Any:
     from tokenizers import pre_tokenizers
 
@@ -43,12 +47,20 @@ def _digits_then_byte_level() -> Any:
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()])
 
 
-def _llama3() -> Any:
+def _split_then_bytes(split: str) -> Any:
     from tokenizers import Regex, pre_tokenizers
 
     return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _llama3() -> Any:
+    return _split_then_bytes(LLAMA3_SPLIT)
+
+
+def _qwen2() -> Any:
+    return _split_then_bytes(QWEN2_SPLIT)
 
 
 # tokenizer.ggml.pre (llama.cpp's pre-tokenizer name) -> the same split as a tokenizers pre-tokenizer.
@@ -56,7 +68,7 @@ PRE_TOKENIZERS: dict[str, Callable[[], Any]] = {
     "default": _byte_level, "gpt2": _byte_level,
     **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
                     _digits_then_byte_level),
-    "llama-bpe": _llama3, "llama3": _llama3,
+    "llama-bpe": _llama3, "llama3": _llama3, "qwen2": _qwen2,
 }
 
 

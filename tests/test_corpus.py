@@ -92,3 +92,28 @@ def test_cli_default_says_what_ran(model):
     ships = (hf / "chat_template.jinja").is_file() or "chat_template" in json.loads((hf / "tokenizer_config.json")
                                                                                    .read_text())
     assert template == ships, data["inputs"]
+
+
+def test_qwen2_gguf_is_read_directly(qwen2_gguf, qwen2_hf, tmp_path):
+    """A qwen2 GGUF (q/k rows in HF's halves, q/k/v biases, Q4_K/Q5_0/Q6_K/Q8_0 blocks): counted from its headers
+    as the HF checkpoint is, its vocabulary encoding as the converted tokenizer.json does, and the plain export of
+    transformers' conversion judged against it by layer: transformers' GGUF reader and ours, one file."""
+    from llama_tools.exporters.prompts import CHAT_TURN, PASSAGES
+    from llama_tools.tokenizer import Tokenizer
+
+    gguf_count = CliRunner().invoke(cli, ["count-params", str(qwen2_gguf), "--format", "json"])
+    hf_count = CliRunner().invoke(cli, ["count-params", str(qwen2_hf), "--format", "json"])
+    assert gguf_count.exit_code == 0 and hf_count.exit_code == 0, gguf_count.output[-500:]
+    total = lambda r: json.loads(r.output)[0]["total"]  # noqa: E731
+    assert total(gguf_count) == total(hf_count) == 630_167_424
+    ours, theirs = Tokenizer(qwen2_gguf), Tokenizer(qwen2_hf / "tokenizer.json")
+    for text in [t for _, t in PASSAGES] + [CHAT_TURN, "In 2024, 1234567 tokens cost $3.50 <|im_start|>"]:
+        assert ours.encode(text) == theirs.encode(text), text
+    assert ours.special == theirs.special and ours.chat_template
+    graph = tmp_path / "model.onnx"
+    export_onnx(str(qwen2_hf), graph)
+    r = CliRunner().invoke(cli, ["verify", "parity", str(graph), "--source", str(qwen2_gguf), "--checks", "layers",
+                                 "-q", "--format", "json"])
+    assert r.exit_code == 0, r.output[-1500:]
+    data = json.loads(r.output)
+    assert data["passed"] and data["inputs"].startswith(f"built-in text through {qwen2_gguf.name}"), data["inputs"]
