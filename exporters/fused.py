@@ -50,7 +50,7 @@ from llama_tools import dtypes, files
 from llama_tools.config import ModelConfig
 from llama_tools.model import rope_cache
 from llama_tools.progress import Progress, peak_rss_bytes, silent
-from llama_tools.rope import INTERLEAVED
+from llama_tools.rope_layouts import INTERLEAVED
 from llama_tools.source import ModelSource, resolve
 from llama_tools.weights import weight_specs
 

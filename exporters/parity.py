@@ -25,7 +25,7 @@ import numpy as np
 from llama_tools import dtypes, files
 from llama_tools.config import ModelConfig
 from llama_tools.progress import Progress, silent
-from llama_tools.rope import HALF, INTERLEAVED
+from llama_tools.rope_layouts import HALF, INTERLEAVED
 from llama_tools.source import ModelSource, resolve
 from llama_tools.tokenizer import check_vocab
 

@@ -107,7 +107,7 @@ def _quality(source: ModelSource, int4: Path, seed: int) -> QuickQuality:
     """The int4 graph scored against the full-precision model, streamed a layer at a time (no fp32 session):
     real text through the tokenizer, else seeded ids."""
     from llama_tools.reference import reference_model
-    from llama_tools.tokenizer import load_tokenizer
+    from llama_tools.source import load_tokenizer
 
     tok = load_tokenizer(source)
     if tok is not None:

@@ -19,6 +19,7 @@ import torch
 from .config import ModelConfig
 from .formats import BENIGN_SUFFIXES, CheckpointFormat, checkpoint_tensors, detect_format, merge_meta_shards
 from .layouts import permute_rope_rows, split_qkv
+from .model import model_from_state
 from .progress import Progress, silent
 from .inspection import read_checkpoint_headers
 from .weight_files import WeightFiles, read_headers
@@ -134,25 +135,6 @@ def read_checkpoint(directory: str | Path, rope_layout: str | None = None,
         state = permute_rope_rows(state, cfg.num_attention_heads, cfg.num_key_value_heads, fmt.rope_layout, rope_layout)
         cfg = cfg.replace(rope_layout=rope_layout)
     return LoadedCheckpoint(cfg, state, fmt, wf)
-
-
-def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                     device: Any = "cpu", consume: bool = False) -> Any:
-    """Assign tensors into a Llama built on the meta device (no random init), cast to dtype.
-
-    consume=True empties `state` while casting, one tensor at a time, so that peak memory stays
-    near one copy of the model instead of the stored copy plus the cast one.
-    """
-    from .model import build_model, tie_weights
-
-    model = build_model(cfg, device="meta", dtype=dtype)
-    source = state if consume else dict(state)
-    state = {k: source.pop(k).to(dtype=dtype) for k in list(source)}
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    tie_weights(model)
-    return model.to(device).eval()
 
 
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, device: Any = "cpu",

@@ -314,7 +314,7 @@ def convert(src: Any, dst: Path, to: str, shards: int, seed: int, dtype: str | N
 @output_options()
 def tokenize(model: Any, text: str | None, ids: list[int] | None, no_bos: bool, fmt: str) -> None:
     """Encode TEXT (or decode --ids) with MODEL's tokenizer.model: one row per token."""
-    from .tokenizer import load_tokenizer, no_tokenizer
+    from .source import load_tokenizer, no_tokenizer
 
     if (text is None) == (ids is None):
         raise ValueError("give exactly one of TEXT or --ids '1 2 3'")
@@ -360,7 +360,7 @@ def generate(model: Any, prompt: str | None, ids: str | None, max_new_tokens: in
       llama-tools generate ./tiny-hf --ids "1 17 42" --temperature 0.8 --top-p 0.9 --seed 0
     """
     from .sampling import check_sampling
-    from .tokenizer import prompt_ids
+    from .source import prompt_ids
 
     token_ids, tok = prompt_ids(model, prompt, ids)
     check_sampling(model.cfg, token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -590,7 +590,7 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
     from .exporters.preflight import check_args
     from .exporters.parity import resolve_target
     from .exporters.verdict import parity_inputs, verify
-    from .tokenizer import prompt_ids
+    from .source import prompt_ids
 
     check_args(dtype, rope_op, None)
     tgt = resolve_target(target, source)
@@ -709,7 +709,7 @@ def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: 
     from .exporters.onnx_export import read_metadata
     from .exporters.quantize import measure_quant_parity
     from .loading import load_model
-    from .tokenizer import load_tokenizer, no_tokenizer, prompt_ids
+    from .source import load_tokenizer, no_tokenizer, prompt_ids
 
     from .source import resolve
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from . import dtypes
-from .rope import HALF, ROPE_LAYOUTS, RopeLayout
+from .rope_layouts import HALF, ROPE_LAYOUTS, RopeLayout
 
 PositionEncoding = Literal["rope", "alibi"]
 

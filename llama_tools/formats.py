@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal, TypeVar
 
 from .config import ModelConfig
-from .rope import HALF, INTERLEAVED, RopeLayout
+from .rope_layouts import HALF, INTERLEAVED, RopeLayout
 from .weights import WeightSpec, weight_specs
 
 FusedQKV = Literal["concat", "grouped"]

@@ -20,17 +20,15 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .config import ModelConfig, RopeScaling
-from .rope import HALF
+from .rope_layouts import HALF
 from .formats import FORMATS, checkpoint_tensors
 from .header_readers import TensorInfo
-from .weight_files import WeightFiles
+from .weight_files import CheckpointHeaders, WeightFiles
 from .weights import weight_specs
 
-if TYPE_CHECKING:
-    from .inspection import CheckpointHeaders
 
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
@@ -213,9 +211,8 @@ def _check_layers(path: Path, cfg: ModelConfig, infos: list[TensorInfo]) -> None
                          f"file holds tensors of {held}")
 
 
-def read_gguf_headers(path: str | Path) -> "CheckpointHeaders":
+def read_gguf_headers(path: str | Path) -> CheckpointHeaders:
     """A GGUF file as far as its header goes: config from the metadata, tensor infos; no tensor data read."""
-    from .inspection import CheckpointHeaders
 
     p = Path(path)
     reader = open_gguf(p)
@@ -323,7 +320,7 @@ def load_gguf_model(path: str | Path, dtype: Any = None, device: Any = "cpu", ro
     """
     import torch
 
-    from .checkpoints import model_from_state
+    from .model import model_from_state
     from .layouts import permute_rope_rows
 
     dtype = torch.float32 if dtype is None else dtype

@@ -12,7 +12,8 @@ from .config import ModelConfig
 from .formats import (BENIGN_SUFFIXES, CheckpointFormat, CheckpointTensor, checkpoint_tensors, detect_format,
                       merge_meta_shards)
 from .header_readers import TensorInfo
-from .weight_files import NO_WEIGHTS, WeightFiles, checkpoint_config, find_weight_files, read_headers
+from .weight_files import (NO_WEIGHTS, CheckpointHeaders, WeightFiles, checkpoint_config, find_weight_files,
+                           read_headers)
 from .weights import weight_specs
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -76,19 +77,6 @@ class CheckpointInspection:
     def ok(self) -> bool:
         return not (self.missing or self.mismatched or
                     [t for t in self.unexplained if not t.name.endswith(BENIGN_SUFFIXES)])
-
-
-@dataclass(frozen=True)
-class CheckpointHeaders:
-    """A checkpoint directory read as far as its headers go: files, config, whole tensors, format."""
-
-    directory: Path
-    files: WeightFiles
-    per_file: list[list[TensorInfo]]  # as each file stores them
-    cfg: ModelConfig  # the config file's, q/k rows as the config says
-    tensors: list[TensorInfo]  # Meta shards merged into whole tensors
-    format: CheckpointFormat
-    blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # dtype -> (weights, bytes) per block
 
 
 def read_checkpoint_headers(path: str | Path) -> CheckpointHeaders:

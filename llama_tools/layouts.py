@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .rope import HALF, INTERLEAVED
+from .rope_layouts import HALF, INTERLEAVED
 
 
 def _check_rows(w: torch.Tensor, n_heads: int, what: str) -> int:

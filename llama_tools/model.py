@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .rope import INTERLEAVED, rope_inv_freq
+from .rope import rope_inv_freq
+from .rope_layouts import INTERLEAVED
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (K, V): [batch, kv_heads, past, n6]
 
@@ -384,3 +385,20 @@ def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu", dtype: 
             else:
                 p.normal_(0.0, init_std, generator=gen)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                     device: str | torch.device = "cpu", consume: bool = False) -> Llama:
+    """Assign tensors into a Llama built on the meta device (no random init), cast to dtype.
+
+    consume=True empties `state` while casting, one tensor at a time, so that peak memory stays
+    near one copy of the model instead of the stored copy plus the cast one.
+    """
+    model = build_model(cfg, device="meta", dtype=dtype)
+    source = state if consume else dict(state)
+    state = {k: source.pop(k).to(dtype=dtype) for k in list(source)}
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    tie_weights(model)
+    return model.to(device).eval()

@@ -1,34 +1,25 @@
-"""RoPE's facts that need no torch: the two row layouts and the paper's angles θ̄_t.
+"""RoPE's facts that need no torch: the paper's angles θ̄_t and which scalings the model computes.
 
-How q/k rows are ordered inside each head is a property of the weights, not of the architecture:
-- INTERLEAVED: pairs (x0, x1), (x2, x3), ... rotate together (the paper's A_i, Meta checkpoints);
-- HALF: x_i rotates with x_{i + n6/2} (rotate_half, HF checkpoints).
-Which checkpoint format stores which layout is said once, in formats.py.
+The two q/k row layouts live in rope_layouts.py (config needs them too, below this module).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
 
-if TYPE_CHECKING:
-    from .config import ModelConfig
+from .config import ModelConfig
 
-RopeLayout = Literal["half", "interleaved"]
-HALF: RopeLayout = "half"
-INTERLEAVED: RopeLayout = "interleaved"
-ROPE_LAYOUTS: tuple[RopeLayout, ...] = (HALF, INTERLEAVED)
 SUPPORTED_SCALING = ("linear", "llama3")
 
 
-def check_scaling_supported(cfg: "ModelConfig") -> None:
+def check_scaling_supported(cfg: ModelConfig) -> None:
     """ValueError when the model cannot compute cfg's rope_scaling (counting still works)."""
     if cfg.rope_scaling and cfg.rope_scaling.type not in SUPPORTED_SCALING:
         raise ValueError(f"config {cfg.source or cfg.name!r}: rope_scaling type {cfg.rope_scaling.type!r} is "
                          f"not supported by the model (supported: {', '.join(SUPPORTED_SCALING)}); counting still works")
 
 
-def rope_inv_freq(cfg: "ModelConfig") -> list[float]:
+def rope_inv_freq(cfg: ModelConfig) -> list[float]:
     """θ̄_t = base^(-t/n6) for t = 0, 2, ..., n6-2 (the paper's bar-theta), after rope_scaling."""
     check_scaling_supported(cfg)
     d = cfg.head_dim

@@ -10,7 +10,7 @@ from .config import ModelConfig
 from .config_files import load_config, looks_like_path
 from .gguf_files import is_gguf, read_gguf_headers
 from .presets import preset_tokenizer
-from .tokenizer import find_tokenizer
+from .tokenizer import KINDS, Tokenizer, check_vocab, find_tokenizer, parse_ids
 from .weight_files import NO_WEIGHTS, WeightFiles, checkpoint_config, find_weight_files
 
 MAX_RANDOM_INIT_BYTES = 8 * 2**30  # seeded weights above this are refused (load_model) rather than materialized
@@ -85,3 +85,41 @@ def resolve(spec: str | Path, *, weights_required_in_dir: bool = False) -> Model
         return ModelSource(text, "config", cfg, p.resolve(), None, find_tokenizer(p.resolve().parent))
     cfg = load_config(text)
     return ModelSource(text, "preset", cfg, None, None, preset_tokenizer(cfg.name))  # tiny ships one
+
+
+# --- MODEL's tokenizer: the tokenizer files found beside it (tokenizer.py reads them) -------------------------
+
+def load_tokenizer(source: ModelSource) -> Tokenizer | None:
+    """MODEL's tokenizer (KINDS decides the library), or None when it has none."""
+    found = find_tokenizer(source.path)
+    if found is None and source.tokenizer is not None:  # e.g. one shipped with a preset
+        found = source.tokenizer
+    return Tokenizer(found) if found is not None else None
+
+
+def no_tokenizer(source: ModelSource, need: str) -> ValueError:
+    """The one-line refusal when MODEL has no tokenizer file for NEED."""
+    return ValueError(f"{source.spec}: no tokenizer there ({' or '.join(k.patterns[0] for k in KINDS)}) to {need}")
+
+
+def prompt_ids(source: ModelSource, prompt: str | None, ids: str | None,
+               bos: bool | None = None) -> tuple[list[int], Tokenizer | None]:
+    """The prompt as ids, checked against the vocabulary: --ids raw, or --prompt through MODEL's tokenizer.
+
+    bos None: as the checkpoint says. The tokenizer comes back (None when MODEL has none) for decoding the output.
+    """
+    if (prompt is None) == (ids is None):
+        raise ValueError("give exactly one of --prompt TEXT or --ids '1 2 3'")
+    tok = load_tokenizer(source)
+    if ids is not None:
+        out = parse_ids(ids)
+        if not out:
+            raise ValueError("--ids: no token ids given")
+    elif tok is None:
+        raise no_tokenizer(source, "encode --prompt; pass --ids instead")
+    else:
+        out = tok.encode(prompt or "", bos=bos)
+        if not out:
+            raise ValueError(f"--prompt {prompt!r} encodes to no tokens; give some text")
+    check_vocab(out, source.cfg.vocab_size)
+    return out, tok

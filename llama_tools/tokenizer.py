@@ -16,12 +16,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import tokenizer_files
-
-if TYPE_CHECKING:  # source imports this module (find_tokenizer): only the type from there
-    from .source import ModelSource
 
 
 @dataclass(frozen=True)
@@ -249,14 +246,6 @@ def find_tokenizer(path: str | Path | None) -> Path | None:
     return next((folder / n for n in FILE_NAMES if (folder / n).is_file()), None)
 
 
-def load_tokenizer(source: ModelSource) -> Tokenizer | None:
-    """MODEL's tokenizer (KINDS decides the library), or None when it has none."""
-    found = find_tokenizer(source.path)
-    if found is None and source.tokenizer is not None:  # e.g. one shipped with a preset
-        found = source.tokenizer
-    return Tokenizer(found) if found is not None else None
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -321,31 +310,3 @@ def check_vocab(ids: list[int], vocab_size: int, what: str = "--ids") -> None:
     bad = next((i for i in ids if not 0 <= i < vocab_size), None)
     if bad is not None:
         raise ValueError(f"{what}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
-
-
-def no_tokenizer(source: ModelSource, need: str) -> ValueError:
-    """The one-line refusal when MODEL has no tokenizer file for NEED."""
-    return ValueError(f"{source.spec}: no tokenizer there ({' or '.join(k.patterns[0] for k in KINDS)}) to {need}")
-
-
-def prompt_ids(source: ModelSource, prompt: str | None, ids: str | None,
-               bos: bool | None = None) -> tuple[list[int], Tokenizer | None]:
-    """The prompt as ids, checked against the vocabulary: --ids raw, or --prompt through MODEL's tokenizer.
-
-    bos None: as the checkpoint says. The tokenizer comes back (None when MODEL has none) for decoding the output.
-    """
-    if (prompt is None) == (ids is None):
-        raise ValueError("give exactly one of --prompt TEXT or --ids '1 2 3'")
-    tok = load_tokenizer(source)
-    if ids is not None:
-        out = parse_ids(ids)
-        if not out:
-            raise ValueError("--ids: no token ids given")
-    elif tok is None:
-        raise no_tokenizer(source, "encode --prompt; pass --ids instead")
-    else:
-        out = tok.encode(prompt or "", bos=bos)
-        if not out:
-            raise ValueError(f"--prompt {prompt!r} encodes to no tokens; give some text")
-    check_vocab(out, source.cfg.vocab_size)
-    return out, tok

