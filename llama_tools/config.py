@@ -82,6 +82,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # width of one routed expert; 0 means n7
     bos_token_id: int = 1
     eos_token_id: int = 2
+    pad_token_id: int | None = None  # as the source says; None when it names none
     torch_dtype: str = dtypes.FLOAT32.name  # the dtype the published weights are stored in
     source: str = ""  # where the config came from: a preset name or a file path
 
@@ -132,6 +133,9 @@ class ModelConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{where}: field {f} must be an integer >= 0, got {v!r}")
+        pad = self.pad_token_id
+        if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or pad < 0):
+            raise ValueError(f"{where}: field pad_token_id must be an integer >= 0 or null, got {pad!r}")
         sw = self.sliding_window
         if sw is not None and (not isinstance(sw, int) or isinstance(sw, bool) or sw < 1):
             raise ValueError(f"{where}: field sliding_window must be an integer >= 1 or null, got {sw!r}")

@@ -29,6 +29,14 @@ _HF_ARCHITECTURES = {
 }
 
 
+class UnknownArchitecture(ValueError):
+    """A config.json of an architecture no family here models (count-params may still count it elsewhere)."""
+
+    def __init__(self, message: str, data: dict[str, Any], path: Path):
+        super().__init__(message)
+        self.data, self.path = data, path
+
+
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from a regular file of bounded size, or one ValueError line naming the file and what is wrong."""
     with open_regular(path) as f:  # a FIFO or device named config.json never blocks
@@ -149,8 +157,9 @@ def _family(data: dict[str, Any], path: Path) -> str:
     keys = list(archs or []) + [model_type]
     family = next((_HF_ARCHITECTURES[k] for k in keys if k in _HF_ARCHITECTURES), None)
     if family is None:
-        raise ValueError(f"{path}: unknown architecture {(archs or [model_type])!r}; "
-                         f"supported: {', '.join(sorted(k for k in _HF_ARCHITECTURES if k[0].isupper()))}")
+        raise UnknownArchitecture(f"{path}: unknown architecture {(archs or [model_type])!r}; "
+                                  f"supported: {', '.join(sorted(k for k in _HF_ARCHITECTURES if k[0].isupper()))}",
+                                  data, path)
     return family
 
 
@@ -201,6 +210,7 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
         sliding_window=sliding if use_sliding else None,
         bos_token_id=_token_id(data, path, "bos_token_id", 1),
         eos_token_id=_token_id(data, path, "eos_token_id", 2),
+        pad_token_id=None if data.get("pad_token_id") is None else _token_id(data, path, "pad_token_id", 0),
         torch_dtype=_stored_dtype(data, path),
     )
     experts = data.get("num_local_experts")
