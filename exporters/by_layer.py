@@ -306,11 +306,10 @@ class LayerReference:
     def __init__(self, reader: Any, dtype: Any, reassociated: bool = False):
         import torch
 
-        from llama_tools.model import rope_cache
+        from llama_tools.model import rope_tables_of
 
         self.reader, self.cfg, self.dtype, self.reassociated = reader, reader.cfg, dtype, reassociated
-        self.tables = (rope_cache(self.cfg, "cpu", torch.float64 if dtype == torch.float64 else torch.float32)
-                       if self.cfg.position_encoding == "rope" else None)
+        self.tables = rope_tables_of(self.cfg, "cpu", torch.float64 if dtype == torch.float64 else torch.float32)
 
     def embed(self, ids: np.ndarray) -> Any:
         import torch
@@ -318,13 +317,15 @@ class LayerReference:
         t = torch.from_numpy(ids)
         uniq, inverse = torch.unique(t, return_inverse=True)
         rows = self.reader.rows("model.embed_tokens.weight", [(int(i), int(i) + 1) for i in uniq])
-        return rows.to(self.dtype)[inverse]  # [n_unique, n2] gathered to [b, n3, n2]
+        z = rows.to(self.dtype)[inverse]  # [n_unique, n2] gathered to [b, n3, n2]
+        # Gemma's sqrt(n2) in the pass's dtype, as the model's embed computes it
+        return z * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=self.dtype) if self.cfg.embed_scale else z
 
     def layer(self, j: int, z: Any, mask: np.ndarray) -> tuple[Any, Any, Any]:
         """Decoder j on z: (Z^{j+1}, K, V); the fp32 weights read one tensor at a time, each cast, then freed."""
         import torch
 
-        from llama_tools.model import DecoderLayer, attention_bias
+        from llama_tools.model import DecoderLayer, attention_bias, layer_tables
         from llama_tools.weights import weight_specs
 
         prefix = f"model.layers.{j}."
@@ -336,7 +337,7 @@ class LayerReference:
             t = self.reader.read([s.name])[s.name]
             state[s.name.removeprefix(prefix)] = t if wide and t.dim() == 2 else t.to(self.dtype)
         with torch.device("meta"):
-            layer = DecoderLayer(self.cfg)
+            layer = DecoderLayer(self.cfg, j)
         layer.load_state_dict(state, strict=True, assign=True)
         del state
         if self.reassociated:
@@ -350,20 +351,21 @@ class LayerReference:
                     m.register_forward_hook(_narrow)
         m = torch.from_numpy(mask)
         bias = attention_bias(self.cfg, mask.shape[1], 0, m, torch.float32 if self.dtype == torch.float64
-                              else self.dtype, z.device).to(self.dtype)
+                              else self.dtype, z.device, sliding=layer.sliding).to(self.dtype)
         with torch.no_grad():
-            out, (k, v) = layer.eval()(z, bias, torch.from_numpy(positions(mask, mask.shape[1])), self.tables, None)
+            out, (k, v) = layer.eval()(z, bias, torch.from_numpy(positions(mask, mask.shape[1])),
+                                       layer_tables(self.tables, layer.sliding), None)
         return out, k, v
 
     def head(self, z: Any) -> Any:
         """Logits from Z^n8: the final norm, then lm_head in row chunks (the streamed reference's own)."""
         import torch
 
-        from llama_tools.model import RMSNorm
+        from llama_tools.model import norm as family_norm
         from llama_tools.reference import StreamedReference
 
         with torch.device("meta"):
-            norm = RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps)
+            norm = family_norm(self.cfg)
         norm.load_state_dict({"weight": self.reader.read(["model.norm.weight"])["model.norm.weight"].to(self.dtype)},
                              assign=True)
         with torch.no_grad():

@@ -273,18 +273,21 @@ def count_params(cfg: ModelConfig, *, context: int | None = None, batch: int = 1
     total = sum(by_component.values())
     components = [Item(c, p) for c, p in by_component.items() if p]
 
-    attn = _sum(decoder, lambda s: s.component.startswith("attn."))
-    norms = _sum(decoder, lambda s: s.component == "norm")
+    attn = _sum(decoder, lambda s: s.component.startswith("attn.") and s.component != "attn.qk_norm")
+    norms = _sum(decoder, lambda s: s.component in ("norm", "attn.qk_norm"))
     ffn = _sum(decoder, lambda s: s.component.startswith(("mlp.", "moe.")))
     layer_groups = [LayerGroup(0, n8 - 1, attn, ffn, norms, attn + ffn + norms)]
 
     formula = paper_formula(n1, n2, n7, n8)
+    per_layer_norms = sum(1 for s in decoder if s.component == "norm")
     weights_of = lambda *comps: sum(by_component[c] for c in comps)  # noqa: E731
     left_out = [
         Item("second n1 x n2 matrix", 0 if cfg.tie_word_embeddings else n1 * n2,
              "the formula counts one of embedding D and lm_head W^8" if not cfg.tie_word_embeddings
              else "tied: D and W^8 are one matrix"),
-        Item("RMSNorm gains", weights_of("norm", "final_norm"), f"2 per decoder + the final one, n2 = {n2} each"),
+        Item("RMSNorm gains", weights_of("norm", "final_norm", "attn.qk_norm"),
+             f"{per_layer_norms} per decoder + the final one, n2 = {n2} each"
+             + (f"; q and k norms of n6 = {cfg.head_dim}" if cfg.qk_norm else "")),
         Item("attention shapes", weights_of("attn.q", "attn.k", "attn.v", "attn.o") - 4 * n8 * n2 * n2,
              f"{cfg.attention_kind}: K, V have {cfg.num_key_value_heads} x {cfg.head_dim} rows, not n2"
              if cfg.kv_size != n2 or cfg.q_size != n2 else "4 n2^2 per decoder, as the formula has it"),
@@ -303,7 +306,7 @@ def count_params(cfg: ModelConfig, *, context: int | None = None, batch: int = 1
         inactive = n8 * (cfg.num_experts - cfg.num_experts_per_tok) * per_expert
     active = total - inactive
     # A token multiplies through every active matrix except the embedding (a lookup); lm_head even when tied.
-    matmul = active - weights_of("embedding", "norm", "final_norm") + (n1 * n2 if cfg.tie_word_embeddings else 0)
+    matmul = active - weights_of("embedding", "norm", "final_norm", "attn.qk_norm") + (n1 * n2 if cfg.tie_word_embeddings else 0)
     kv_elems_per_token = 2 * n8 * cfg.kv_size
     # Weight bytes per dtype (int4 without the per-group scales real formats add); no int4 KV cache.
     memory = []

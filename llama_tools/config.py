@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from . import dtypes
+from .families import FAMILY_NAMES, FULL, SLIDING
 from .rope_layouts import HALF, ROPE_LAYOUTS, RopeLayout
 
 PositionEncoding = Literal["rope", "alibi"]
@@ -20,8 +21,9 @@ PositionEncoding = Literal["rope", "alibi"]
 # Every size is an int64 for torch and ONNX shapes; one past it is refused when the config is read.
 INT64_MAX = 2**63 - 1
 
-# Weight layouts that checkpoints ship in; `family` picks the tensor names.
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "baichuan", "internlm2")
+# The families (families.py); `family` picks the tensor names and what `convert` writes.
+FAMILIES = FAMILY_NAMES
+ACTIVATIONS = ("silu", "gelu_tanh")  # the FFN gate's: SwiGLU's SiLU, or GeGLU's tanh-approximated GELU
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,18 @@ class ModelConfig:
     o_bias: bool = False  # HF `attention_bias=True` puts a bias on o_proj too
     mlp_bias: bool = False
     norm_head: bool = False  # Baichuan2: lm_head rows are L2-normalized at inference
-    sliding_window: int | None = None  # Mistral v0.1; accounted, and applied by the model's mask
+    sliding_window: int | None = None  # Mistral v0.1, Gemma 2/3; applied by the model's mask
+    layer_types: tuple[str, ...] | None = None  # per layer SLIDING or FULL attention; None: the window, if any, on all
+    # Family overrides of the LLaMA block (families.py); all off for LLaMA itself.
+    qk_norm: bool = False  # Qwen3, Gemma 3: each q and k head RMS-normalized (a gain of n6) before RoPE
+    norm_plus_one: bool = False  # Gemma: every norm scales by (1 + γ), so a stored γ of 0 is the identity
+    embed_scale: bool = False  # Gemma: Z^0 = rows of D times sqrt(n2)
+    hidden_act: str = "silu"  # the FFN gate's activation (ACTIVATIONS)
+    sandwich_norms: bool = False  # Gemma 2/3: a norm after attention and after the FFN too, before each residual
+    query_pre_attn_scalar: float | None = None  # Gemma 2/3: scores divided by sqrt(this) instead of sqrt(n6)
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap tanh(scores / cap), before the mask
+    final_logit_softcap: float | None = None  # Gemma 2: logits -> cap tanh(logits / cap)
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (unscaled); None: rope_theta
     # Mixture of experts (Mixtral, DeepSeek-MoE): 0 experts means a dense SwiGLU FFN.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -141,6 +154,21 @@ class ModelConfig:
             raise ValueError(f"{where}: field sliding_window must be an integer >= 1 or null, got {sw!r}")
         if self.rope_scaling is not None:
             self.rope_scaling.validate(where)
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"{where}: hidden_act must be one of {', '.join(ACTIVATIONS)}, got {self.hidden_act!r}")
+        for f in ("qk_norm", "norm_plus_one", "embed_scale", "sandwich_norms"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{where}: field {f} must be true or false, got {getattr(self, f)!r}")
+        for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "rope_local_theta"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not (math.isfinite(v) and v > 0)):
+                raise ValueError(f"{where}: field {f} must be a finite number > 0 or null, got {v!r}")
+        lt = self.layer_types
+        if lt is not None and (not isinstance(lt, tuple) or len(lt) != self.num_hidden_layers
+                               or any(t not in (SLIDING, FULL) for t in lt)):
+            raise ValueError(f"{where}: field layer_types must list {SLIDING!r} or {FULL!r} for each of the "
+                             f"{self.num_hidden_layers} layers, got {lt!r}")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
             raise ValueError(f"{where}: num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
                              f"got {self.num_experts_per_tok}")
@@ -159,6 +187,20 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def slides(self, j: int) -> bool:
+        """Whether layer j attends through the sliding window (every layer when layer_types is None)."""
+        return self.sliding_window is not None and (self.layer_types is None or self.layer_types[j] == SLIDING)
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Whether every decoder layer computes the same function of its own weights (no local/global mix)."""
+        return len({self.slides(j) for j in range(self.num_hidden_layers)}) <= 1
+
+    @property
+    def attention_scale(self) -> float:
+        """What scores are divided by the square root of: n6, or Gemma's query_pre_attn_scalar."""
+        return self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
@@ -176,6 +218,10 @@ class ModelConfig:
         """
         rederive = {name: 0 for name, value in self._derivations().items()
                     if getattr(self, name) == value and name not in changes}
+        n = changes.get("num_hidden_layers")
+        if n is not None and self.layer_types is not None and "layer_types" not in changes:
+            # fewer layers keep the first n layer types; more repeat the pattern
+            rederive["layer_types"] = tuple(self.layer_types[j % len(self.layer_types)] for j in range(n))
         return dataclasses.replace(self, **{**rederive, **changes})
 
     def to_dict(self) -> dict[str, Any]:
@@ -186,6 +232,8 @@ class ModelConfig:
         d = dict(d)
         if d.get("rope_scaling"):
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        if d.get("layer_types") is not None:
+            d["layer_types"] = tuple(d["layer_types"])
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 

@@ -14,19 +14,16 @@ from typing import Any
 
 from . import dtypes
 from .config import INT64_MAX, ModelConfig, RopeScaling
+from .families import FAMILIES, FULL, HF_NAMES, SLIDING
 from .formats import FORMATS
 from .header_readers import MAX_HEADER_BYTES, open_regular
 from .presets import get_preset
 
 # HF `architectures` entry (or `model_type`) -> our family.
-_HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama", "llama": "llama",
-    "MistralForCausalLM": "mistral", "mistral": "mistral",
-    "MixtralForCausalLM": "mixtral", "mixtral": "mixtral",
-    "Qwen2ForCausalLM": "qwen2", "qwen2": "qwen2",
-    "BaichuanForCausalLM": "baichuan", "BaiChuanForCausalLM": "baichuan", "baichuan": "baichuan",
-    "InternLM2ForCausalLM": "internlm2", "internlm2": "internlm2",
-}
+# config.json `architectures` / `model_type` -> family (families.py is the one registry).
+_HF_ARCHITECTURES = HF_NAMES
+# HF's `hidden_act` / `hidden_activation` names -> ours (Gemma 1's legacy "gelu" runs as tanh-GELU in HF too).
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 class UnknownArchitecture(ValueError):
@@ -147,6 +144,37 @@ def _rope_scaling(raw: Any, path: Path, where: str = "rope_scaling") -> RopeScal
     return scaling
 
 
+def _activation(data: dict[str, Any], path: Path, family: str) -> str:
+    """The FFN gate's activation, from `hidden_activation` (Gemma) or `hidden_act`."""
+    key = "hidden_activation" if data.get("hidden_activation") is not None else "hidden_act"
+    default = FAMILIES[family].defaults.get("hidden_act", "silu")
+    name = _as_str(_get(data, key, default), path, key)
+    if name == "gelu" and family.startswith("gemma"):
+        return "gelu_tanh"
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"{path}: field {key!r} is {name!r}; the model computes {', '.join(sorted(_ACTIVATIONS))}")
+    return _ACTIVATIONS[name]
+
+
+def _layer_types(data: dict[str, Any], path: Path, family: str, layers: int) -> tuple[str, ...] | None:
+    """Which layers slide: the file's `layer_types`, else Gemma's pattern (2: alternate, 3: 5 of 6), else None."""
+    raw = data.get("layer_types")
+    if raw is not None:
+        if not isinstance(raw, list) or len(raw) != layers or any(t not in (SLIDING, FULL) for t in raw):
+            raise ValueError(f"{path}: field 'layer_types' must list {SLIDING!r} or {FULL!r} for each of the "
+                             f"{layers} layers")
+        return tuple(raw)
+    pattern = {"gemma2": 2, "gemma3": None}.get(family, 0)
+    if pattern is None:  # Gemma 3's configs name it with or without a leading underscore
+        key = "sliding_window_pattern" if data.get("sliding_window_pattern") is not None else "_sliding_window_pattern"
+        pattern = _as_int(_get(data, key, 6), path, key)
+    return tuple(SLIDING if (j + 1) % pattern else FULL for j in range(layers)) if pattern else None
+
+
+def _optional_float(data: dict[str, Any], path: Path, key: str) -> float | None:
+    return None if data.get(key) is None else _as_float(data[key], path, key)
+
+
 def _family(data: dict[str, Any], path: Path) -> str:
     archs = data.get("architectures")
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
@@ -187,7 +215,8 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
     theta = theta if theta is not None else (params or {}).get("rope_theta", 10000.0)
     scaling_field = "rope_scaling" if data.get("rope_scaling") is not None else "rope_parameters"
     sliding = optional("sliding_window")
-    use_sliding = flag("use_sliding_window", family != "qwen2")  # Qwen2 ships a window it does not use
+    fam = FAMILIES[family]
+    use_sliding = flag("use_sliding_window", not fam.window_flag)  # Qwen ships a window it does not use
     attention_bias = data.get("attention_bias")
     vocab = integer("vocab_size")
     kw: dict[str, Any] = dict(
@@ -201,13 +230,24 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
         rope_scaling=_rope_scaling(data.get("rope_scaling") if data.get("rope_scaling") is not None else params,
                                    path, scaling_field),
         max_position_embeddings=max_pos,
-        tie_word_embeddings=flag("tie_word_embeddings"),
-        qkv_bias=family == "qwen2" or (flag("attention_bias") if attention_bias is not None else flag("bias")),
+        tie_word_embeddings=flag("tie_word_embeddings", fam.tied_by_default),
+        qkv_bias=bool(fam.defaults.get("qkv_bias")) or (flag("attention_bias") if attention_bias is not None
+                                                        else flag("bias")),
         o_bias=flag("attention_bias"),
         mlp_bias=flag("mlp_bias"),
         # Baichuan2 (vocab 125696) normalizes lm_head rows; our own `norm_head` key overrides.
         norm_head=flag("norm_head", family == "baichuan" and vocab == 125696),
         sliding_window=sliding if use_sliding else None,
+        layer_types=_layer_types(data, path, family, integer("num_hidden_layers")) if use_sliding and sliding else None,
+        qk_norm=bool(fam.defaults.get("qk_norm")),
+        norm_plus_one=bool(fam.defaults.get("norm_plus_one")),
+        embed_scale=bool(fam.defaults.get("embed_scale")),
+        sandwich_norms=bool(fam.defaults.get("sandwich_norms")),
+        hidden_act=_activation(data, path, family),
+        query_pre_attn_scalar=_optional_float(data, path, "query_pre_attn_scalar"),
+        attn_logit_softcap=_optional_float(data, path, "attn_logit_softcapping"),
+        final_logit_softcap=_optional_float(data, path, "final_logit_softcapping"),
+        rope_local_theta=_optional_float(data, path, "rope_local_base_freq"),
         bos_token_id=_token_id(data, path, "bos_token_id", 1),
         eos_token_id=_token_id(data, path, "eos_token_id", 2),
         pad_token_id=None if data.get("pad_token_id") is None else _token_id(data, path, "pad_token_id", 0),
@@ -311,17 +351,17 @@ def looks_like_path(arg: str) -> bool:
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The HF config.json that describes cfg (used by `convert` and the tests)."""
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM", "baichuan": "BaichuanForCausalLM",
-            "internlm2": "InternLM2ForCausalLM"}[cfg.family]
+    fam = FAMILIES[cfg.family]
+    arch = fam.hf_classes[0]
     d: dict[str, Any] = {
-        "architectures": [arch], "model_type": cfg.family,
+        "architectures": [arch], "model_type": fam.model_types[0],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[cfg.hidden_act],
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "torch_dtype": cfg.torch_dtype,
     }
     if cfg.rope_scaling:
@@ -338,4 +378,14 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.family == "baichuan":
         d["position_embedding"] = cfg.position_encoding.upper()
         d["norm_head"] = cfg.norm_head
+    if cfg.family.startswith("gemma"):  # Gemma's keys; the (1 + γ), GELU and sqrt(n2) are the family's own
+        d["hidden_activation"] = d["hidden_act"]
+        d.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar, attn_logit_softcapping=cfg.attn_logit_softcap,
+                 final_logit_softcapping=cfg.final_logit_softcap, sliding_window=cfg.sliding_window)
+        if cfg.rope_local_theta is not None:
+            d["rope_local_base_freq"] = cfg.rope_local_theta
+    if cfg.layer_types is not None:
+        d["layer_types"] = list(cfg.layer_types)
+    if cfg.family in ("qwen2", "qwen3") and cfg.sliding_window is not None:
+        d.update(use_sliding_window=True, sliding_window=cfg.sliding_window)
     return d

@@ -225,6 +225,26 @@ def read_gguf_headers(path: str | Path) -> CheckpointHeaders:
 
 # --- Reading tensors, dequantized -------------------------------------------------------------------------
 
+# Quantized bytes are read with positioned reads this many fp32 bytes of rows at a time, not through the memory
+# map: every page of a map that was touched counts in RSS until it is unmapped, which would add the whole file
+# to an export's peak; a chunk also bounds the library's per-call temporaries (it builds its output twice).
+CHUNK_BYTES = 32 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def dequantizable(qtype: Any) -> bool:
+    """Whether the installed gguf library dequantizes this GGML type to floats (one zero block tried)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    try:
+        out = dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except (NotImplementedError, KeyError, ValueError):
+        return False
+    return np.asarray(out).dtype.kind == "f"
+
+
 class GgufReader:
     """Module-named fp32 tensors of a GGUF file, dequantized on demand; `reference.CheckpointReader`'s interface.
 
@@ -254,16 +274,46 @@ class GgufReader:
         if extra:
             raise ValueError(f"{p}: tensor {extra[0]!r} is not a weight of the {cfg.family} model its metadata "
                              f"describes")
+        if self._gguf.byte_order != "I":  # the library's dequantizers read the host's byte order only
+            raise ValueError(f"{p}: a GGUF of the other byte order (big-endian); llama-tools reads little-endian ones")
+        for name in self.where.values():  # refused before any export or conversion starts writing
+            t = self._tensors[name]
+            if not dequantizable(t.tensor_type):
+                raise ValueError(f"{p}: tensor {name!r} is stored as {t.tensor_type.name}, a type the gguf library "
+                                 f"cannot dequantize")
         self.weight_bytes = sum(t.nbytes for t in infos)
 
-    def _dequantized(self, stored: str, rows: slice | None = None) -> Any:
-        """float32 numpy rows of one stored tensor; quantized blocks never span rows, so row slices are exact."""
+    def _dequantized(self, stored: str, ranges: list[tuple[int, int]] | None = None) -> Any:
+        """float32 numpy rows of one stored tensor (all, or the row ranges [start, stop) joined), dequantized by
+        the gguf library a chunk of rows at a time into one array.
+
+        Quantized blocks never span rows, so row ranges are exact; only the bytes of the rows asked for are read.
+        """
+        import math
+        import os
+
+        import numpy as np
         from gguf.quants import dequantize
 
         t = self._tensors[stored]
-        data = t.data if rows is None else t.data[rows]  # a view of the map: only these pages are read
-        out = dequantize(data, t.tensor_type)
         shape = self.info[stored].shape
+        n_rows = shape[0] if len(shape) > 1 else 1
+        width = math.prod(shape) // n_rows  # weights per row
+        row_bytes = int(t.n_bytes) // n_rows
+        spans = [slice(a, b).indices(n_rows)[:2] for a, b in (ranges if ranges is not None else [(0, n_rows)])]
+        out = np.empty((sum(max(b - a, 0) for a, b in spans), width), np.float32)  # [rows, n2]
+        step = max(1, CHUNK_BYTES // (4 * width))
+        at = 0
+        with open(self.path, "rb", buffering=0) as f:
+            for start, stop in spans:
+                for a in range(start, stop, step):
+                    b = min(stop, a + step)
+                    raw = os.pread(f.fileno(), (b - a) * row_bytes, int(t.data_offset) + a * row_bytes)
+                    if len(raw) != (b - a) * row_bytes:
+                        raise ValueError(f"{self.path}: tensor {stored!r} is cut short (the file was truncated)")
+                    block = np.frombuffer(raw, np.uint8).reshape(b - a, row_bytes)
+                    out[at:at + b - a] = dequantize(block, t.tensor_type).reshape(b - a, width)
+                    at += b - a
         return out.reshape(-1, *shape[1:]) if len(shape) > 1 else out.reshape(shape)  # [rows, n2...]
 
     def read(self, names: list[str], device: Any = "cpu", dtype: Any = None) -> dict[str, Any]:
@@ -273,19 +323,14 @@ class GgufReader:
         dtype = torch.float32 if dtype is None else dtype
         out = {}
         for n in names:  # one dequantized tensor in flight at a time
-            arr = self._dequantized(self.where[n])
-            out[n] = torch.tensor(arr, dtype=torch.float32).to(device=device, dtype=dtype)  # copied off the map
-            del arr
+            out[n] = torch.from_numpy(self._dequantized(self.where[n])).to(device=device, dtype=dtype)  # a fresh array
         return out
 
     def rows(self, name: str, ranges: list[tuple[int, int]], device: Any = "cpu") -> Any:
         """Row ranges [start, stop) of a module-named 2-D weight (embedding, lm_head), dequantized, fp32."""
-        import numpy as np
         import torch
 
-        parts = [self._dequantized(self.where[name], slice(a, b)) for a, b in ranges]
-        arr = np.concatenate(parts) if len(parts) > 1 else parts[0]  # [sum of rows, n2]
-        return torch.tensor(arr, dtype=torch.float32).to(device)
+        return torch.from_numpy(self._dequantized(self.where[name], ranges)).to(device)  # [sum of rows, n2]
 
     def tokenizer_fields(self) -> dict[str, Any]:
         """The tokenizer.* metadata as Python values."""

@@ -3,7 +3,9 @@
 Symbols: n1 vocab, n2 width, n3 sequence length, n5 heads, n6 head width, n7 FFN width, n8 layers.
 Rows are tokens (the paper's row-major convention): Z^j is n3 x n2, and X W^T is a Linear layer.
 Parameter names equal HF's, so an HF state dict loads as is (see weights.py for the full table).
-Beyond the paper: grouped-query attention, a KV cache, ALiBi, Qwen2 biases, Mixtral experts.
+Beyond the paper: grouped-query attention, a KV cache, ALiBi, Qwen2 biases, Mixtral experts, and the
+families' overrides (families.py): Qwen3's and Gemma 3's q/k norms, Gemma's (1 + γ) norms, GELU gate, scaled
+embeddings, Gemma 2/3's norms after attention and FFN, logit soft-capping and local/global layers.
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 class RMSNorm(nn.Module):
     """rnorm(X): each row divided by its root mean square, then scaled by a learned gain.
 
-    The paper's rnor has no gain; checkpoints do (one vector of n2 per norm).
+    The paper's rnor has no gain; checkpoints do (one vector per norm). Gemma's gain is (1 + γ).
     """
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
         super().__init__()
         self.eps = eps
+        self.plus_one = plus_one
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,16 +54,55 @@ class RMSNorm(nn.Module):
         # rather than x * rsqrt: onnxruntime fuses exactly Pow-ReduceMean-Add-Sqrt-Div into one RMSNorm.
         x32 = wide(x)
         sigma = torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # [..., 1]: one sigma_i per row
+        if self.plus_one:  # Gemma applies its gain in fp32, then casts
+            return ((x32 / sigma) * (1.0 + wide(self.weight))).to(x.dtype)
         return self.weight * (x32 / sigma).to(x.dtype)
 
 
+def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:
+    """The family's RMSNorm over n2 (or `dim`)."""
+    return RMSNorm(cfg.hidden_size if dim is None else dim, cfg.rms_norm_eps, cfg.norm_plus_one)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's soft cap: cap tanh(x / cap), which keeps |x| < cap and is x near 0; identity when cap is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}  # config.ACTIVATIONS
+
+
 def rope_cache(cfg: ModelConfig, device: torch.device | str | None = None,
-               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos(i θ̄_t), sin(i θ̄_t) for every position i < max_position_embeddings: [max_pos, n6/2], fp32 (or `dtype`)."""
+               dtype: torch.dtype = torch.float32, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos(i θ̄_t), sin(i θ̄_t) for every position i < max_position_embeddings: [max_pos, n6/2], fp32 (or `dtype`).
+
+    local: the sliding layers' tables (Gemma 3: base rope_local_theta, no scaling).
+    """
+    if local:
+        cfg = cfg.replace(rope_theta=cfg.rope_local_theta, rope_scaling=None)
     inv_freq = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64, device=device)  # θ̄_t, t = 0, 2, ..., n6-2
     pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float64, device=device)
     angles = torch.outer(pos, inv_freq)  # [max_pos, n6/2]: i θ̄_t
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+RopeTables = tuple[torch.Tensor, ...]  # (cos, sin), then the sliding layers' (cos, sin) when they differ
+
+
+def rope_tables_of(cfg: ModelConfig, device: torch.device | str | None = None,
+                   dtype: torch.dtype = torch.float32) -> RopeTables | None:
+    """Every table the layers read: (cos, sin), plus the local layers' pair when cfg has a local base; None: ALiBi."""
+    if cfg.position_encoding != "rope":
+        return None
+    tables = rope_cache(cfg, device, dtype)
+    return tables + rope_cache(cfg, device, dtype, local=True) if cfg.rope_local_theta is not None else tables
+
+
+def layer_tables(tables: RopeTables | None, sliding: bool) -> RopeTables | None:
+    """The (cos, sin) pair a layer rotates with: the local one for a sliding layer when there is one."""
+    if tables is None:
+        return None
+    return tables[2:4] if sliding and len(tables) == 4 else tables[:2]
 
 
 def rope(x: torch.Tensor, position_ids: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
@@ -144,16 +186,17 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 # --- Section 5: the mask M ---------------------------------------------------------------------
 
 def attention_bias(cfg: ModelConfig, n3: int, past: int, attention_mask: torch.Tensor | None,
-                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+                   dtype: torch.dtype, device: torch.device, sliding: bool = True) -> torch.Tensor:
     """M (+ ALiBi, + padding): [batch, 1 or n5, n3, past + n3], 0 where allowed, dtype's minimum elsewhere.
 
     The paper's -inf is the dtype's minimum, as it says, so a fully padded row stays finite.
+    sliding: apply cfg's sliding window (False: the full causal mask of Gemma's global layers).
     """
     total = past + n3
     q_pos = torch.arange(past, total, device=device)[:, None]  # [n3, 1]
     k_pos = torch.arange(total, device=device)[None, :]  # [1, past + n3]
     allowed = k_pos <= q_pos  # causal: key j visible from query i when j <= i
-    if cfg.sliding_window is not None:
+    if sliding and cfg.sliding_window is not None:
         allowed = allowed & (q_pos - k_pos < cfg.sliding_window)
     allowed = allowed[None, None]  # [1, 1, n3, total]
     if attention_mask is not None:
@@ -167,6 +210,13 @@ def attention_bias(cfg: ModelConfig, n3: int, past: int, attention_mask: torch.T
         dist = (q_pos - k_pos).float()[None, None]  # [1, 1, n3, total]
         bias = torch.where(allowed, bias - slopes * dist, bias)  # [batch, n5, n3, total]
     return bias.to(dtype)
+
+
+def layer_masks(cfg: ModelConfig, n3: int, past: int, attention_mask: torch.Tensor | None, dtype: torch.dtype,
+                device: torch.device) -> dict[bool, torch.Tensor]:
+    """M for each kind of layer the model has: {sliding: bias}; Gemma 2/3 mix sliding and full layers."""
+    kinds = {cfg.slides(j) for j in range(cfg.num_hidden_layers)}
+    return {s: attention_bias(cfg, n3, past, attention_mask, dtype, device, sliding=s) for s in kinds}
 
 
 def positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, past: int) -> torch.Tensor:
@@ -191,6 +241,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(n2, cfg.kv_size, bias=cfg.qkv_bias)  # W^{j2}: (kv_heads n6) x n2
         self.v_proj = nn.Linear(n2, cfg.kv_size, bias=cfg.qkv_bias)  # W^{j3}: (kv_heads n6) x n2
         self.o_proj = nn.Linear(cfg.q_size, n2, bias=cfg.o_bias)  # W^{j4}: n2 x (n5 n6)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: one gain of n6 shared by every q head, one by every k head
+            self.q_norm, self.k_norm = norm(cfg, cfg.head_dim), norm(cfg, cfg.head_dim)
         interleaved = cfg.rope_layout == INTERLEAVED
         self.q_rope, self.k_rope = RotaryEmbedding(interleaved), RotaryEmbedding(interleaved)
 
@@ -200,8 +252,11 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, n3, _ = zbar.shape
         # Q^j = Zbar^j W^{j1 T}, split by columns into n5 blocks Q^{j,i} of n3 x n6.
-        q = self.q_proj(zbar).view(b, n3, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)  # [b, n5, n3, n6]
-        k = self.k_proj(zbar).view(b, n3, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)  # [b, kv, n3, n6]
+        q = self.q_proj(zbar).view(b, n3, cfg.num_attention_heads, cfg.head_dim)  # [b, n3, n5, n6]
+        k = self.k_proj(zbar).view(b, n3, cfg.num_key_value_heads, cfg.head_dim)  # [b, n3, kv, n6]
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # each head's row normalized over its n6
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [b, n5 or kv, n3, n6]
         v = self.v_proj(zbar).view(b, n3, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)  # [b, kv, n3, n6]
         if rope_tables is not None:
             q = self.q_rope(q, position_ids, rope_tables)  # Qbar^{j,i} = rope(Q^{j,i})
@@ -214,8 +269,10 @@ class Attention(nn.Module):
         if cfg.n_rep > 1:
             k = k.repeat_interleave(cfg.n_rep, dim=1)  # [b, n5, past + n3, n6]
             v = v.repeat_interleave(cfg.n_rep, dim=1)
-        # U^{j,i} = smax(Qbar Kbar^T / sqrt(n6) + M) V, softmax in fp32 as the references do.
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(cfg.head_dim) + bias  # [b, n5, n3, past + n3]
+        # U^{j,i} = smax(Qbar Kbar^T / sqrt(n6) + M) V, softmax in fp32 as the references do; Gemma scales by
+        # its own scalar and Gemma 2 caps the scores before the mask.
+        scores = softcap((q @ k.transpose(-1, -2)) / math.sqrt(cfg.attention_scale), cfg.attn_logit_softcap)
+        scores = scores + bias  # [b, n5, n3, past + n3]
         probs = torch.softmax(wide(scores), dim=-1).to(q.dtype)
         u = probs @ v  # [b, n5, n3, n6]
         u = u.transpose(1, 2).reshape(b, n3, cfg.q_size)  # U^j = [U^{j,0}, ..., U^{j,n5-1}]: [b, n3, n5 n6]
@@ -223,16 +280,17 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU (6.4): Yhat = (silu(Ybar W^{j5 T}) ⊗ (Ybar W^{j7 T})) W^{j6 T}."""
+    """SwiGLU (6.4): Yhat = (silu(Ybar W^{j5 T}) ⊗ (Ybar W^{j7 T})) W^{j6 T}; Gemma's GeGLU puts GELU for silu."""
 
-    def __init__(self, n2: int, n7: int, bias: bool = False):
+    def __init__(self, n2: int, n7: int, bias: bool = False, act: str = "silu"):
         super().__init__()
+        self.act = ACTIVATION[act]
         self.gate_proj = nn.Linear(n2, n7, bias=bias)  # W^{j5}: n7 x n2
         self.up_proj = nn.Linear(n2, n7, bias=bias)  # W^{j7}: n7 x n2
         self.down_proj = nn.Linear(n7, n2, bias=bias)  # W^{j6}: n2 x n7
 
     def forward(self, ybar: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(ybar)) * self.up_proj(ybar))  # [b, n3, n7] -> [b, n3, n2]
+        return self.down_proj(self.act(self.gate_proj(ybar)) * self.up_proj(ybar))  # [b, n3, n7] -> [b, n3, n2]
 
 
 class MixtureOfExperts(nn.Module):
@@ -258,17 +316,24 @@ class MixtureOfExperts(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Decoder j: Z^j -> Z^{j+1} (6.1-6.4)."""
+    """Decoder j: Z^j -> Z^{j+1} (6.1-6.4).
 
-    def __init__(self, cfg: ModelConfig):
+    Gemma 2/3 ("sandwich" norms) also normalize what attention and the FFN add, before each residual; there
+    HF's post_attention_layernorm is that norm after attention, and pre_feedforward_layernorm is 6.3's.
+    """
+
+    def __init__(self, cfg: ModelConfig, j: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sliding = cfg.slides(j)  # this layer's mask and RoPE tables are the local ones
+        self.input_layernorm = norm(cfg)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm(cfg)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(cfg), norm(cfg)
         if cfg.is_moe:
             self.block_sparse_moe = MixtureOfExperts(cfg)
         else:
-            self.mlp = FeedForward(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+            self.mlp = FeedForward(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, act=cfg.hidden_act)
 
     def forward(self, z: torch.Tensor, bias: torch.Tensor, position_ids: torch.Tensor,
                 rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
@@ -283,13 +348,19 @@ class DecoderLayer(nn.Module):
         """6.1-6.2: Z^j -> Y^j and the layer's K/V."""
         zbar = self.input_layernorm(z)  # Zbar^j = rnorm(Z^j): [b, n3, n2]
         r, present = self.self_attn(zbar, bias, position_ids, rope_tables, past)
+        if hasattr(self, "post_feedforward_layernorm"):
+            r = self.post_attention_layernorm(r)  # Gemma 2/3: R^j normalized before the residual
         return z + r, present  # Y^j = Z^j + R^j
 
     def feed_forward(self, y: torch.Tensor) -> torch.Tensor:
         """6.3-6.4: Y^j -> Z^{j+1}."""
-        ybar = self.post_attention_layernorm(y)  # Ybar^j = rnorm(Y^j)
+        sandwich = hasattr(self, "post_feedforward_layernorm")
+        ybar = (self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm)(y)  # Ybar^j = rnorm(Y^j)
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return y + ffn(ybar)  # Z^{j+1} = Y^j + Yhat^j
+        yhat = ffn(ybar)
+        if sandwich:
+            yhat = self.post_feedforward_layernorm(yhat)
+        return y + yhat  # Z^{j+1} = Y^j + Yhat^j
 
 
 class Backbone(nn.Module):
@@ -297,9 +368,15 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # D: n1 x n2
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, j) for j in range(cfg.num_hidden_layers))
+        self.norm = norm(cfg)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Z^0: row t_i of D for each token (Gemma: times sqrt(n2), rounded to the weights' dtype as HF does)."""
+        z = self.embed_tokens(input_ids)  # [b, n3, n2]
+        return z * torch.tensor(math.sqrt(z.shape[-1]), dtype=z.dtype) if self.cfg.embed_scale else z
 
 
 class Llama(nn.Module):
@@ -312,19 +389,19 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # W^8: n1 x n2
         tie_weights(self)
         # cos/sin tables: plain attributes, not buffers, so that .half() leaves them in fp32.
-        self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_tables: RopeTables | None = None
 
-    def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rope_tables(self, device: torch.device) -> RopeTables | None:
         """cos/sin of every position (fp32, cached per device); None under ALiBi."""
         if self.cfg.position_encoding != "rope":
             return None
         if self._rope_tables is None or self._rope_tables[0].device != device:
-            self._rope_tables = rope_cache(self.cfg, device)
+            self._rope_tables = rope_tables_of(self.cfg, device)
         return self._rope_tables
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values: KVCache | None = None,
-                rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> CausalLMOutput:
+                rope_tables: RopeTables | None = None) -> CausalLMOutput:
         """input_ids [batch, n3]; attention_mask [batch, past + n3] (1 keep, 0 pad); past K/V per layer.
 
         rope_tables: cos/sin caches to use instead of the model's own (the exporter passes them as inputs).
@@ -333,16 +410,17 @@ class Llama(nn.Module):
         past = past_key_values[0][0].shape[2] if past_key_values else 0
         if position_ids is None:
             position_ids = positions(input_ids, attention_mask, past)  # t: [b, n3]
-        z = self.model.embed_tokens(input_ids)  # Z^0: [b, n3, n2], row t_i = row \hat t_i of D
-        bias = attention_bias(self.cfg, n3, past, attention_mask, z.dtype, z.device)  # M: [b or 1, 1 or n5, n3, past + n3]
+        z = self.model.embed(input_ids)  # Z^0: [b, n3, n2], row t_i = row \hat t_i of D
+        masks = layer_masks(self.cfg, n3, past, attention_mask, z.dtype, z.device)  # M: [b or 1, 1 or n5, n3, past + n3]
         tables = rope_tables if rope_tables is not None else self.rope_tables(z.device)
         presents = []
         for j, layer in enumerate(self.model.layers):
-            z, present = layer(z, bias, position_ids, tables, past_key_values[j] if past_key_values else None)
+            z, present = layer(z, masks[layer.sliding], position_ids, layer_tables(tables, layer.sliding),
+                               past_key_values[j] if past_key_values else None)
             presents.append(present)
         zbar = self.model.norm(z)  # Zbar^{n8} = rnorm(Z^{n8})
         w = F.normalize(self.lm_head.weight, dim=-1) if self.cfg.norm_head else self.lm_head.weight
-        logits = zbar @ w.T  # H = Zbar^{n8} W^{8 T}: [b, n3, n1]
+        logits = softcap(zbar @ w.T, self.cfg.final_logit_softcap)  # H = Zbar^{n8} W^{8 T}: [b, n3, n1]
         return CausalLMOutput(logits=logits, past_key_values=tuple(presents))
 
 
@@ -381,7 +459,7 @@ def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu", dtype: 
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(0.0 if cfg.norm_plus_one else 1.0)  # the identity gain
             else:
                 p.normal_(0.0, init_std, generator=gen)
     return model.to(device=device, dtype=dtype).eval()

@@ -16,6 +16,7 @@ they stream, so `verify parity` gets PyTorch in the graph's dtype and the float6
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,8 @@ from .formats import BENIGN_SUFFIXES, checkpoint_tensors
 from .header_readers import TensorInfo
 from .inspection import read_checkpoint_headers
 from .layouts import split_qkv
-from .model import CausalLMOutput, DecoderLayer, KVCache, RMSNorm, attention_bias, positions, rope_cache
+from .model import (CausalLMOutput, DecoderLayer, KVCache, RMSNorm, layer_masks, layer_tables, norm, positions,
+                    rope_tables_of, softcap)
 from .progress import Progress, silent
 from .source import ModelSource, resolve
 from .weights import weight_specs
@@ -86,9 +88,10 @@ class ReferenceMemory:
         return self.weights + self.head + self.activations + self.kv_cache + self.tables
 
 
-def _attention_half(name: str) -> bool:
+def _attention_half(name: str, cfg: ModelConfig) -> bool:
     """Whether a decoder weight belongs to 6.1-6.2 (input norm, attention) rather than 6.3-6.4."""
-    return ".input_layernorm." in name or ".self_attn." in name
+    return (".input_layernorm." in name or ".self_attn." in name
+            or (cfg.sandwich_norms and ".post_attention_layernorm." in name))  # Gemma's norm after attention
 
 
 def reference_memory(cfg: ModelConfig, batch: int, seq: int, steps: int = 0, streamed: bool = True,
@@ -102,7 +105,7 @@ def reference_memory(cfg: ModelConfig, batch: int, seq: int, steps: int = 0, str
     specs = weight_specs(cfg)
     per_layer = [sum(s.numel for s in specs if s.layer == j) for j in range(cfg.num_hidden_layers)]
     # Streamed: a decoder's two halves are read one after the other (the larger is what is resident).
-    per_half = [sum(s.numel for s in specs if s.layer == j and _attention_half(s.name) == a)
+    per_half = [sum(s.numel for s in specs if s.layer == j and _attention_half(s.name, cfg) == a)
                 for j in range(cfg.num_hidden_layers) for a in (True, False)]
     n1, n2, n7 = cfg.vocab_size, cfg.hidden_size, (cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size)
     total = seq + steps
@@ -322,8 +325,7 @@ class StreamedReference:
         self.times = StreamTimes()
         # RoPE tables in fp32 as the model keeps them, in float64 for a float64 truth.
         tables_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        self._tables = (rope_cache(self.cfg, self.device, tables_dtype) if self.cfg.position_encoding == "rope"
-                        else None)
+        self._tables = rope_tables_of(self.cfg, self.device, tables_dtype)
         self._final_norm: RMSNorm | None = None
 
     def eval(self) -> "StreamedReference":
@@ -338,10 +340,10 @@ class StreamedReference:
         """Decoder j with one half's weights (the attention's, or the feed-forward's) read, the other half left
         on the meta device: built there first, so nothing random is allocated either."""
         prefix = f"model.layers.{j}."
-        names = [s.name for s in weight_specs(self.cfg) if s.layer == j and _attention_half(s.name) == attention]
+        names = [s.name for s in weight_specs(self.cfg) if s.layer == j and _attention_half(s.name, self.cfg) == attention]
         state = {n: t.to(self.dtype) for n, t in self.reader.read(names, self.device).items()}
         with torch.device("meta"):
-            layer = DecoderLayer(self.cfg)
+            layer = DecoderLayer(self.cfg, j)
         layer.load_state_dict({n.removeprefix(prefix): t for n, t in state.items()}, strict=False, assign=True)
         return reassociate(layer.eval()) if self.reassociated else layer.eval()
 
@@ -349,7 +351,9 @@ class StreamedReference:
         """Z^0: only the rows of D the ids name are read; [b, n3] -> [b, n3, n2]."""
         uniq, inverse = torch.unique(input_ids, return_inverse=True)
         rows = self.reader.rows("model.embed_tokens.weight", [(int(i), int(i) + 1) for i in uniq], self.device)
-        return rows.to(self.dtype)[inverse]  # [n_unique, n2] gathered to [b, n3, n2]
+        z = rows.to(self.dtype)[inverse]  # [n_unique, n2] gathered to [b, n3, n2]
+        # Gemma's sqrt(n2), rounded to the arithmetic's dtype as the model's embed (and HF) round it
+        return z * torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=self.dtype) if self.cfg.embed_scale else z
 
     def _head(self, zbar: torch.Tensor) -> torch.Tensor:
         """H = Zbar W^{8 T}, W^8 read in row chunks of LM_HEAD_CHUNK_BYTES: [b, n3, n2] -> [b, n3, n1]."""
@@ -367,7 +371,7 @@ class StreamedReference:
             out.append(reassociated_matmul(zbar, w) if self.reassociated else zbar @ w.T)  # [b, n3, rows]
             self.times.read += t1 - t0
             self.times.compute += time.perf_counter() - t1
-        return torch.cat(out, dim=-1)
+        return softcap(torch.cat(out, dim=-1), cfg.final_logit_softcap)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -384,8 +388,8 @@ class StreamedReference:
         z = self._embed(input_ids)  # Z^0: [b, n3, n2]
         self.times.read += time.perf_counter() - t0
         # The mask is built in fp32 for a float64 pass (its fill value is fp32's minimum; ALiBi's slopes are fp32).
-        bias = attention_bias(cfg, n3, past, attention_mask, torch.float32 if z.dtype == torch.float64 else z.dtype,
-                              z.device).to(z.dtype)
+        masks = {s: m.to(z.dtype) for s, m in layer_masks(
+            cfg, n3, past, attention_mask, torch.float32 if z.dtype == torch.float64 else z.dtype, z.device).items()}
         presents = []
         for j in range(cfg.num_hidden_layers):
             for attention in (True, False):  # one half's weights resident at a time: read, run, free
@@ -393,7 +397,8 @@ class StreamedReference:
                 half = self._half(j, attention)
                 t1 = time.perf_counter()
                 if attention:
-                    z, present = half.attend(z, bias, position_ids, self._tables,
+                    z, present = half.attend(z, masks[half.sliding], position_ids,
+                                             layer_tables(self._tables, half.sliding),
                                              past_key_values[j] if past_key_values else None)  # Y^j
                 else:
                     z = half.feed_forward(z)  # Z^{j+1}
@@ -405,7 +410,7 @@ class StreamedReference:
             self.progress(j + 1, cfg.num_hidden_layers, "reference layer (streamed)")
         if self._final_norm is None:
             with torch.device("meta"):
-                self._final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+                self._final_norm = norm(cfg)
             self._final_norm.load_state_dict({"weight": self.reader.read(["model.norm.weight"], dev)[
                 "model.norm.weight"].to(self.dtype)}, assign=True)
         logits = self._head(self._final_norm(z))  # H: [b, n3, n1]

@@ -14,7 +14,7 @@ from .config import ModelConfig
 
 # Components, in the order reports list them.
 COMPONENTS = (
-    "embedding", "attn.q", "attn.k", "attn.v", "attn.o", "attn.bias",
+    "embedding", "attn.q", "attn.k", "attn.v", "attn.o", "attn.bias", "attn.qk_norm",
     "mlp.gate", "mlp.up", "mlp.down", "mlp.bias", "moe.router", "moe.experts",
     "norm", "final_norm", "lm_head",
 )
@@ -63,8 +63,16 @@ def _layer_specs(cfg: ModelConfig, j: int) -> list[WeightSpec]:
                  in_paper=True, meta_shard_dim=1))
     if cfg.o_bias:
         out.append(s(hf + "self_attn.o_proj.bias", None, f"b^{{{j}4}}", (n2,), "attn.bias", in_paper=False))
-    out.append(s(hf + "post_attention_layernorm.weight", meta + "ffn_norm.weight", f"γ^{{{j},2}}", (n2,), "norm",
-                 in_paper=False))
+    if cfg.qk_norm:  # Qwen3, Gemma 3: one gain of n6 for all q heads, one for all k heads
+        out += [s(hf + f"self_attn.{p}_norm.weight", None, f"γ^{{{j},{p}}}", (cfg.head_dim,), "attn.qk_norm",
+                  in_paper=False) for p in ("q", "k")]
+    if cfg.sandwich_norms:  # Gemma 2/3: HF's post_attention_layernorm follows attention; 6.3's norm is pre_feedforward
+        out += [s(hf + "post_attention_layernorm.weight", None, f"γ^{{{j},o}}", (n2,), "norm", in_paper=False),
+                s(hf + "pre_feedforward_layernorm.weight", None, f"γ^{{{j},2}}", (n2,), "norm", in_paper=False),
+                s(hf + "post_feedforward_layernorm.weight", None, f"γ^{{{j},f}}", (n2,), "norm", in_paper=False)]
+    else:
+        out.append(s(hf + "post_attention_layernorm.weight", meta + "ffn_norm.weight", f"γ^{{{j},2}}", (n2,), "norm",
+                     in_paper=False))
     if not cfg.is_moe:
         # W^{j5} gate: n7 x n2, W^{j7} up: n7 x n2, W^{j6} down: n2 x n7 (HF order: gate, up, down).
         out += [
