@@ -130,8 +130,15 @@ class GraphBlocks:
 
     def _blocks(self) -> list[Block]:
         n8 = self.num_layers
+        # Nodes outside the layers belong to the head when they read what a layer computed, else to the embedding
+        # (Gemma's sqrt(n2) scaling runs between the lookup and layer 0).
+        after: set[str] = set()
+        for i, n in enumerate(self.nodes):
+            if n.op_type not in _SHAPE_OPS and (self.layer_of[i] is not None or any(x in after for x in n.input)):
+                after.update(o for o in n.output if o)
         is_head = lambda i: (self.layer_of[i] is None and i != self.embed and  # noqa: E731
-                             any(o in self.stream for o in self.nodes[i].output))
+                             any(o in self.stream for o in self.nodes[i].output)
+                             and any(x in after for x in self.nodes[i].input))
         cuts = [self._crossing(lambda i, j=j: self.layer_of[i] == j) for j in range(n8)] + [self._crossing(is_head)]
         for j, c in enumerate(cuts):
             where = f"layer {j}" if j < n8 else "the final norm"

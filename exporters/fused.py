@@ -36,6 +36,7 @@ graph returns a fresh present holding the whole buffer (a copy each step, same n
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -48,7 +49,7 @@ from onnx_ir.tensor_adapters import TorchTensor
 
 from llama_tools import dtypes, files
 from llama_tools.config import ModelConfig
-from llama_tools.model import rope_cache
+from llama_tools.model import layer_tables, rope_tables_of
 from llama_tools.progress import Progress, peak_rss_bytes, silent
 from llama_tools.rope_layouts import INTERLEAVED
 from llama_tools.source import ModelSource, resolve
@@ -56,7 +57,7 @@ from llama_tools.weights import weight_specs
 
 from . import rope_ops
 from .graph_io import io_names
-from .onnx_export import META, ExportResult, real_weights, save_model, set_metadata
+from .onnx_export import META, TABLE_NAMES, ExportResult, real_weights, save_model, set_metadata
 from .preflight import DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD_BYTES, check_args
 
 GRAPH = "fused"  # the llama_tools.graph metadata value
@@ -71,8 +72,6 @@ def check_fusable(cfg: ModelConfig) -> None:
     why = None
     if cfg.position_encoding != "rope":
         why = f"{cfg.position_encoding} position encoding (GroupQueryAttention adds no per-head ALiBi bias)"
-    elif cfg.sliding_window is not None:
-        why = f"a sliding window ({cfg.sliding_window})"
     elif cfg.is_moe:
         why = f"mixture of experts ({cfg.num_experts} experts)"
     elif cfg.head_dim % GQA_HEAD_DIM_MULTIPLE:
@@ -150,8 +149,9 @@ def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
     shapes = {spec.name: spec.shape for spec in weight_specs(cfg)}
 
     def stored(name: str) -> ir.Value:
-        """A checkpoint tensor as it is (embedding, norms)."""
+        """A checkpoint tensor as it is (the embedding)."""
         return g.lazy(name, shapes[name], lambda: read([name])[name])
+    gain = lambda name: _gain(g, cfg, read, shapes, name)  # noqa: E731
     t = _IR[dtype]
     n_layers, kv_heads, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     slots = static_kv if static_kv is not None else "past_sequence_length"
@@ -189,19 +189,23 @@ def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
     bias_shape = g.op(p, "Concat", [batch_1d, g.const(f"{p}/heads1", [1], i64), seq, total_1d], {"axis": 0})
     attention_bias = g.op(p, "Expand", [bias_4d, bias_shape], name="Expand_bias")  # [b, 1, s, t]
 
-    # RoPE tables: fp32 for our op (it rotates in fp32), the activations' type for ORT's.
-    cos, sin = rope_cache(cfg)  # [max_pos, head_dim / 2]
+    # RoPE tables: fp32 for our op (it rotates in fp32), the activations' type for ORT's; Gemma 3's sliding
+    # layers have their own pair.
     table_dtype = torch.float32 if rope_ops.get_rope_op(rope_op).fp32_tables else dtype
-    cos_cache, sin_cache = g.weight("cos_cache", cos.to(table_dtype)), g.weight("sin_cache", sin.to(table_dtype))
+    tables = [g.weight(name, t.to(table_dtype)) for name, t in zip(TABLE_NAMES, rope_tables_of(cfg))]
 
     # --- Embedding, then the layers ----------------------------------------------------------------------------
     embed = stored("model.embed_tokens.weight")  # [n1, n2]
     z = g.op("/model/embed_tokens", "Gather", [embed, input_ids])  # Z^0: [b, s, n2]
+    if cfg.embed_scale:  # Gemma: sqrt(n2) in the activations' dtype, as HF rounds it
+        z = g.op("/model/embed_tokens", "Mul", [z, g.const("/model/embed_tokens/scale", math.sqrt(cfg.hidden_size),
+                                                            dtype)], name="Mul_scale")
     norm = "model.layers.0.input_layernorm.weight"
-    zbar = g.op("/model/layers.0/input_layernorm", "SimplifiedLayerNormalization", [z, stored(norm)],
+    zbar = g.op("/model/layers.0/input_layernorm", "SimplifiedLayerNormalization", [z, gain(norm)],
                 {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})  # fp32 inside, as RMSNorm
     presents = []
     for j in range(n_layers):
+        cos_cache, sin_cache = layer_tables(tables, cfg.slides(j))
         zbar, z, present = _layer(g, cfg, read, shapes, j, zbar, z, position_ids, cos_cache, sin_cache, rope_op,
                                   pasts[2 * j], pasts[2 * j + 1], seqlens_k, total_i32, attention_bias, out_names)
         presents += present
@@ -216,7 +220,12 @@ def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
             w = read([head])[head]  # [n1, n2]
             return (F.normalize(w.float(), dim=-1) if cfg.norm_head else w).T  # [n2, n1], a view: written in slabs
         w_t = g.lazy("lm_head.MatMul.weight", (cfg.hidden_size, cfg.vocab_size), lm_head)
-    logits = g.op("/lm_head", "MatMul", [zbar, w_t], outputs=["logits"])[0]
+    if cfg.final_logit_softcap is None:
+        logits = g.op("/lm_head", "MatMul", [zbar, w_t], outputs=["logits"])[0]
+    else:  # Gemma 2: H -> cap tanh(H / cap)
+        cap = g.const("/lm_head/softcap/cap", cfg.final_logit_softcap, dtype)
+        h = g.op("/lm_head", "Tanh", [g.op("/lm_head", "Div", [g.op("/lm_head", "MatMul", [zbar, w_t]), cap])])
+        logits = g.op("/lm_head", "Mul", [h, cap], outputs=["logits"])[0]
 
     logits.type, logits.shape = ir.TensorType(t), ir.Shape(["batch", "sequence_length", cfg.vocab_size])
     for v in presents:
@@ -230,6 +239,13 @@ def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
         model.functions[function.identifier()] = function
         model.opset_imports[rope_ops.DOMAIN] = rope_ops.VERSION
     return model, g.recipes
+
+
+def _gain(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int, ...]], name: str) -> ir.Value:
+    """A norm's gain as onnxruntime's norms multiply by it: γ, or Gemma's (1 + γ) folded in (as the builder does)."""
+    if not cfg.norm_plus_one:
+        return g.lazy(name, shapes[name], lambda: read([name])[name])
+    return g.lazy(name + "_plus_one", shapes[name], lambda: 1.0 + read([name])[name].float())
 
 
 def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int, ...]], j: int, zbar: ir.Value, z: ir.Value,
@@ -279,7 +295,30 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
     w, b = linear("self_attn", ["q_proj", "k_proj", "v_proj"], cfg.qkv_bias)
     qkv = matmul("self_attn/qkv_proj", zbar, w, b)  # [b, s, q + 2 kv]
     interleaved = int(cfg.rope_layout == INTERLEAVED)
-    if rope_op == rope_ops.OURS.name:
+    if cfg.qk_norm:
+        # Qwen3, Gemma 3: q and k apart, each head normalized over its n6 before RoPE, then rotated as 3-D heads.
+        split = g.const(f"{attn}/qkv_split", [cfg.q_size, cfg.kv_size, cfg.kv_size], i64)
+        q, k, v = g.op(attn, "Split", [qkv, split], {"axis": -1}, outputs=3)  # [b, s, q], [b, s, kv], [b, s, kv]
+        qkv_in = []
+        for which, x, heads in (("q", q, nq), ("k", k, nkv)):
+            norm = f"{pre}.self_attn.{which}_norm.weight"
+            npath = f"{attn}/{which}_norm"
+            heads_shape = g.const(f"{npath}/heads_shape", [0, 0, heads, cfg.head_dim], i64)
+            flat_shape = g.const(f"{npath}/flat_shape", [0, 0, heads * cfg.head_dim], i64)
+            xh = g.op(npath, "Reshape", [x, heads_shape], name="Reshape_heads")  # [b, s, h d] -> [b, s, h, d]
+            xn = g.op(npath, "SimplifiedLayerNormalization", [xh, _gain(g, cfg, read, shapes, norm)],
+                      {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})
+            x = g.op(npath, "Reshape", [xn, flat_shape], name="Reshape_flat")  # [b, s, h, d] -> [b, s, h d]
+            if rope_op == rope_ops.OURS.name:
+                attrs = {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads}
+                qkv_in.append(g.op(attn, rope_ops.OP_TYPE, [x, position_ids, cos_cache, sin_cache], attrs,
+                                   domain=rope_ops.DOMAIN, name=f"rope_{which}"))
+            else:
+                qkv_in.append(g.op(attn, rope_ops.OP_TYPE, [x, position_ids, cos_cache, sin_cache],
+                                   {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads,
+                                    "rotary_embedding_dim": cfg.head_dim}, domain="com.microsoft", name=f"rope_{which}"))
+        qkv_in.append(v)
+    elif rope_op == rope_ops.OURS.name:
         # One node rotates the q and k heads of the packed projection and passes v through; GQA takes it packed.
         attrs = {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": nq + 2 * nkv, rope_ops.ATTR_ROTARY_HEADS: nq + nkv}
         packed = g.op(attn, rope_ops.OP_TYPE, [qkv, position_ids, cos_cache, sin_cache], attrs, domain=rope_ops.DOMAIN,
@@ -292,16 +331,27 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
                        {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads, "rotary_embedding_dim": cfg.head_dim},
                        domain="com.microsoft", name=f"rope_{which}") for which, x, heads in (("q", q, nq), ("k", k, nkv))]
         qkv_in.append(v)
+    gqa = {"num_heads": nq, "kv_num_heads": nkv, "do_rotary": 0}
+    if cfg.query_pre_attn_scalar is not None:  # Gemma 2/3: scores / sqrt(query_pre_attn_scalar)
+        gqa["scale"] = 1.0 / math.sqrt(cfg.query_pre_attn_scalar)
+    if cfg.attn_logit_softcap is not None:  # Gemma 2: cap tanh(scores / cap), before the mask, as the model does
+        gqa["softcap"] = float(cfg.attn_logit_softcap)
+    if cfg.slides(j):  # GQA's window counts the query's own slot: local_window_size = W keys, as the mask's
+        gqa["local_window_size"] = cfg.sliding_window
     u, present_k, present_v = g.op(
         attn, "GroupQueryAttention",
         [*qkv_in, past_k, past_v, seqlens_k, total, None, None, None, attention_bias],
-        {"num_heads": nq, "kv_num_heads": nkv, "do_rotary": 0}, domain="com.microsoft",
+        gqa, domain="com.microsoft",
         outputs=[None, out_names[1 + 2 * j], out_names[2 + 2 * j]])
     w, b = linear("self_attn", ["o_proj"], cfg.o_bias)
     r = matmul("self_attn/o_proj", u, w, b)  # [b, s, n2]
     norm = f"{pre}.post_attention_layernorm.weight"
+    if cfg.sandwich_norms:  # Gemma 2/3: R normalized before the residual; 6.3's norm is pre_feedforward_layernorm
+        r = g.op(f"{path}/post_attention_layernorm", "SimplifiedLayerNormalization", [r, _gain(g, cfg, read, shapes, norm)],
+                 {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})
+        norm = f"{pre}.pre_feedforward_layernorm.weight"
     ybar, _, _, y = g.op(
-        f"{path}/post_attention_layernorm", "SkipSimplifiedLayerNormalization", [r, z, g.lazy(norm, shapes[norm], lambda: read([norm])[norm])],
+        f"{path}/{norm.split('.')[-2]}", "SkipSimplifiedLayerNormalization", [r, z, _gain(g, cfg, read, shapes, norm)],
         {"epsilon": float(cfg.rms_norm_eps)}, domain="com.microsoft",
         outputs=[None, "", "", None])  # (normalized, -, -, the sum z + r)
 
@@ -311,17 +361,24 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
     gate_up = matmul("mlp/gate_up_proj", ybar, w, b)  # [b, s, 2 n7]
     split = g.const(f"{mlp}/gate_up_split", [cfg.intermediate_size, cfg.intermediate_size], i64)
     gate, up = g.op(mlp, "Split", [gate_up, split], {"axis": -1}, outputs=2)  # [b, s, n7] each
-    silu = g.op(f"{mlp}/act_fn", "Mul", [gate, g.op(f"{mlp}/act_fn", "Sigmoid", [gate])])  # ORT fuses: QuickGelu
-    hidden = g.op(mlp, "Mul", [silu, up])
+    if cfg.hidden_act == "gelu_tanh":  # Gemma's GeGLU: ONNX's Gelu, tanh approximation (opset 20)
+        act = g.op(f"{mlp}/act_fn", "Gelu", [gate], {"approximate": "tanh"})
+    else:
+        act = g.op(f"{mlp}/act_fn", "Mul", [gate, g.op(f"{mlp}/act_fn", "Sigmoid", [gate])])  # ORT fuses: QuickGelu
+    hidden = g.op(mlp, "Mul", [act, up])
     w, b = linear("mlp", ["down_proj"], cfg.mlp_bias)
     d = matmul("mlp/down_proj", hidden, w, b)  # [b, s, n2]
+    if cfg.sandwich_norms:  # Gemma 2/3: the FFN's output normalized before the residual
+        norm = f"{pre}.post_feedforward_layernorm.weight"
+        d = g.op(f"{path}/post_feedforward_layernorm", "SimplifiedLayerNormalization",
+                 [d, _gain(g, cfg, read, shapes, norm)], {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})
 
     # --- The residual add, fused with the next norm ---
     last = j == cfg.num_hidden_layers - 1
     norm_path, norm_name = (("/model/norm", "model.norm.weight") if last else
                             (f"/model/layers.{j + 1}/input_layernorm", f"model.layers.{j + 1}.input_layernorm.weight"))
     zbar_next, _, _, z_next = g.op(
-        norm_path, "SkipSimplifiedLayerNormalization", [d, y, g.lazy(norm_name, shapes[norm_name], lambda: read([norm_name])[norm_name])],
+        norm_path, "SkipSimplifiedLayerNormalization", [d, y, _gain(g, cfg, read, shapes, norm_name)],
         {"epsilon": float(cfg.rms_norm_eps)}, domain="com.microsoft",
         outputs=[None, "", "", None])
     return zbar_next, z_next, [present_k, present_v]

@@ -32,7 +32,7 @@ import llama_tools
 from llama_tools import dtypes, files
 from llama_tools.config import ModelConfig
 from llama_tools.loading import load_model
-from llama_tools.model import Llama, rope_cache, tie_weights
+from llama_tools.model import Llama, rope_tables_of, tie_weights
 from llama_tools.progress import Progress, peak_rss_bytes, silent
 from llama_tools.source import ModelSource, resolve
 from llama_tools.weights import weight_specs
@@ -45,6 +45,8 @@ from .graph_io import ATTENTION_MASK, io_names
 # serialized proto would hold every weight in memory twice).
 # Sizes to trace with: >= 2 and distinct, since torch.export specializes dims of size 0 or 1.
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 3, 5
+# The RoPE tables' initializer names: (cos, sin), then the sliding layers' pair when they have their own base.
+TABLE_NAMES = ("cos_cache", "sin_cache", "cos_cache_local", "sin_cache_local")
 META = "llama_tools."  # prefix of our metadata_props keys
 # Decoders traced when a model has more; the others are stamped from the last traced one (_stamp_layers).
 STAMP_FROM = 2
@@ -98,16 +100,15 @@ class ExportModel(Llama):
     so initializers and nodes are named by module path with nothing to strip.
     """
 
-    def __init__(self, cfg: ModelConfig, tables: tuple[torch.Tensor, torch.Tensor] | None):
+    def __init__(self, cfg: ModelConfig, tables: tuple[torch.Tensor, ...] | None):
         super().__init__(cfg)
-        if tables is not None:
-            self.register_buffer("cos_cache", tables[0])
-            self.register_buffer("sin_cache", tables[1])
+        for name, t in zip(TABLE_NAMES, tables or ()):
+            self.register_buffer(name, t)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 past_key_values: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """(ids, mask, positions, K0, V0, K1, ...) -> (logits, present K0, V0, K1, ...), as io_names lists them."""
-        tables = (self.cos_cache, self.sin_cache) if hasattr(self, "cos_cache") else None
+        tables = tuple(getattr(self, n) for n in TABLE_NAMES if hasattr(self, n)) or None
         past = tuple(zip(past_key_values[0::2], past_key_values[1::2]))  # per layer (K, V)
         out = super().forward(input_ids, attention_mask, position_ids, past, rope_tables=tables)
         return (out.logits, *(t for kv in out.past_key_values for t in kv))
@@ -125,15 +126,14 @@ def _fake_model(cfg: ModelConfig, dtype: torch.dtype, rope_op: str, fake: FakeTe
     # Fake CPU tensors, not meta ones: a constant made in forward (ALiBi slopes) moved to "meta" loses its data.
     with fake:
         state = {name: torch.empty(shape, dtype=dt) for name, (shape, dt) in shapes.items()}
-        tables = None
+        tables = ()
         if cfg.position_encoding == "rope":
             shape, dt = (cfg.max_position_embeddings, cfg.head_dim // 2), _table_dtype(dtype, rope_op)
-            tables = (torch.empty(shape, dtype=dt), torch.empty(shape, dtype=dt))
+            tables = tuple(torch.empty(shape, dtype=dt) for _ in range(4 if cfg.rope_local_theta is not None else 2))
     with torch.device("meta"):
         model = ExportModel(cfg, None)
-    if tables is not None:
-        model.register_buffer("cos_cache", tables[0])
-        model.register_buffer("sin_cache", tables[1])
+    for name, t in zip(TABLE_NAMES, tables):
+        model.register_buffer(name, t)
     model.load_state_dict(state, strict=False, assign=True)
     return tie_weights(model).eval()
 
@@ -653,15 +653,16 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     else:
         weights = real_weights(source, torch_dtype, seed, progress)
     cfg, state = weights.cfg, weights.state
-    traced = min(cfg.num_hidden_layers, STAMP_FROM) if _stamp else cfg.num_hidden_layers
+    # Layers of different kinds (Gemma's local and global) are each traced: stamping copies one kind.
+    stamp = _stamp and cfg.uniform_layers
+    traced = min(cfg.num_hidden_layers, STAMP_FROM) if stamp else cfg.num_hidden_layers
     say(f"tracing {cfg.name} ({traced} of {cfg.num_hidden_layers} layers, {dt.name}, rope_op={rope_op})")
     program, hidden, folded, rope_nodes = _traced_graph(cfg, torch_dtype, rope_op, opset, traced, progress)
     graph = program.model
     tables: dict[str, torch.Tensor] = {}
     if cfg.position_encoding == "rope":
-        cos, sin = rope_cache(cfg)
-        tables = {"cos_cache": cos.to(_table_dtype(torch_dtype, rope_op)),
-                  "sin_cache": sin.to(_table_dtype(torch_dtype, rope_op))}
+        tables = {name: t.to(_table_dtype(torch_dtype, rope_op))
+                  for name, t in zip(TABLE_NAMES, rope_tables_of(cfg))}
     lazy = _checkpoint_source(reader, cfg, hidden, tables, folded) if streamed else None
     if not streamed:
         _apply_weights(program, hidden, {**state, **tables}, folded)
