@@ -1,0 +1,175 @@
+"""The families beyond LLaMA (Qwen3, Gemma, Gemma 2, Gemma 3), each against transformers' own implementation.
+
+Each case is a small random HF model saved with `save_pretrained` (HF's writer, HF's config.json). Its weights
+are moved far from their initial values, so that nothing a family adds can hide: norm gains away from 1 (0 for
+Gemma's 1 + γ, where a missing "1 +" would otherwise cost nothing), q/k scaled so attention scores are O(1) and
+the soft caps bite (Gemma 2's scores and logits reach several times their cap), windows shorter than the prompts.
+Then: logits and greedy tokens equal transformers', count-params equals its parameter count, the plain and fused
+exports pass `verify parity` and run in onnxruntime-genai with transformers' tokens, and a planted fault is named.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+transformers = pytest.importorskip("transformers")
+
+from llama_tools import load_model  # noqa: E402
+from llama_tools.cli import cli  # noqa: E402
+from llama_tools.exporters.parity import resolve_target  # noqa: E402
+from llama_tools.exporters.verdict import parity_inputs, verify  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("bench_faults", ROOT / "benchmarks" / "bench_faults.py")
+bf = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("bench_faults", bf)
+_spec.loader.exec_module(bf)
+
+SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=128,
+             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16)
+WINDOW = 5
+CASES = {  # family: (config class, model class, what the family adds)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, rope_theta=1e6)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(hidden_activation="gelu_pytorch_tanh")),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                                         final_logit_softcapping=3.0, sliding_window=WINDOW)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        query_pre_attn_scalar=24, sliding_window=WINDOW, rope_local_base_freq=100.0, rope_theta=1e4,
+        sliding_window_pattern=2, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+}
+IDS = torch.tensor([[1, 17, 200, 5, 99, 42, 7, 250, 3, 64, 128, 11, 33, 90]])  # longer than the window
+
+
+def hf_model(family: str, directory: Path):
+    """A seeded transformers model of the family with its weights far from their initial values, saved."""
+    config_cls, model_cls, extra = CASES[family]
+    config = getattr(transformers, config_cls)(**SIZES, **extra, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    gemma = family.startswith("gemma")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.5 if gemma else 1.0, 0.3)  # HF's init: 0 (Gemma's 1 + γ) or 1
+            elif any(k in name for k in ("q_proj", "k_proj")):
+                p.mul_(10.0)  # scores O(1): RoPE, windows and caps decide the output
+            elif any(k in name for k in ("v_proj", "o_proj")):
+                p.mul_(5.0)
+            elif "embed_tokens" in name:
+                p.mul_(20.0)  # logits of several units: Gemma 2's cap of 3 bites
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def family(request, tmp_path_factory):
+    """(family, its HF directory, the transformers model)."""
+    d = tmp_path_factory.mktemp(request.param)
+    return request.param, d, hf_model(request.param, d)
+
+
+def test_logits_and_greedy_tokens_equal_transformers(family):
+    name, d, hf = family
+    ours = load_model(d)
+    assert ours.cfg.family == name
+    with torch.no_grad():
+        expected, got = hf(IDS).logits, ours(IDS).logits
+    assert got.shape == expected.shape == (1, IDS.shape[1], SIZES["vocab_size"]) and got.dtype == torch.float32
+    assert expected.std() > 0.1
+    assert (got - expected).abs().max().item() < 2e-5 * max(1.0, expected.abs().max().item())
+    want = hf.generate(IDS, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(IDS))[0, IDS.shape[1]:]
+    r = CliRunner().invoke(cli, ["generate", str(d), "--ids", " ".join(map(str, IDS[0].tolist())),
+                                 "--max-new-tokens", "8", "-q", "--format", "json"])
+    assert r.exit_code == 0, r.output[-800:]
+    assert json.loads(r.output)["new_ids"] == want.tolist()
+
+
+def test_what_the_family_adds_changes_the_output(family):
+    """Negative controls: each override, turned off, changes the logits far beyond rounding."""
+    name, d, _ = family
+    model = load_model(d)
+    cfg = model.cfg
+    with torch.no_grad():
+        base = model(IDS).logits
+    off = {"qk_norm": False} if cfg.qk_norm else {}
+    if cfg.final_logit_softcap is not None:
+        assert base.abs().max() > 0.9 * cfg.final_logit_softcap  # the cap bites
+        off = {"final_logit_softcap": None}
+    if cfg.sliding_window is not None:
+        off = {"sliding_window": None, "layer_types": None}
+    if cfg.norm_plus_one and not off:
+        off = {"norm_plus_one": False}
+    if off.get("qk_norm") is False:  # remove the norms' weights with the flag
+        state = {k: v for k, v in model.state_dict().items() if "q_norm" not in k and "k_norm" not in k}
+    else:
+        state = model.state_dict()
+    from llama_tools.model import model_from_state
+
+    changed = model_from_state(cfg.replace(**off), state, torch.float32)
+    with torch.no_grad():
+        assert (changed(IDS).logits - base).abs().max() > 1e-2, off
+
+
+def test_count_params_is_transformers_count(family):
+    _, d, hf = family
+    r = CliRunner().invoke(cli, ["count-params", str(d), "--format", "json"])
+    assert r.exit_code == 0, r.output[-800:]
+    assert json.loads(r.output)[0]["total"] == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.fixture(scope="module")
+def graphs(family, tmp_path_factory):
+    """The plain and fused exports of the family's model."""
+    name, d, _ = family
+    out = tmp_path_factory.mktemp(name + "-onnx")
+    paths = {}
+    for graph, extra in (("plain", []), ("fused", ["--optimize"])):
+        path = out / graph / "model.onnx"
+        r = CliRunner().invoke(cli, ["export", "onnx", str(d), "-o", str(path), "-q", *extra])
+        assert r.exit_code == 0, r.output[-1500:]
+        paths[graph] = path
+    return paths
+
+
+@pytest.mark.parametrize("graph", ["plain", "fused"])
+def test_exports_pass_verify_parity_and_a_fault_is_named(family, graphs, graph):
+    name, d, _ = family
+    r = CliRunner().invoke(cli, ["verify", "parity", str(graphs[graph]), "--source", str(d), "-q", "--format", "json"])
+    assert r.exit_code == 0, r.output[-2500:]
+    data = json.loads(r.output)
+    assert data["by_layer"]["passed"] and data["whole_graph"]["passed"]
+    cfg = resolve_target(str(graphs[graph]), str(d)).source.cfg
+    faulted = bf.plant(graphs[graph], "scale", cfg, 1)
+    try:
+        ft = resolve_target(str(faulted), str(d))
+        v = verify(ft, parity_inputs(ft, None, 2, None, 0), provider="cpu", steps=2)
+    finally:
+        faulted.unlink()
+    assert not v.passed and v.first_bad == "layer 1", v.first_bad
+
+
+def test_onnxruntime_genai_runs_both_graphs_with_transformers_tokens(family, graphs):
+    og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai not installed (pip install '.[genai]')")
+    _, _, hf = family
+    prompt = IDS[0].tolist()
+    want = hf.generate(IDS, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(IDS))[0, len(prompt):]
+    for graph, path in graphs.items():
+        model = og.Model(str(path.parent))
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + 6, do_sample=False)
+        gen = og.Generator(model, params)
+        gen.append_tokens(np.array(prompt, dtype=np.int32))
+        got = []
+        while not gen.is_done():
+            gen.generate_next_token()
+            got.append(int(gen.get_next_tokens()[0]))
+        assert got == want.tolist(), graph
