@@ -47,15 +47,17 @@ class CheckpointFormat:
     marker: str | None = None  # a tensor name (suffix) that only this format has
     meta_names: bool = False  # names from WeightSpec.meta_name instead of HF's
     file_kind: str | None = None  # a WeightFiles.kind whose files are always in this format
+    sandwich_renames: tuple[tuple[str, str], ...] = ()  # applied first for Gemma 2/3's four norms a layer
 
-    def tensor_name(self, spec: WeightSpec) -> str:
-        """The stored name of an unfused weight."""
+    def tensor_name(self, spec: WeightSpec, cfg: ModelConfig | None = None) -> str:
+        """The stored name of an unfused weight (cfg: the model's, where its norms' names depend on it)."""
         if self.meta_names:
             if spec.meta_name is None:
-                raise ValueError(f"Meta's layout has no name for {spec.name} (biases are not part of Meta checkpoints)")
+                raise ValueError(f"Meta's layout has no name for {spec.name} (biases and the norms of other "
+                                 f"families are not part of Meta checkpoints)")
             return spec.meta_name
         name = spec.hf_name
-        for a, b in self.renames:
+        for a, b in (self.sandwich_renames if cfg is not None and cfg.sandwich_norms else ()) + self.renames:
             name = name.replace(a, b)
         return name
 
@@ -78,9 +80,14 @@ FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in [
                          ("model.embed_tokens.", "token_embd."), ("model.layers.", "blk."),
                          ("self_attn.q_proj.", "attn_q."), ("self_attn.k_proj.", "attn_k."),
                          ("self_attn.v_proj.", "attn_v."), ("self_attn.o_proj.", "attn_output."),
+                         ("self_attn.q_norm.", "attn_q_norm."), ("self_attn.k_norm.", "attn_k_norm."),
                          ("mlp.gate_proj.", "ffn_gate."), ("mlp.up_proj.", "ffn_up."), ("mlp.down_proj.", "ffn_down."),
                          ("input_layernorm.", "attn_norm."), ("post_attention_layernorm.", "ffn_norm."),
-                         ("model.norm.", "output_norm."), ("lm_head.", "output."))),
+                         ("model.norm.", "output_norm."), ("lm_head.", "output.")),
+                     # Gemma 2/3: the norm after attention is post_attention_norm, 6.3's norm is ffn_norm
+                     sandwich_renames=(("post_attention_layernorm.", "post_attention_norm."),
+                                       ("pre_feedforward_layernorm.", "ffn_norm."),
+                                       ("post_feedforward_layernorm.", "post_ffw_norm."))),
 ]}
 HF, META = FORMATS["hf"], FORMATS["meta"]
 # What `convert --to` writes: the family's own HF-style format, or Meta's.
@@ -120,7 +127,7 @@ def checkpoint_tensors(cfg: ModelConfig, fmt: CheckpointFormat | None = None) ->
     specs = weight_specs(cfg)
     if fmt.fused_qkv is None:
         try:
-            return [CheckpointTensor(fmt.tensor_name(s), s.shape, (s.name,)) for s in specs]
+            return [CheckpointTensor(fmt.tensor_name(s, cfg), s.shape, (s.name,)) for s in specs]
         except ValueError as e:
             raise ValueError(f"config {cfg.name!r}: {e}") from None
     by_name = {s.name: s for s in specs}
@@ -134,7 +141,7 @@ def checkpoint_tensors(cfg: ModelConfig, fmt: CheckpointFormat | None = None) ->
             rows = sum(by_name[p].shape[0] for p in parts)
             out.append(CheckpointTensor(prefix + fmt.fused_name, (rows, cfg.hidden_size), parts))
         else:
-            out.append(CheckpointTensor(fmt.tensor_name(s), s.shape, (s.name,)))
+            out.append(CheckpointTensor(fmt.tensor_name(s, cfg), s.shape, (s.name,)))
     return out
 
 

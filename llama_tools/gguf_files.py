@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from .config import ModelConfig, RopeScaling
+from .families import FAMILIES, FULL, SLIDING
 from .rope_layouts import HALF
 from .formats import FORMATS, checkpoint_tensors
-from .header_readers import TensorInfo
+from .header_readers import FileExtent, PartialFile, TensorInfo
 from .weight_files import CheckpointHeaders, WeightFiles
 from .weights import weight_specs
 
@@ -38,17 +39,32 @@ GGUF = FORMATS[KIND]
 
 @dataclass(frozen=True)
 class GgufArchitecture:
-    """A general.architecture we read: the family it is, and the q/k row order llama.cpp's converter stores."""
+    """A general.architecture we read: the family it is, and how llama.cpp's converter stores it."""
 
     family: str
-    rope_layout: str
+    rope_layout: str  # the q/k row order of its files
+    gains_plus_one: bool = False  # norm gains stored as 1 + γ (Gemma's): γ is the stored value minus 1
+    swa_pattern: int = 0  # llama.cpp's sliding-window pattern when the file names none: n - 1 local, 1 global
+    swa_base: float | None = None  # the local layers' RoPE base when the file names none (llama.cpp's default)
+    big_layers: int = 0  # the block count of the size that scales queries by n2 / n5, not n6 (Gemma 2/3 27B)
 
 
 # llama.cpp writes Mistral as "llama" and permutes its q/k rows to Meta's interleaved order (its rope type NORM);
-# qwen2 keeps HF's rows (rope type NEOX: the two halves) and adds q/k/v biases, found by their tensor names.
+# the others keep HF's rows (rope type NEOX: the two halves); biases and q/k norms are found by tensor names.
+# Gemma's converter adds 1 to every norm gain, and llama.cpp fixes what the files leave out (the window pattern,
+# the local base, the query scale) by architecture and size: so do we.
 ARCHITECTURES = {"llama": GgufArchitecture("llama", GGUF.rope_layout),
-                 "qwen2": GgufArchitecture("qwen2", HALF)}
+                 "qwen2": GgufArchitecture("qwen2", HALF),
+                 "qwen3": GgufArchitecture("qwen3", HALF),
+                 "gemma": GgufArchitecture("gemma", HALF, gains_plus_one=True),
+                 "gemma2": GgufArchitecture("gemma2", HALF, gains_plus_one=True, swa_pattern=2, big_layers=46),
+                 "gemma3": GgufArchitecture("gemma3", HALF, gains_plus_one=True, swa_pattern=6, swa_base=10000.0,
+                                            big_layers=62)}
 _LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+class UnmodelledGguf(ValueError):
+    """A readable GGUF whose architecture or features no family here models (count-params counts its header)."""
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -73,16 +89,53 @@ def _dtype(dtype: Any, order: str) -> Any:
 
 
 def _reader_class() -> type:
+    import struct
+    import sys
+
     import gguf
     import numpy as np
 
-    class FastReader(gguf.GGUFReader):
-        """gguf.GGUFReader with its per-field slicing done on a plain ndarray view of the same memory map.
+    ARRAY, STRING = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
+    KNOWN = {int(t) for t in gguf.GGUFValueType}
 
-        The library slices its np.memmap once per vocabulary string (~250k slices for a 49k vocabulary), and
-        memmap's Python-level __array_finalize__/__getitem__ make that 3.8 s; the same slices of a plain view
-        of the map take a fifth of it. Parsing stays the library's; tensor data stays mapped, never copied.
+    class Unsliced:
+        """Where the library's parts of an array would go: the value's offset, until first read."""
+
+        def __init__(self, offset: int):
+            self.offset = offset
+
+    class ArrayField(gguf.ReaderField):
+        """An array field (a vocabulary, its token types, its merges) whose per-item slices are made when first read.
+
+        `parts` and `data` are the library's own, built by its parser on first access; name, offset and types are
+        known without them.
         """
+
+        def __new__(cls, field: Any, build: Any) -> "ArrayField":
+            self = super().__new__(cls, *field)
+            self._build = build
+            return self
+
+        @functools.cached_property
+        def _full(self) -> Any:
+            return self._build()
+
+        parts = property(lambda self: self._full.parts)  # type: ignore[assignment]
+        data = property(lambda self: self._full.data)  # type: ignore[assignment]
+
+    class FastReader(gguf.GGUFReader):
+        """gguf.GGUFReader with its per-field slicing done on a plain ndarray view of the same memory map, and
+        each array sliced only when read.
+
+        The library slices its np.memmap once per array item (~250k slices for a 49k vocabulary), and memmap's
+        Python-level __array_finalize__/__getitem__ make that 3.8 s; the same slices of a plain view of the map
+        take a fifth of it. Counting, config and tensor reads need none of those slices (one or two numpy views
+        per item: 130 MB and 1 s for Qwen2's 152k tokens, their types and 151k merges), so an array is only
+        sized (strings walked by their lengths) until its contents are asked for. Parsing stays the library's;
+        tensor data stays mapped, never copied.
+        """
+
+        _eager = False
 
         @property
         def data(self) -> Any:
@@ -94,19 +147,85 @@ def _reader_class() -> type:
 
         def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
             order = self.byte_order if override_order is None else override_order
-            return np.frombuffer(self._mapped, dtype=_dtype(dtype, order), count=int(count), offset=int(offset))
+            dt = _dtype(dtype, order)
+            if getattr(self, "_tensor_data", False) and int(offset) + dt.itemsize * int(count) > self._mapped.size:
+                # A partial file (a download cut short): the header is whole but this tensor's data are not all
+                # there. A zero-stride placeholder of its shape lets the header parse, reading and allocating
+                # nothing; open_gguf then refuses the file to every reader of data (gguf_extent says what is short).
+                return np.lib.stride_tricks.as_strided(np.zeros(1, dt), shape=(int(count),), strides=(0,),
+                                                       writeable=False)
+            return np.frombuffer(self._mapped, dtype=dt, count=int(count), offset=int(offset))
+
+        def _build_tensors(self, start_offs: int, fields: Any) -> None:
+            self._tensor_data = True  # reads from here on are tensor data, which a partial file may lack
+            super()._build_tensors(start_offs, fields)
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            if self._eager or raw_type != ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            item = int(self._get(orig_offs, np.uint32)[0])
+            count = int(self._get(orig_offs + 4, np.uint64)[0])
+            types = [ARRAY] + ([gguf.GGUFValueType(item)] if count and item in KNOWN else [])  # as the library's
+            scalar = self.gguf_scalar_to_np.get(item)  # type: ignore[call-overload]
+            end, offs = len(self._mapped), orig_offs + 12
+            if scalar is not None:
+                offs += count * np.dtype(scalar).itemsize
+            elif item == STRING:
+                length = struct.Struct("<Q" if (sys.byteorder == "little") == (self.byte_order == "I") else ">Q")
+                for _ in range(count):  # each string: a u64 length, then its bytes
+                    if offs + 8 > end:
+                        raise ValueError(f"an array at offset {orig_offs} runs past the end of the file")
+                    offs += 8 + length.unpack_from(self._mapped, offs)[0]
+            else:  # arrays of arrays: the library's own parse, all of it
+                return self._parts(orig_offs, raw_type)
+            if offs > end:
+                raise ValueError(f"an array at offset {orig_offs} runs past the end of the file")
+            return offs - orig_offs, [Unsliced(orig_offs)], [], types
+
+        def _build_fields(self, offs: int, count: int) -> int:
+            end = super()._build_fields(offs, count)
+            for name, f in list(self.fields.items()):
+                if len(f.parts) == 4 and isinstance(f.parts[3], Unsliced):
+                    self.fields[name] = ArrayField(f, functools.partial(self._array, f, f.parts[3].offset))
+            return end
+
+        def _parts(self, offs: int, raw_type: int) -> Any:
+            """The library's own parse of one value, every item sliced."""
+            self._eager = True
+            try:
+                return super()._get_field_parts(offs, raw_type)
+            finally:
+                self._eager = False
+
+        def _array(self, field: Any, value_offs: int) -> Any:
+            """The library's own field for an array (what its parser would have made up front)."""
+            _, parts, idxs, types = self._parts(value_offs, ARRAY)
+            head = list(field.parts[:3])  # key length, key, value type
+            return gguf.ReaderField(field.offset, field.name, head + parts, [i + len(head) for i in idxs], types)
 
     return FastReader
 
 
-def open_gguf(path: str | Path) -> Any:
+def open_gguf(path: str | Path, partial_ok: bool = False) -> Any:
     """The gguf library's reader over `path` (memory-mapped); one ValueError line for what is not a GGUF.
 
-    One parse per file version: resolving MODEL, counting and reading weights share it.
+    One parse per file version: resolving MODEL, counting and reading weights share it. A file whose tensor data
+    end before its header says is refused (PartialFile) unless partial_ok (counting its header only).
     """
     p = Path(path).resolve()
     st = p.stat()
-    return _open(p, st.st_ino, st.st_mtime_ns, st.st_size)
+    reader = _open(p, st.st_ino, st.st_mtime_ns, st.st_size)
+    if not partial_ok:
+        extent = gguf_extent(reader, Path(path))
+        if extent.missing:
+            raise PartialFile(Path(path), extent)
+    return reader
+
+
+def gguf_extent(reader: Any, path: Path) -> FileExtent:
+    """The file's bytes against the end of the last tensor's data, as the header places it."""
+    declared = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=int(reader.data_offset))
+    return FileExtent(path.name, int(reader.data.size), declared)
 
 
 @functools.lru_cache(maxsize=2)
@@ -133,8 +252,8 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
     """The ModelConfig a GGUF's llama.* metadata and tensor names describe; one line for other architectures."""
     arch = field_value(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not LLaMA-family; llama-tools reads "
-                         f"{', '.join(sorted(ARCHITECTURES))}")
+        raise UnmodelledGguf(f"{path}: GGUF architecture {arch!r} is not LLaMA-family; llama-tools reads "
+                             f"{', '.join(sorted(ARCHITECTURES))}")
     names = {t.name for t in reader.tensors}
 
     def get(key: str, default: Any = None, required: bool = True) -> Any:
@@ -144,16 +263,16 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         return v
 
     if get("expert_count", 0, required=False):
-        raise ValueError(f"{path}: a mixture-of-experts GGUF ({arch}.expert_count); llama-tools reads dense ones")
+        raise UnmodelledGguf(f"{path}: a mixture-of-experts GGUF ({arch}.expert_count); llama-tools reads dense ones")
     if "rope_freqs.weight" in names:
-        raise ValueError(f"{path}: per-dimension RoPE factors (rope_freqs.weight, Llama 3.1's scaling) are not "
-                         f"read from GGUF yet")
+        raise UnmodelledGguf(f"{path}: per-dimension RoPE factors (rope_freqs.weight, Llama 3.1's scaling) are not "
+                             f"read from GGUF yet")
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", 0, required=False) or hidden // max(heads, 1))
     rotary = get("rope.dimension_count", head_dim, required=False)
     if int(rotary) != head_dim:
-        raise ValueError(f"{path}: partial rotary ({arch}.rope.dimension_count {rotary} of head width {head_dim}) "
-                         f"is not LLaMA's RoPE")
+        raise UnmodelledGguf(f"{path}: partial rotary ({arch}.rope.dimension_count {rotary} of head width "
+                             f"{head_dim}) is not LLaMA's RoPE")
     emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = get("vocab_size", None, required=False) or (int(emb.shape[-1]) if emb is not None else None) or (
@@ -167,15 +286,44 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
                               original_max_position_embeddings=int(get("rope.scaling.original_context_length",
                                                                        8192, required=False)))
     bos, eos = field_value(reader, "tokenizer.ggml.bos_token_id"), field_value(reader, "tokenizer.ggml.eos_token_id")
+    import numpy as np
+
+    pad = field_value(reader, "tokenizer.ggml.padding_token_id")
+    a = ARCHITECTURES[arch]
+    layers = int(get("block_count"))
+    family = FAMILIES[a.family].defaults
+    extra: dict[str, Any] = {k: v for k, v in family.items() if k != "qkv_bias"}
+    window = get("attention.sliding_window", None, required=False)
+    if window:
+        pattern = get("attention.sliding_window_pattern", None, required=False)  # per layer: true = local
+        if isinstance(pattern, list) and len(pattern) == layers:
+            types = tuple(SLIDING if x else FULL for x in pattern)
+        elif a.swa_pattern:
+            types = tuple(SLIDING if (j + 1) % a.swa_pattern else FULL for j in range(layers))
+        else:
+            types = None
+        extra.update(sliding_window=int(window), layer_types=types)
+    if a.family in ("gemma2", "gemma3"):
+        scale = get("attention.scale", None, required=False)  # a file's own query scale wins over llama.cpp's rule
+        extra["query_pre_attn_scalar"] = (float(str(np.float32(1.0 / float(scale) ** 2))) if scale else
+                                          float(hidden // heads if layers == a.big_layers else head_dim))
+        for key, field in (("attn_logit_softcapping", "attn_logit_softcap"),
+                           ("final_logit_softcapping", "final_logit_softcap")):
+            v = get(key, None, required=False)
+            extra[field] = _f32(v) if v else None
+    base = get("rope.freq_base_swa", a.swa_base, required=False)
+    if base is not None:
+        extra["rope_local_theta"] = _f32(base)
     return ModelConfig(
-        name=path.stem, source=str(path), family=ARCHITECTURES[arch].family,
+        **extra, pad_token_id=int(pad) if pad is not None else None,
+        name=path.stem, source=str(path), family=a.family,
         vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")), num_attention_heads=heads,
+        num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=int(get("attention.head_count_kv", heads, required=False)),
         head_dim=head_dim if head_dim != hidden // max(heads, 1) else 0,
         rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
         rope_theta=_f32(get("rope.freq_base", 10000.0, required=False)), rope_scaling=scaling,
-        rope_layout=ARCHITECTURES[arch].rope_layout, max_position_embeddings=int(get("context_length", 2048, required=False)),
+        rope_layout=a.rope_layout, max_position_embeddings=int(get("context_length", 2048, required=False)),
         tie_word_embeddings="output.weight" not in names,  # llama.cpp leaves the tied lm_head out
         qkv_bias="blk.0.attn_q.bias" in names, o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names,
@@ -211,6 +359,25 @@ def _check_layers(path: Path, cfg: ModelConfig, infos: list[TensorInfo]) -> None
                          f"file holds tensors of {held}")
 
 
+@dataclass(frozen=True)
+class GgufTensors:
+    """A GGUF's tensors as its header describes them, whatever its architecture, and whether the data are all there."""
+
+    architecture: str | None  # general.architecture
+    tensors: list[TensorInfo]
+    blocks: dict[str, tuple[int, int]]  # GGML type -> (weights, bytes) per block
+    extent: FileExtent
+
+
+def read_gguf_tensors(path: str | Path) -> GgufTensors:
+    """Header and tensor infos of any GGUF, a partial one included; no config built, no tensor data read."""
+    p = Path(path)
+    reader = open_gguf(p, partial_ok=True)
+    arch = field_value(reader, "general.architecture")
+    return GgufTensors(str(arch) if arch is not None else None, tensor_infos(reader, p), block_sizes(reader),
+                       gguf_extent(reader, p))
+
+
 def read_gguf_headers(path: str | Path) -> CheckpointHeaders:
     """A GGUF file as far as its header goes: config from the metadata, tensor infos; no tensor data read."""
 
@@ -228,7 +395,7 @@ def read_gguf_headers(path: str | Path) -> CheckpointHeaders:
 # Quantized bytes are read with positioned reads this many fp32 bytes of rows at a time, not through the memory
 # map: every page of a map that was touched counts in RSS until it is unmapped, which would add the whole file
 # to an export's peak; a chunk also bounds the library's per-call temporaries (it builds its output twice).
-CHUNK_BYTES = 32 << 20
+CHUNK_BYTES = 16 << 20
 
 
 @functools.lru_cache(maxsize=None)
@@ -259,6 +426,7 @@ class GgufReader:
         infos = tensor_infos(self._gguf, p)
         _check_layers(p, cfg, infos)
         self.files, self.format, self.cfg = WeightFiles(KIND, (p,)), GGUF, cfg  # q/k rows as stored: interleaved
+        self.gains_plus_one = ARCHITECTURES[field_value(self._gguf, "general.architecture")].gains_plus_one
         self.info: dict[str, TensorInfo] = {t.name: t for t in infos}
         self._tensors = {t.name: t for t in self._gguf.tensors}
         self.where: dict[str, str] = {}  # module name -> stored name
@@ -323,7 +491,10 @@ class GgufReader:
         dtype = torch.float32 if dtype is None else dtype
         out = {}
         for n in names:  # one dequantized tensor in flight at a time
-            out[n] = torch.from_numpy(self._dequantized(self.where[n])).to(device=device, dtype=dtype)  # a fresh array
+            a = self._dequantized(self.where[n])  # a fresh array
+            if self.gains_plus_one and n.endswith("norm.weight"):
+                a -= 1.0  # llama.cpp stored Gemma's 1 + γ
+            out[n] = torch.from_numpy(a).to(device=device, dtype=dtype)
         return out
 
     def rows(self, name: str, ranges: list[tuple[int, int]], device: Any = "cpu") -> Any:

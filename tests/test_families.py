@@ -173,3 +173,83 @@ def test_onnxruntime_genai_runs_both_graphs_with_transformers_tokens(family, gra
             gen.generate_next_token()
             got.append(int(gen.get_next_tokens()[0]))
         assert got == want.tolist(), graph
+
+
+# --- Each family's GGUF, written with the gguf library under its architecture's own keys --------------------------
+
+def write_family_gguf(d: Path, hf, path: Path) -> None:
+    """The HF model as llama.cpp's converter lays it out: its architecture's keys, llama.cpp's tensor names, q/k rows
+    as HF has them (rope type NEOX), Gemma's gains stored as 1 + γ; every tensor F32, so the file is the same model."""
+    gguf = pytest.importorskip("gguf")
+    c = hf.config
+    arch = {"qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}[c.model_type]
+    w = gguf.GGUFWriter(str(path), arch)
+    n = c.num_hidden_layers
+    w.add_block_count(n)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    theta = getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]
+    w.add_rope_freq_base(theta)
+    scaling = getattr(c, "rope_scaling", None)
+    if scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(scaling["factor"])
+    if getattr(c, "sliding_window", None) and arch.startswith("gemma"):
+        w.add_sliding_window(c.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    if getattr(c, "query_pre_attn_scalar", None):
+        w.add_float32(f"{arch}.attention.scale", c.query_pre_attn_scalar ** -0.5)  # llama.cpp assumes n6 without it
+    if getattr(c, "attn_logit_softcapping", None):
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    if getattr(c, "final_logit_softcapping", None):
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+    if getattr(c, "rope_local_base_freq", None):
+        w.add_rope_freq_base_swa(c.rope_local_base_freq)
+    # A byte-level vocabulary of the model's size: specials, letters, then pieces no text reaches.
+    tokens = (["<unk>", "<s>", "</s>"] + [chr(c) for c in range(97, 123)] + ["Ġ"]
+              + [f"<x{i}>" for i in range(c.vocab_size - 30)])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), n)
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue  # llama.cpp leaves a tied lm_head out
+        a = t.detach().numpy().astype(np.float32)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            a = a + 1.0  # convert_hf_to_gguf.py: Gemma's gains as llama.cpp multiplies by them
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_family_gguf_is_counted_loaded_exported_and_verified(family, tmp_path):
+    name, d, hf = family
+    path = tmp_path / f"{name}.gguf"
+    write_family_gguf(d, hf, path)
+    r = CliRunner().invoke(cli, ["count-params", str(path), "--format", "json"])
+    assert r.exit_code == 0, r.output[-800:]
+    assert json.loads(r.output)[0]["total"] == sum(p.numel() for p in hf.parameters())
+    ours = load_model(path)
+    assert ours.cfg.family == name and ours.cfg.layer_types == load_model(d).cfg.layer_types
+    with torch.no_grad():
+        expected, got = hf(IDS).logits, ours(IDS).logits
+    assert (got - expected).abs().max().item() < 2e-5 * max(1.0, expected.abs().max().item())
+    graph = tmp_path / "fused" / "model.onnx"
+    r = CliRunner().invoke(cli, ["export", "onnx", str(path), "-o", str(graph), "--optimize", "-q"])
+    assert r.exit_code == 0, r.output[-1500:]
+    r = CliRunner().invoke(cli, ["verify", "parity", str(graph), "--source", str(path), "-q", "--format", "json"])
+    assert r.exit_code == 0, r.output[-2500:]

@@ -424,7 +424,6 @@ def test_verify_parity_runs_a_static_graph(tmp_path):
 @pytest.mark.parametrize("changes, message", [
     ({"position_encoding": "alibi"}, "does not support alibi position encoding"),
     ({"hidden_size": 48, "head_dim": 12}, "does not support head_dim 12 .*multiple of 8"),
-    ({"sliding_window": 8}, "does not support a sliding window"),
     ({"num_experts": 4, "num_experts_per_tok": 2}, "does not support mixture of experts"),
 ])
 def test_unsupported_models_are_refused(changes, message, tmp_path):
@@ -432,6 +431,38 @@ def test_unsupported_models_are_refused(changes, message, tmp_path):
         export_fused(CFG.replace(**changes), tmp_path / "x.onnx")
     assert not (tmp_path / "x.onnx").exists()
     check_fusable(CFG)  # the tiny config itself is fine
+
+
+def test_a_sliding_window_is_grouped_query_attentions_local_window(tmp_path):
+    """Mistral's window in the fused graph: GQA's local_window_size; prompts and decode run past the window, and
+    the verdict fails the same graph with the window one key wider (the attribute is not a no-op)."""
+    import onnx_ir as ir
+
+    from llama_tools.exporters.verdict import parity_inputs, verify
+
+    import json
+
+    from safetensors.torch import save_model
+
+    from llama_tools.config_files import config_to_hf
+
+    cfg = CFG.replace(family="mistral", sliding_window=4)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    save_model(sharp(cfg), str(ck / "model.safetensors"))
+    (ck / "config.json").write_text(json.dumps(config_to_hf(cfg)))
+    path = tmp_path / "w.onnx"
+    export_fused(str(ck), path)
+    target = resolve_target(str(path), str(ck))
+    assert verify(target, parity_inputs(target, None, 2, None, 0), provider="cpu", steps=6).passed
+    graph = ir.load(str(path))
+    for node in graph.graph:
+        if node.op_type == "GroupQueryAttention":
+            assert node.attributes["local_window_size"].value == 4
+            node.attributes["local_window_size"] = ir.AttrInt64("local_window_size", 5)
+    ir.save(graph, str(tmp_path / "wider.onnx"))
+    wider = resolve_target(str(tmp_path / "wider.onnx"), str(ck))
+    assert not verify(wider, parity_inputs(wider, None, 2, None, 0), provider="cpu", steps=6).passed
 
 
 @pytest.mark.parametrize("kwargs, message", [
