@@ -123,7 +123,29 @@ def default_inputs(source: Any, vocab_size: int, context: int, *, random_ids: in
 
     tok = load_tokenizer(source) if random_ids is None else None
     if tok is not None:
-        return text_inputs(tok, vocab_size, max(1, context))
-    count = random_ids if random_ids is not None else 2
-    why = "--random-ids" if random_ids is not None else "the model has no tokenizer"
-    return Inputs(random_rows(vocab_size, count, seed), f"{count} rows of seeded random ids (seed {seed}; {why})")
+        inputs = text_inputs(tok, vocab_size, max(1, context))
+    else:
+        count = random_ids if random_ids is not None else 2
+        why = "--random-ids" if random_ids is not None else "the model has no tokenizer"
+        inputs = Inputs(random_rows(vocab_size, count, seed), f"{count} rows of seeded random ids (seed {seed}; {why})")
+    window = getattr(getattr(source, "cfg", None), "sliding_window", None)
+    longest = max(len(r) for r in inputs.rows)
+    if window is not None and longest <= window < context:
+        inputs = past_the_window(inputs, tok, vocab_size, min(window + WINDOW_EXTRA, context), seed)
+    return inputs
+
+
+WINDOW_EXTRA = 8  # tokens the longest default row runs past a sliding window, so that the window masks keys
+
+
+def past_the_window(inputs: Inputs, tok: Any, vocab_size: int, length: int, seed: int) -> Inputs:
+    """`inputs` and one more row of `length` tokens: the passages over and over through `tok`, or seeded ids."""
+    if tok is not None:
+        text = " ".join(t for _, t in PASSAGES)
+        ids = tok.encode(text, bos=None)
+        while len(ids) < length:
+            ids = ids + tok.encode(text, bos=False)
+        row = ids[:length]
+    else:
+        row = np.random.default_rng(seed + 1).integers(3, vocab_size, size=length).tolist()
+    return Inputs(inputs.rows + [row], inputs.what + f", and a row of {length} tokens past the sliding window")

@@ -253,3 +253,18 @@ def test_family_gguf_is_counted_loaded_exported_and_verified(family, tmp_path):
     assert r.exit_code == 0, r.output[-1500:]
     r = CliRunner().invoke(cli, ["verify", "parity", str(graph), "--source", str(path), "-q", "--format", "json"])
     assert r.exit_code == 0, r.output[-2500:]
+
+
+def test_default_inputs_run_past_a_sliding_window():
+    """A window longer than every default row gets a row past it (so the window masks keys); one shorter does not."""
+    from types import SimpleNamespace
+
+    from llama_tools.exporters.prompts import WINDOW_EXTRA, default_inputs
+
+    src = SimpleNamespace(cfg=SimpleNamespace(sliding_window=40), path=None, tokenizer=None)
+    rows = default_inputs(src, 256, 128, random_ids=2).rows
+    assert [len(r) for r in rows] == [11, 6, 40 + WINDOW_EXTRA]
+    assert "past the sliding window" in default_inputs(src, 256, 128, random_ids=2).what
+    assert len(default_inputs(src, 256, 30, random_ids=2).rows) == 2  # the context ends before the window does
+    src = SimpleNamespace(cfg=SimpleNamespace(sliding_window=5), path=None, tokenizer=None)
+    assert [len(r) for r in default_inputs(src, 256, 128, random_ids=2).rows] == [11, 6]
