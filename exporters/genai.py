@@ -11,6 +11,14 @@
   directory; it never reads a sentencepiece `tokenizer.model`. So a checkpoint that ships only `tokenizer.model`
   (or a GGUF file) gets a `tokenizer.json` written from it here (llama_tools.tokenizer_files), and a copied
   `tokenizer_config.json` that names transformers 5's `TokenizersBackend` gets a class transformers 4 also loads.
+- The source's word is kept (llama_tools.source_files): bos/eos/pad ids as onnxruntime-genai's model builder picks
+  them (generation_config.json's, else config.json's; an eos list stays a list), generation_config.json byte for
+  byte and its do_sample/temperature/top_k/top_p in `search`, the tokenizer files byte for byte, and the chat
+  template in the form the source ships it. genai reads the template from tokenizer_config.json's `chat_template`
+  or from chat_template.jinja beside it (`Tokenizer.apply_chat_template`); genai_config.json has no field for it
+  (genai refuses the file: "model: Unknown value"), and the builder carries it in the tokenizer files too
+  (save_pretrained). What the source does not say and a client needs (a pad id) is invented and listed in
+  ClientFiles.invented.
 """
 
 from __future__ import annotations
@@ -24,6 +32,9 @@ from typing import Any
 from llama_tools import files
 from llama_tools.config import ModelConfig
 from llama_tools.config_files import config_to_hf
+from llama_tools.source_files import (SAMPLING_KEYS, TOP_K_WHEN_SAMPLING, SourceFiles, agreeing_ids,
+                                      checked_tokenizer_config, read_source_files, template_of_config,
+                                      tokenizer_files)
 from llama_tools.tokenizer import JsonTokenizer, find_tokenizer, kind_of
 from llama_tools.tokenizer_files import sentencepiece_files
 
@@ -40,24 +51,54 @@ class ClientFiles:
     tokenizer: str  # "converted from tokenizer.model", "copied tokenizer.json", or "none: ..."
     share_buffer: bool
     kept: list[Path] = field(default_factory=list)  # files there already that were not ours: left as they were
+    invented: list[str] = field(default_factory=list)  # what the source does not say, and what was written instead
+    warnings: list[str] = field(default_factory=list)  # source files left out (not valid), one line each
 
 
 # --- The three JSON files -------------------------------------------------------------------------------
 
-def hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """HF config.json: what Optimum (and transformers) read to build the model's I/O around the graph."""
-    return {**config_to_hf(cfg), "use_cache": True}
+def hf_config(cfg: ModelConfig, source: SourceFiles | None = None) -> dict[str, Any]:
+    """HF config.json: what Optimum (and transformers) read to build the model's I/O; ids as the source writes them."""
+    return {**config_to_hf(cfg), **(agreeing_ids(source.config_ids, cfg) if source else {}), "use_cache": True}
 
 
-def generation_config(cfg: ModelConfig) -> dict[str, Any]:
-    """Greedy by default, as `llama-tools generate`; pad is eos (LLaMA has no pad token)."""
-    return {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.eos_token_id,
-            "do_sample": False, "max_length": cfg.max_position_embeddings}
+def config_ids(cfg: ModelConfig) -> dict[str, Any]:
+    """bos/eos/pad of the model config alone; pad is the eos id when it names none (LLaMA has no pad token)."""
+    return {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+            "pad_token_id": cfg.eos_token_id if cfg.pad_token_id is None else cfg.pad_token_id}
+
+
+def client_ids(cfg: ModelConfig, source: SourceFiles) -> tuple[dict[str, Any], list[str]]:
+    """bos/eos/pad for clients, the builder's way (generation_config.json, config.json, cfg), and what was invented."""
+    said = {**agreeing_ids(source.config_ids, cfg), **source.generation_ids}
+    ids: dict[str, Any] = {}
+    invented = []
+    for key, default in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id)):
+        ids[key] = said.get(key, default)
+        if key not in said and source.has_config:  # without a config.json, cfg (a preset, a GGUF) is the source
+            invented.append(f"{key} = {default}: {source.folder}'s config.json and generation_config.json name none; "
+                            f"llama-tools' default")
+    pad = said.get("pad_token_id", cfg.pad_token_id)
+    if pad is None:
+        eos = ids["eos_token_id"]
+        pad = eos[0] if isinstance(eos, list) else eos
+        invented.append(f"pad_token_id = {pad}: the source names no pad id; its (first) eos id, as "
+                        f"onnxruntime-genai's builder writes")
+    ids["pad_token_id"] = pad
+    return ids, invented
+
+
+def generation_config(cfg: ModelConfig, ids: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Greedy by default, as `llama-tools generate`: written only when the source has no generation_config.json."""
+    return {**(ids or config_ids(cfg)), "do_sample": False, "max_length": cfg.max_position_embeddings}
 
 
 def genai_config(cfg: ModelConfig, *, filename: str = "model.onnx", share_buffer: bool = False,
-                 provider: str = "cpu") -> dict[str, Any]:
+                 provider: str = "cpu", ids: dict[str, Any] | None = None,
+                 sampling: dict[str, Any] | None = None) -> dict[str, Any]:
     """onnxruntime-genai's genai_config.json for a llama-tools graph (names from onnx_export.io_names)."""
+    # ids: bos/eos/pad (eos may be a list), None: the config's. sampling: a generation_config.json, whose
+    # do_sample/temperature/top_k/top_p go into `search` as onnxruntime-genai's builder puts them.
     if provider not in ("cpu", "cuda"):
         raise ValueError(f"unknown provider {provider!r} for genai_config.json; choose cpu or cuda")
     decoder = {
@@ -75,14 +116,18 @@ def genai_config(cfg: ModelConfig, *, filename: str = "model.onnx", share_buffer
     }
     # The RoPE tables in the graph have max_position_embeddings rows: no position beyond them exists.
     context = cfg.max_position_embeddings
+    search = {"diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
+              "max_length": context, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
+              "num_return_sequences": 1, "past_present_share_buffer": share_buffer,
+              "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1, "top_p": 1.0}
+    sampling = sampling or {}
+    search.update({k: sampling[k] for k in SAMPLING_KEYS if sampling.get(k) is not None})
+    if search["do_sample"] and sampling.get("top_k") is None:  # top_k 1 would make "sampling" greedy
+        search["top_k"] = TOP_K_WHEN_SAMPLING
     return {
-        "model": {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
-                  "pad_token_id": cfg.eos_token_id, "context_length": context, "decoder": decoder,
+        "model": {**(ids or config_ids(cfg)), "context_length": context, "decoder": decoder,
                   "type": GENAI_TYPE, "vocab_size": cfg.vocab_size},
-        "search": {"diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
-                   "max_length": context, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
-                   "num_return_sequences": 1, "past_present_share_buffer": share_buffer,
-                   "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1, "top_p": 1.0},
+        "search": search,
     }
 
 
@@ -125,6 +170,13 @@ class _OwnedWriter:
         self.written.append(path)
         return path
 
+    def once(self, name: str, data: bytes) -> Path | None:
+        """bytes(), unless the file there already holds DATA: never rewrite a file we read (same directory)."""
+        there = self.out / name
+        if there.is_file() and there.read_bytes() == data:
+            return None
+        return self.bytes(name, data)
+
     def json(self, name: str, data: dict[str, Any]) -> Path | None:
         return self.bytes(name, (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
 
@@ -147,10 +199,11 @@ def _tokenizer_of(path: Path) -> Path | None:
     return found if found is not None and (path.is_dir() or found == path) else None
 
 
-def _write_tokenizer(found: Path, w: _OwnedWriter, cfg: ModelConfig) -> str:
-    """The tokenizer files its kind makes (tokenizer.KINDS: copied, converted, built); special ids checked."""
+def _write_tokenizer(found: Path, w: _OwnedWriter, cfg: ModelConfig, warnings: list[str]) -> str:
+    """The tokenizer files its kind makes (tokenizer.KINDS) and the source's others byte for byte; ids checked."""
     kind = kind_of(found)
     made = kind.client_files(found)
+    gguf = found.suffix.lower() == ".gguf"  # its folder's other files are not the model's
     if kind.cls is not JsonTokenizer:  # made here: its special ids must be the config's (a copy is the user's)
         tokenizer, config = json.loads(made["tokenizer.json"]), json.loads(made["tokenizer_config.json"])
         ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
@@ -158,11 +211,31 @@ def _write_tokenizer(found: Path, w: _OwnedWriter, cfg: ModelConfig) -> str:
             if piece is not None and ids.get(piece) != getattr(cfg, key):
                 raise ValueError(f"{found}: {piece} is id {ids.get(piece)} but the model's config says "
                                  f"{key} = {getattr(cfg, key)}; fix config.json or the tokenizer")
+        own = None if gguf else template_of_config(found.parent / "tokenizer_config.json")
+        if own is not None and config.get("chat_template") is None:  # the made config replaces one that had it
+            made["tokenizer_config.json"] = (json.dumps({**config, "chat_template": own}, indent=2,
+                                                        ensure_ascii=False) + "\n").encode("utf-8")
+    if "tokenizer_config.json" in made:  # a template that does not parse is left out of it, with a warning
+        made["tokenizer_config.json"], why = checked_tokenizer_config(
+            made["tokenizer_config.json"], found if gguf else found.parent / "tokenizer_config.json")
+        warnings += [why] if why else []
+    if not gguf:
+        beside, why = tokenizer_files(found.parent)
+        warnings += why
+        made.update({name: path.read_bytes() for name, path in beside.items() if name not in made})
     for name, data in made.items():
-        there = w.out / name
-        if not (there.is_file() and there.read_bytes() == data):  # never rewrite a file we read (same directory)
-            w.bytes(name, data)
+        w.once(name, data)
     return kind.how
+
+
+def _source_folder(source: str) -> Path | None:
+    """The source's checkpoint directory or config file's folder; None for a preset or a GGUF file."""
+    path = Path(source) if source else None
+    if path is None or not path.is_absolute():  # export metadata records a path source absolutely
+        return None
+    if path.is_dir():
+        return path
+    return path.parent if path.suffix.lower() == ".json" and path.is_file() else None
 
 
 def write_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
@@ -188,16 +261,26 @@ def write_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
         raise ValueError(f"{onnx_path}: share_buffer=True needs a static-KV graph (export --optimize with a static "
                          f"KV buffer); this graph's present grows by concatenation, so onnxruntime-genai would "
                          f"reject present.0.key's shape. Leave share_buffer off")
-    gconfig = genai_config(cfg, filename=onnx_path.name, share_buffer=share_buffer, provider=provider)
+    source = meta.source
+    side = _source_folder(source)
+    said = read_source_files(side, cfg.vocab_size)
+    warnings = list(said.warnings)
+    ids, invented = client_ids(cfg, said)
+    gconfig = genai_config(cfg, filename=onnx_path.name, share_buffer=share_buffer, provider=provider, ids=ids,
+                           sampling=said.generation)
     if static is not None:  # genai allocates past/present at max_length: the graph's buffer length
         # context_length too: genai then refuses a longer max_length in one line ("cannot be greater than model
         # context_length") instead of failing inside GroupQueryAttention on a present one slot too long.
         gconfig["search"]["max_length"] = gconfig["model"]["context_length"] = static
     w = _OwnedWriter(onnx_path.parent)
-    w.json("config.json", hf_config(cfg))
-    w.json("generation_config.json", generation_config(cfg))
+    w.json("config.json", hf_config(cfg, said))
+    if said.generation_raw is not None:  # the source's own, byte for byte
+        w.once("generation_config.json", said.generation_raw)
+    else:
+        w.json("generation_config.json", generation_config(cfg, ids))
+        invented.append(f"generation_config.json: the source has none; written with the bos/eos/pad of "
+                        f"genai_config.json, greedy (do_sample false), max_length {cfg.max_position_embeddings}")
     w.json("genai_config.json", gconfig)
-    source = meta.source
     if tokenizer_dir is not None:
         found = _tokenizer_of(Path(tokenizer_dir))
         if found is None:
@@ -205,6 +288,7 @@ def write_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
                              f"directory that holds the tokenizer (or its GGUF file), or leave tokenizer_dir out")
     else:
         found = _tokenizer_of(Path(source)) if source else None
-    how = _write_tokenizer(found, w, cfg) if found is not None else "none: the source has no tokenizer (genai runs on ids)"
+    how = (_write_tokenizer(found, w, cfg, warnings) if found is not None
+           else "none: the source has no tokenizer (genai runs on ids)")
     w.close()
-    return ClientFiles(w.out, w.written, how, share_buffer, kept=w.kept)
+    return ClientFiles(w.out, w.written, how, share_buffer, kept=w.kept, invented=invented, warnings=warnings)

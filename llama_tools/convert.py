@@ -5,13 +5,18 @@ Conversions are exact: only row orders change (RoPE q/k rows, W_pack fusing) and
 --dtype asks otherwise) one tensor at a time, and its vocabulary becomes tokenizer.json beside the weights.
 Output appears all at once: files are written to a temporary directory beside DST, which is renamed onto
 DST only when everything is written.
+
+What the source says beside its weights travels with them as it says it (source_files): config.json's bos/eos/pad
+(an eos list kept), generation_config.json and the tokenizer files byte for byte, the chat template in its own
+form (chat_template.jinja, or tokenizer_config.json's field). Meta's params.json has no place for ids or a
+template: those files are copied beside consolidated.NN.pth. A file that is not valid is left out, with a warning.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +26,8 @@ from .config import ModelConfig
 from .config_files import config_to_hf, ffn_hidden_size
 from .formats import FORMATS, WRITABLE, checkpoint_tensors, family_format
 from .source import MAX_RANDOM_INIT_BYTES, ModelSource, resolve
+from .header_readers import MAX_HEADER_BYTES
+from .source_files import agreeing_ids, checked_tokenizer_config, read_bounded, read_source_files, tokenizer_files
 from .weight_files import write_index
 from .weights import weight_specs
 
@@ -38,6 +45,7 @@ class ConvertResult:
     tensors: int
     params: int
     bytes: int
+    warnings: list[str] = field(default_factory=list)  # source files left out (not valid), one line each
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -90,7 +98,8 @@ def _hf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[str, 
     return fmt.name, out
 
 
-def _write_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], tmp: Path, shards: int) -> tuple[str, list[str]]:
+def _write_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], tmp: Path, shards: int,
+              ids: dict[str, Any]) -> tuple[str, list[str]]:
     from safetensors.torch import save_file
 
     from .layouts import permute_rope_rows
@@ -99,7 +108,7 @@ def _write_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], tmp: Path, shard
     state = permute_rope_rows(state, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rope_layout, hf_rows) \
         if cfg.position_encoding == "rope" else state
     layout, tensors = _hf_tensors(cfg.replace(rope_layout=hf_rows), state)
-    (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n", encoding="utf-8")
+    (tmp / "config.json").write_text(json.dumps({**config_to_hf(cfg), **ids}, indent=2) + "\n", encoding="utf-8")
     names = list(tensors)
     if shards <= 1:
         save_file({k: _own(v) for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -116,7 +125,8 @@ def _write_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], tmp: Path, shard
     return layout, ["config.json", index.name, *files]
 
 
-def _write_meta(cfg: ModelConfig, state: dict[str, torch.Tensor], tmp: Path, shards: int) -> tuple[str, list[str]]:
+def _write_meta(cfg: ModelConfig, state: dict[str, torch.Tensor], tmp: Path, shards: int,
+                ids: dict[str, Any]) -> tuple[str, list[str]]:
     import torch
 
     from .layouts import permute_rope_rows
@@ -145,20 +155,23 @@ def _write_meta(cfg: ModelConfig, state: dict[str, torch.Tensor], tmp: Path, sha
 
 def save_checkpoint(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str | Path, *, to: str = "hf",
                     shards: int = 1, extra_files: tuple[Path, ...] = (),
-                    extra_texts: dict[str, str] | None = None) -> tuple[str, list[str]]:
-    """Write module-named tensors (q/k rows in cfg.rope_layout) as a checkpoint directory, atomically.
-
-    extra_files are copied beside the weights; extra_texts (file name -> text) are written there.
-    """
+                    extra_texts: dict[str, str | bytes] | None = None,
+                    ids: dict[str, Any] | None = None) -> tuple[str, list[str]]:
+    """Write module-named tensors (q/k rows in cfg.rope_layout) as a checkpoint directory, atomically."""
+    # extra_files are copied beside the weights; extra_texts (file name -> text or bytes) are written there;
+    # ids: config.json's bos/eos/pad as the source writes them (an eos list), over cfg's.
     check_target(to, shards, len(state))
     with files.atomic_dir(dst) as tmp:  # all files appear at once, or none; a kill leaves nothing
         writer = _write_hf if to == "hf" else _write_meta
-        layout, written = writer(cfg, state, tmp, shards)
+        layout, written = writer(cfg, state, tmp, shards, ids or {})
         for f in extra_files:
             shutil.copyfile(f, tmp / f.name)
             written.append(f.name)
         for name, text in (extra_texts or {}).items():
-            (tmp / name).write_text(text, encoding="utf-8")
+            if isinstance(text, bytes):
+                (tmp / name).write_bytes(text)
+            else:
+                (tmp / name).write_text(text, encoding="utf-8")
             written.append(name)
     return layout, written
 
@@ -235,15 +248,44 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
             state = {k: v.to(dtypes.to_torch(dtype)) for k, v in state.items()}
     emb = state["model.embed_tokens.weight"]
     cfg = cfg.replace(torch_dtype=dtypes.get(emb.dtype).name)
-    # The tokenizer travels with the weights (tiny's is package data): tokenizer.json or tokenizer.model and the
-    # files that say its special tokens, if any (a GGUF's vocabulary arrived above as texts).
-    tok = source.tokenizer
-    extra = tuple(p for p in ((tok, tok.parent / "tokenizer_config.json", tok.parent / "special_tokens_map.json",
-                               tok.parent / "generation_config.json")
-                              if tok is not None else ()) if p.is_file() and p.name not in texts)
-    layout, written = save_checkpoint(cfg, state, dst, to=to, shards=shards, extra_files=extra, extra_texts=texts)
+    extra, carried, ids, warnings = _carried(source, cfg, texts)
+    layout, written = save_checkpoint(cfg, state, dst, to=to, shards=shards, extra_files=extra,
+                                      extra_texts={**texts, **carried}, ids=ids)
     return ConvertResult(
         source=source.label, destination=str(dst), to=to, layout=layout, files=written, tensors=len(state),
         params=sum(v.numel() for v in state.values()),
-        bytes=sum(v.numel() * v.element_size() for v in state.values()),
+        bytes=sum(v.numel() * v.element_size() for v in state.values()), warnings=warnings,
     )
+
+
+def _carried(source: ModelSource, cfg: ModelConfig, texts: dict[str, str]
+             ) -> tuple[tuple[Path, ...], dict[str, bytes], dict[str, Any], list[str]]:
+    """What travels with the weights, as the source has it: (files to copy, bytes to write, config ids, warnings)."""
+    path = source.path
+    if path is not None and path.is_dir():
+        folder: Path | None = path
+    elif path is not None and source.kind == "config":
+        folder = path.parent  # a config.json given by name
+    else:
+        folder = None  # a preset or a GGUF file: no folder of its own
+    said = read_source_files(folder, cfg.vocab_size)
+    warnings = list(said.warnings)
+    carried = {} if said.generation_raw is None else {"generation_config.json": said.generation_raw}
+    # The tokenizer (tiny's is package data) with every file of it there: tokenizer.json and/or tokenizer.model,
+    # the slow vocab/merges, the special tokens, the template file. A GGUF's vocabulary arrived above as texts.
+    found: dict[str, Path] = {}
+    if source.tokenizer is not None:
+        found, why = tokenizer_files(source.tokenizer.parent)
+        warnings += why
+        found.setdefault(source.tokenizer.name, source.tokenizer)  # e.g. spm.model: no name of TOKENIZER_FILES
+    config = found.pop("tokenizer_config.json", None)
+    data = read_bounded(config, MAX_HEADER_BYTES) if config else texts.get("tokenizer_config.json", "").encode()
+    if data:  # its chat_template, if it does not parse, is left out (said in a warning)
+        fixed, why = checked_tokenizer_config(data, config or Path(source.label))
+        if config is not None and not why:
+            found["tokenizer_config.json"] = config
+        else:
+            carried["tokenizer_config.json"] = fixed
+        warnings += [why] if why else []
+    extra = tuple(p for name, p in found.items() if name not in texts and name not in carried)
+    return extra, carried, agreeing_ids(said.config_ids, cfg), warnings
