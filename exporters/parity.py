@@ -97,7 +97,7 @@ def resolve_target(target: str | None, source: str | None) -> ParityTarget:
     if not target.endswith(".onnx"):
         if source is not None:
             raise ValueError("--source is for an .onnx TARGET; a MODEL target is its own source")
-        return ParityTarget(None, None, resolve(target, weights_required_in_dir=True), 0)
+        return ParityTarget(None, None, resolve(target, weights_required_in_dir=True, needs_data=True), 0)
     if Path(target).is_file() and not has_our_metadata(target):
         return _foreign_target(target, source)
     meta = read_metadata(target)
@@ -107,12 +107,12 @@ def resolve_target(target: str | None, source: str | None) -> ParityTarget:
         if meta.seed is None and not Path(meta.source).is_dir():
             raise ValueError(f"{target} was exported from {meta.source}, which is not there any more and no seed "
                              f"reproduces its weights; pass --source with the checkpoint it came from")
-        src = resolve(meta.source)
+        src = resolve(meta.source, needs_data=True)
         if meta.seed is None and src.weights is None:
             raise ValueError(f"{target} was exported from weights that no seed reproduces (source {meta.source!r}); "
                              f"pass --source with the checkpoint they came from")
     else:
-        src = resolve(source, weights_required_in_dir=True)
+        src = resolve(source, weights_required_in_dir=True, needs_data=True)
     _check_same_config(meta.config, src.cfg, target, src.spec)
     return ParityTarget(Path(target), meta, src, meta.seed or 0)
 
@@ -126,7 +126,7 @@ def _foreign_target(target: str, source: str | None) -> ParityTarget:
     if source is None:
         raise ValueError(f"{target} was not written by llama-tools ({io.producer}); pass --source with the checkpoint "
                          f"it was exported from")
-    src = resolve(source, weights_required_in_dir=True)
+    src = resolve(source, weights_required_in_dir=True, needs_data=True)
     check_matches(io, src.cfg, src.spec)
     meta = ExportMetadata(config=src.cfg, rope_layout=io.rope_layout, rope_op="", dtype=io.dtype, version="",
                           source=src.spec, seed=None, graph=io.producer)

@@ -131,11 +131,19 @@ def default_inputs(source: Any, vocab_size: int, context: int, *, random_ids: in
     window = getattr(getattr(source, "cfg", None), "sliding_window", None)
     longest = max(len(r) for r in inputs.rows)
     if window is not None and longest <= window < context:
-        inputs = past_the_window(inputs, tok, vocab_size, min(window + WINDOW_EXTRA, context), seed)
+        length = min(window + WINDOW_EXTRA, context)
+        # Every row is left-padded to the longest, and the float64 truth's logits alone take 8 bytes a cell.
+        need = (len(inputs.rows) + 1) * length * vocab_size * 8
+        if need <= WINDOW_ROW_BYTES:
+            inputs = past_the_window(inputs, tok, vocab_size, length, seed)
+        else:
+            inputs = Inputs(inputs.rows, inputs.what + f"; no row past the sliding window of {window} (its padded "
+                                                       f"batch's logits would take {need / 2**30:.1f} GiB a copy)")
     return inputs
 
 
 WINDOW_EXTRA = 8  # tokens the longest default row runs past a sliding window, so that the window masks keys
+WINDOW_ROW_BYTES = 1 << 30  # the padded batch's float64 logits, at most, for the row past the window
 
 
 def past_the_window(inputs: Inputs, tok: Any, vocab_size: int, length: int, seed: int) -> Inputs:

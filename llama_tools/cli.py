@@ -62,7 +62,18 @@ class ModelArg(click.ParamType):
 
         if isinstance(value, ModelSource):
             return value
-        return resolve(value, weights_required_in_dir=self.weights_required_in_dir)  # ValueError: one line
+        w = self.weights_required_in_dir  # the commands that run the weights: a partial file is refused here
+        return resolve(value, weights_required_in_dir=w, needs_data=w)  # ValueError: one line
+
+
+class CountArg(ModelArg):
+    """MODEL for count-params and report shapes: also a foreign config.json (transformers' module tree) and weight
+    files without a config (their headers), where ModelArg would refuse them."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        from .source import resolve_countable
+
+        return resolve_countable(value)  # ValueError: one line
 
 
 class IdsArg(click.ParamType):
@@ -129,30 +140,48 @@ def cli() -> None:
 # ==== count-params ====================================================================================
 
 @cli.command("count-params", short_help="Exact parameters, memory and FLOPs beside the paper's formula.")
-@click.argument("models", nargs=-1, type=ModelArg())
+@click.argument("models", nargs=-1, type=CountArg())
 @click.option("--context", type=click.IntRange(min=1), default=None,
               help="Tokens of KV cache and attention for the memory and FLOP figures [default: each model's max].")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Sequences held in the KV cache.")
 @click.option("--per-layer", is_flag=True, help="Also list every decoder layer's count.")
-@click.option("--check", is_flag=True, help="Exit 1 also when a checkpoint holds tensors its config does not explain.")
+@click.option("--check", is_flag=True, help="Exit 1 also when a checkpoint holds tensors its config does not explain, "
+                                           "or a weight file is partial.")
 @output_options()
 def count_params(models: tuple[Any, ...], context: int | None, batch: int, per_layer: bool, check: bool,
                  fmt: str) -> None:
     """Exact parameters of MODELS (presets, config.json files or checkpoint directories) beside the paper's formula.
 
     With no MODELS: the paper's four (llama-7b llama-13b baichuan-7b baichuan-13b). A checkpoint
-    directory is counted from its headers alone; no tensor data is read.
-    """
-    from .accounting import count_source, layer_rows, long_rows, summary_rows
-    from .presets import PAPER_MODELS
+    directory is counted from its headers alone; no tensor data is read. A config.json of an architecture
+    no family here models is counted exactly from transformers' module tree (the [hf] extra); weight files
+    without a config (a model.safetensors, an index, any GGUF, a directory of them) or partial ones are
+    counted from their headers: tensors, parameters and bytes by dtype, per file and per layer.
 
-    counts = [count_source(m, context=context, batch=batch) for m in (models or PAPER_MODELS)]
+    \b
+    Examples:
+      llama-tools count-params llama-2-7b ./phi3/config.json --format json
+      llama-tools count-params model.safetensors --per-layer
+    """
+    from .accounting import ParamCount, layer_rows, long_rows, summary_rows
+    from .header_count import HeaderCount, header_long_rows, header_rows
+    from .presets import PAPER_MODELS
+    from .source import resolve_countable
+    from .transformers_count import ModuleTreeCount, tree_layer_rows, tree_long_rows, tree_summary_rows
+
+    counted = [_count(resolve_countable(m), context, batch) for m in (models or PAPER_MODELS)]
+    counts = [c for c in counted if isinstance(c, ParamCount)]  # the native ones, side by side as ever
+    trees = [c for c in counted if isinstance(c, ModuleTreeCount)]
+    headers = [c for c in counted if isinstance(c, HeaderCount)]
     if fmt == "json":
-        click.echo(render([], fmt, json_payload=counts))
+        click.echo(render([], fmt, json_payload=[c.payload() if isinstance(c, HeaderCount) else c for c in counted]))
     elif fmt == "csv":
-        click.echo(render(long_rows(counts), fmt))
+        click.echo(render([r for c in counted for r in (long_rows([c]) if isinstance(c, ParamCount) else
+                                                        tree_long_rows(c) if isinstance(c, ModuleTreeCount) else
+                                                        header_long_rows(c))], fmt))
     else:
-        click.echo(render(summary_rows(counts), fmt))
+        if counts:
+            click.echo(render(summary_rows(counts), fmt))
         for c in counts:
             if per_layer:
                 click.echo(f"\n{c.model}: per layer\n" + render(layer_rows(c), fmt))
@@ -162,6 +191,26 @@ def count_params(models: tuple[Any, ...], context: int | None, batch: int, per_l
                            + render(checkpoint_rows(c.checkpoint), fmt))
             for note in c.notes:
                 click.echo(f"note ({c.model}): {note}")
+        if trees:
+            click.echo(("\n" if counts else "") + render(tree_summary_rows(trees), fmt))
+        for t in trees:
+            if per_layer:
+                click.echo(f"\n{t.model}: per layer, from the module tree\n" + render(tree_layer_rows(t), fmt))
+            for note in t.notes:
+                click.echo(f"note ({t.model}): {note}")
+        for k, h in enumerate(headers):
+            what = f"{h.format}" + (f", architecture {h.architecture}" if h.architecture else "")
+            click.echo(("\n" if counts or trees or k else "") + f"{h.model}: {h.source} ({what}), counted from "
+                       f"headers in {h.seconds * 1000:.0f} ms ({h.reason}); no tensor data read\n"
+                       + render(header_rows(h, per_layer), fmt))
+            for note in h.notes:
+                click.echo(f"note ({h.model}): {note}")
+    for h in headers:  # a partial download: counted, and said where a script sees it
+        base = Path(h.source)
+        for f in h.partial:
+            where = (base if base.is_dir() else base.parent) / f.file
+            click.echo(f"{'error' if check else 'warning'}: {where}: partial: holds {f.present:,} of the "
+                       f"{f.declared:,} bytes its header declares ({f.missing:,} missing)", err=True)
     # Missing or misshapen tensors always fail (the file cannot be the model its config says); tensors
     # the config does not explain fail only with --check.
     for c in counts:
@@ -180,6 +229,8 @@ def count_params(models: tuple[Any, ...], context: int | None, batch: int, per_l
                        f"of its config", err=True)
         if insp.mismatched or insp.missing or (check and odd):
             sys.exit(1)
+    if check and any(h.partial for h in headers):
+        sys.exit(1)
 
 
 @cli.command(short_help="List the presets a MODEL argument may name.")
@@ -199,6 +250,28 @@ def presets(fmt: str) -> None:
              "tokenizer": "yes" if preset_tokenizer(name) else "", "source": PRESET_SOURCES.get(name, "")}
             for name, c in PRESETS.items()]
     click.echo(render(rows, fmt))
+
+
+def _count(target: Any, context: int | None, batch: int) -> Any:
+    """One MODEL's count: native (accounting), from transformers' module tree, or from weight files' headers."""
+    from .accounting import count_source
+    from .header_count import count_headers
+    from .header_readers import PartialFile
+    from .source import ForeignConfig, HeaderFiles
+
+    if isinstance(target, HeaderFiles):
+        return count_headers(target)
+    if isinstance(target, ForeignConfig):
+        from .transformers_count import count_module_tree  # imports transformers: only for such a config
+
+        return count_module_tree(target)
+    try:
+        return count_source(target, context=context, batch=batch)
+    except PartialFile as e:  # a checkpoint with its config but a file cut short: what its headers say
+        if target.kind != "checkpoint" or target.path is None:
+            raise
+        return count_headers(HeaderFiles(target.spec, target.path, f"{e.path.name} is partial, so the files are not "
+                                                                   f"checked against the config"))
 
 
 def checkpoint_rows(insp: Any) -> list[dict[str, Any]]:
@@ -239,7 +312,7 @@ def report() -> None:
 
 
 @report.command("shapes", short_help="Every weight and activation of one forward pass: shape, elements, bytes.")
-@click.argument("model", type=ModelArg())
+@click.argument("model", type=CountArg())
 @click.option("--seq-len", "seq_len", type=click.IntRange(min=1), default=128, show_default=True,
               help="n3: new tokens per sequence.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Sequences per batch.")
@@ -256,14 +329,29 @@ def report() -> None:
               help="Output format [default: from -o's suffix (.csv, .json, .md), else csv].")
 def report_shapes(model: Any, seq_len: int, batch: int, past: int, dtype: str | None, layers: str, only: str,
                   output: str | None, fmt: str | None) -> None:
-    """Shapes, element counts and bytes of MODEL's weights and activations (preset, config.json or directory)."""
-    from .reports.shapes import infer_format, render_report, shape_report, write_report
+    """Shapes, element counts and bytes of MODEL's weights and activations (preset, config.json or directory).
 
+    A config.json of an architecture no family here models: its weights from transformers' module tree (the [hf]
+    extra), its activations left out (a note on stderr says so).
+    """
+    from .reports.shapes import infer_format, module_tree_report, render_report, shape_report, write_report
+    from .source import ForeignConfig, HeaderFiles
+
+    if isinstance(model, HeaderFiles):
+        raise ValueError(f"{model.spec}: report shapes reads a config, and these weight files have none it models "
+                         f"({model.reason}); count their tensors with `llama-tools count-params {model.spec}`")
     fmt = infer_format(output, fmt)
     if output is not None:
         check_output_path(output)
         check_writes([output], model.files)  # never over the config (or anything else) the report reads
-    rep = shape_report(model.cfg, seq_len, batch, past, dtype, layers, only)
+    if isinstance(model, ForeignConfig):
+        from .transformers_count import module_tree  # imports transformers: only for such a config
+
+        rep = module_tree_report(module_tree(model), seq_len, batch, past, dtype, layers, only)
+    else:
+        rep = shape_report(model.cfg, seq_len, batch, past, dtype, layers, only)
+    for note in rep.notes:
+        click.echo(f"note: {note}", err=True)
     if output is None:
         click.echo(render_report(rep, fmt), nl=False)
         return
@@ -301,6 +389,8 @@ def convert(src: Any, dst: Path, to: str, shards: int, seed: int, dtype: str | N
 
     check_writes([dst], src.files)
     res = run_convert(src, dst, to=to, shards=shards, seed=seed, dtype=dtype)
+    for warning in res.warnings:
+        click.echo(f"warning: {warning}", err=True)
     rows = [{"destination": res.destination, "layout": res.layout, "files": len(res.files),
              "tensors": res.tensors, "params": res.params, "bytes": res.bytes}]
     click.echo(render(rows, fmt, json_payload=res))
@@ -473,6 +563,8 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
     phases = export_phases(started, rep)
     for note in rep.notes:
         click.echo(f"note: {note}", err=True)
+    for warning in rep.client_files.warnings if rep.client_files else []:
+        click.echo(f"warning: {warning}", err=True)
     if rep.quality and rep.quality.warning:
         hqq = "" if (int4 or {}).get("algorithm") == "hqq" else "try --int4-algorithm hqq (closer, slower on the CPU), "
         click.echo(f"warning: int4 moves this model's answers ({rep.quality.warning}); {hqq}measure it on your text "
@@ -495,6 +587,8 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
                                      f"model on {qq.on} ({qq.tokens} tokens)"))
     if rep.client_files:
         rows.append(("client files", ", ".join(p.name for p in rep.client_files.written)))
+        # What the source does not say and a client needs: said here, so nobody takes it for the source's word.
+        rows += [("invented", what) for what in rep.client_files.invented]
     waited = sum(phases.values())
     rows += [("time", f"{waited:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())),
              ("peak RSS", mb(peak_rss_bytes()))]  # the whole run's: export, int4 and its quality check
@@ -504,7 +598,9 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
                "peak_rss_bytes": peak_rss_bytes(),  # the whole run's, as the table says
                "quantized": dataclasses.asdict(rep.quantized) if rep.quantized else None,
                "int4_quality": dataclasses.asdict(rep.quality) if rep.quality else None,
-               "client_files": [str(p) for p in rep.client_files.written] if rep.client_files else []}
+               "client_files": [str(p) for p in rep.client_files.written] if rep.client_files else [],
+               "client_files_invented": rep.client_files.invented if rep.client_files else [],
+               "client_files_warnings": rep.client_files.warnings if rep.client_files else []}
     # The graph itself went to standard output (-o -, /dev/stdout): the summary goes to stderr, not into it.
     click.echo(render([{"field": k, "value": v} for k, v in rows], fmt, json_payload=payload),
                err=stream_fd(output) == 1)
@@ -719,7 +815,7 @@ def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: 
         if not has_our_metadata(target):
             raise ValueError(f"{target} was not written by llama-tools; pass --source with the checkpoint it was "
                              f"exported from")
-    model = source if source is not None else resolve(read_metadata(target).source)
+    model = source if source is not None else resolve(read_metadata(target).source, needs_data=True)
     start = prompt_ids(model, prompt, ids)[0] if prompt is not None or ids is not None else None
     sequence = None
     if text_file is not None:

@@ -364,6 +364,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[cfg.hidden_act],
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "torch_dtype": cfg.torch_dtype,
     }
+    if cfg.pad_token_id is not None:  # only the source's own: HF reads an absent pad as "none", not as eos
+        d["pad_token_id"] = cfg.pad_token_id
     if cfg.rope_scaling:
         d["rope_scaling"] = {"rope_type": cfg.rope_scaling.type, **{
             k: v for k, v in dataclasses.asdict(cfg.rope_scaling).items() if k != "type"}}

@@ -2,11 +2,13 @@
 
 A .gguf holds the config (llama.* metadata), the vocabulary (tokenizer.ggml.*) and the tensors, most of them
 quantized in blocks (Q4_1: 32 weights in 20 bytes). Read here:
-- `read_gguf_headers`: header and tensor infos only (the file is memory-mapped, no tensor data is touched),
-  the config they describe, checked against the tensors' names and shapes; what `count-params` shows.
-- `GgufReader`: module-named fp32 tensors dequantized one at a time (`gguf.quants.dequantize`), the same
-  interface as `reference.CheckpointReader`, so the streamed reference and the ONNX export read a GGUF as
-  they read a checkpoint directory.
+- `read_gguf_headers`: header and tensor infos only (the file is memory-mapped, no tensor data is touched,
+  arrays such as the vocabulary are sized but not sliced until read), the config they describe, checked
+  against the tensors' names and shapes; what `count-params` shows.
+- `GgufReader`: module-named fp32 tensors dequantized one at a time by `gguf.quants.dequantize` (every block
+  type the library reads; any other is refused up front, naming the tensor), their rows read in chunks with
+  positioned reads; the same interface as `reference.CheckpointReader`, so the streamed reference and the
+  ONNX export read a GGUF as they read a checkpoint directory.
 - `read_gguf_checkpoint`: every weight dequantized to one dtype, tensor by tensor (for `convert`).
 llama.cpp's converter permutes HF's q/k rows into Meta's interleaved order, so a GGUF's q/k rows are
 interleaved (formats.FORMATS["gguf"].rope_layout) and `convert --to hf` permutes them back.
@@ -108,12 +110,12 @@ def _reader_class() -> type:
         """An array field (a vocabulary, its token types, its merges) whose per-item slices are made when first read.
 
         `parts` and `data` are the library's own, built by its parser on first access; name, offset and types are
-        known without them.
+        known without them, and `contents()` decodes the values straight from the map, slicing nothing.
         """
 
-        def __new__(cls, field: Any, build: Any) -> "ArrayField":
+        def __new__(cls, field: Any, build: Any, values: Any) -> "ArrayField":
             self = super().__new__(cls, *field)
-            self._build = build
+            self._build, self._values = build, values
             return self
 
         @functools.cached_property
@@ -122,6 +124,10 @@ def _reader_class() -> type:
 
         parts = property(lambda self: self._full.parts)  # type: ignore[assignment]
         data = property(lambda self: self._full.data)  # type: ignore[assignment]
+
+        def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
+            """The library's contents(): the items as Python values (str, int, float, bool), an index or a slice."""
+            return self._values()[index_or_slice]
 
     class FastReader(gguf.GGUFReader):
         """gguf.GGUFReader with its per-field slicing done on a plain ndarray view of the same memory map, and
@@ -157,8 +163,11 @@ def _reader_class() -> type:
             return np.frombuffer(self._mapped, dtype=dt, count=int(count), offset=int(offset))
 
         def _build_tensors(self, start_offs: int, fields: Any) -> None:
-            self._tensor_data = True  # reads from here on are tensor data, which a partial file may lack
-            super()._build_tensors(start_offs, fields)
+            self._tensor_data = True  # these reads are tensor data, which a partial file may lack; no others
+            try:
+                super()._build_tensors(start_offs, fields)
+            finally:
+                self._tensor_data = False
 
         def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
             if self._eager or raw_type != ARRAY:
@@ -186,7 +195,9 @@ def _reader_class() -> type:
             end = super()._build_fields(offs, count)
             for name, f in list(self.fields.items()):
                 if len(f.parts) == 4 and isinstance(f.parts[3], Unsliced):
-                    self.fields[name] = ArrayField(f, functools.partial(self._array, f, f.parts[3].offset))
+                    at = f.parts[3].offset
+                    self.fields[name] = ArrayField(f, functools.partial(self._array, f, at),
+                                                   functools.partial(self._values, at))
             return end
 
         def _parts(self, offs: int, raw_type: int) -> Any:
@@ -196,6 +207,20 @@ def _reader_class() -> type:
                 return super()._get_field_parts(offs, raw_type)
             finally:
                 self._eager = False
+
+        def _values(self, value_offs: int) -> list[Any]:
+            """An array's items as Python values, read from the map (not kept: a vocabulary is ~10 MB of str)."""
+            item, count = int(self._get(value_offs, np.uint32)[0]), int(self._get(value_offs + 4, np.uint64)[0])
+            scalar = self.gguf_scalar_to_np.get(item)  # type: ignore[call-overload]
+            if scalar is not None:
+                return self._get(value_offs + 12, scalar, count).tolist()
+            length = struct.Struct("<Q" if (sys.byteorder == "little") == (self.byte_order == "I") else ">Q")
+            out, offs, buf = [], value_offs + 12, self._mapped
+            for _ in range(count):  # sized when the header was parsed, so every string is inside the file
+                n = length.unpack_from(buf, offs)[0]
+                out.append(str(buf[offs + 8:offs + 8 + n].tobytes(), encoding="utf-8"))  # strict, as the library
+                offs += 8 + n
+            return out
 
         def _array(self, field: Any, value_offs: int) -> Any:
             """The library's own field for an array (what its parser would have made up front)."""

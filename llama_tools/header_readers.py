@@ -40,6 +40,29 @@ class HeaderError(ValueError):
 
 
 @dataclass(frozen=True)
+class FileExtent:
+    """A weight file's bytes on disk against the bytes its header declares (header and data)."""
+
+    file: str  # the file's name
+    present: int
+    declared: int
+
+    @property
+    def missing(self) -> int:
+        """Bytes the header promises that the file does not hold (0: complete)."""
+        return max(self.declared - self.present, 0)
+
+
+class PartialFile(HeaderError):
+    """A file whose data end before its header says (a download cut short): countable from its header, never loaded."""
+
+    def __init__(self, path: Path, extent: FileExtent):
+        super().__init__(f"{path}: truncated: holds {extent.present:,} of the {extent.declared:,} bytes its header "
+                         f"declares ({extent.missing:,} missing), a partial download; fetch it again")
+        self.path, self.extent = path, extent
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     """One tensor as a file stores it."""
 
@@ -171,6 +194,8 @@ def _tensor_entry(path: Path, name: str, meta: Any) -> tuple[dtypes.DType, tuple
 def read_safetensors_header(path: str | Path) -> list[TensorInfo]:
     """The tensors of one .safetensors file, validated by the rules of the safetensors library itself.
 
+    A file whose data end before its header says is refused as PartialFile (read_safetensors_extent counts it).
+
     Those rules (its tensor.rs, `read_metadata` and `Metadata::validate`): the header length is at most
     100,000,000 and inside the file; the header is UTF-8 JSON, an object whose `__metadata__` (optional) maps
     strings to strings and whose every other entry is {dtype, shape, data_offsets} with unsigned integers;
@@ -179,6 +204,18 @@ def read_safetensors_header(path: str | Path) -> list[TensorInfo]:
     and the data end where the file ends. Anything this accepts, the library accepts (tests check it on
     fuzzed headers); it is stricter on purpose in a few places: dtypes we do not model, duplicate keys,
     extra keys in an entry.
+    """
+    path = Path(path)
+    infos, extent = read_safetensors_extent(path)
+    if extent.missing:
+        raise PartialFile(path, extent)
+    return infos
+
+
+def read_safetensors_extent(path: str | Path) -> tuple[list[TensorInfo], FileExtent]:
+    """read_safetensors_header's tensors and checks, except that data ending early is measured, not refused.
+
+    What a partial download still tells: every tensor's name, shape and dtype, and how many bytes are missing.
     """
     path = Path(path)
     with open_regular(path) as f:
@@ -224,12 +261,12 @@ def read_safetensors_header(path: str | Path) -> list[TensorInfo]:
             raise HeaderError(f"{where}: spans {end - begin} bytes but shape {list(shape)} of {dt.name} needs "
                               f"{numel * itemsize}")
         out.append(TensorInfo(name, shape, dt.name, numel * itemsize, path.name))
-    if 8 + n + start != size:
+    if 8 + n + start < size:
         raise HeaderError(f"{path}: the tensors' data end at byte {8 + n + start} but the file has {size} bytes: "
-                          + ("truncated" if size < 8 + n + start else "bytes no tensor covers"))
+                          f"bytes no tensor covers")
     # Callers see the header's own order (the order names were written), as before.
     order = {name: i for i, name in enumerate(header)}
-    return sorted(out, key=lambda t: order[t.name])
+    return sorted(out, key=lambda t: order[t.name]), FileExtent(path.name, size, 8 + n + start)
 
 
 # --- torch zip headers (restricted unpickler) -----------------------------------------------------

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Union
 
 from .config import ModelConfig
-from .config_files import load_config, looks_like_path
-from .gguf_files import is_gguf, read_gguf_headers
+from .config_files import UnknownArchitecture, load_config, looks_like_path
+from .gguf_files import UnmodelledGguf, is_gguf, read_gguf_headers
+from .header_readers import PartialFile, read_safetensors_header
 from .presets import preset_tokenizer
 from .tokenizer import KINDS, Tokenizer, check_vocab, find_tokenizer, parse_ids
-from .weight_files import NO_WEIGHTS, WeightFiles, checkpoint_config, find_weight_files
+from .weight_files import NO_WEIGHTS, WeightFiles, checkpoint_config, find_weight_files, read_headers
 
 MAX_RANDOM_INIT_BYTES = 8 * 2**30  # seeded weights above this are refused (load_model) rather than materialized
 
@@ -56,11 +57,13 @@ class ModelSource:
         return self.weights is None
 
 
-def resolve(spec: str | Path, *, weights_required_in_dir: bool = False) -> ModelSource:
+def resolve(spec: str | Path, *, weights_required_in_dir: bool = False, needs_data: bool = False) -> ModelSource:
     """MODEL -> ModelSource; one ValueError line for anything that is not a model.
 
     weights_required_in_dir: a directory with a config but no weight files is refused (commands that
     would otherwise run seeded random weights without being asked to; a config.json *file* asks).
+    needs_data: the command reads the weights, so every weight file's header is read now and a partial file
+    (data ending before its header says) is refused here, before anything is written (a GGUF always is).
     """
     if isinstance(spec, ModelSource):
         return spec
@@ -71,6 +74,8 @@ def resolve(spec: str | Path, *, weights_required_in_dir: bool = False) -> Model
         tok = find_tokenizer(path)
         wf = find_weight_files(path)
         if wf is not None:
+            if needs_data:
+                read_headers(wf)  # milliseconds: sizes against headers, so a partial download is one line now
             return ModelSource(text, "checkpoint", checkpoint_config(p, wf), path, wf, tok)
         cfg = load_config(p)  # a config-only directory: "neither config.json nor params.json" when neither
         if weights_required_in_dir:
@@ -80,11 +85,101 @@ def resolve(spec: str | Path, *, weights_required_in_dir: bool = False) -> Model
     if is_gguf(p):  # one file that holds config, vocabulary and weights
         h = read_gguf_headers(p)
         return ModelSource(text, "checkpoint", h.cfg, p.resolve(), h.files, None)
+    if p.is_file() and p.suffix.lower() in LONE_WEIGHT_SUFFIXES:
+        if p.suffix.lower() == ".safetensors":
+            read_safetensors_header(p)  # a partial download says so first
+        raise ValueError(f"{p}: a weight file alone, without its config; `llama-tools count-params {text}` counts "
+                         f"it from its header, other commands take the directory with its config.json")
     if looks_like_path(text):
         cfg = load_config(p)
         return ModelSource(text, "config", cfg, p.resolve(), None, find_tokenizer(p.resolve().parent))
     cfg = load_config(text)
     return ModelSource(text, "preset", cfg, None, None, preset_tokenizer(cfg.name))  # tiny ships one
+
+
+# --- What count-params and report shapes take beyond a model we build -------------------------------------------
+
+LONE_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth")  # weight files count-params reads alone, by their headers
+
+
+@dataclass(frozen=True)
+class ForeignConfig:
+    """A config.json of an architecture no family here models, for transformers' module tree (transformers_count)."""
+
+    spec: str  # as the user typed it
+    path: Path  # the config file, absolute
+    data: dict[str, Any]  # its parsed JSON
+
+    @property
+    def architecture(self) -> str:
+        """The config's first `architectures` entry, else its model_type."""
+        archs = self.data.get("architectures")
+        return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else self.model_type
+
+    @property
+    def model_type(self) -> str:
+        return str(self.data.get("model_type"))
+
+    @property
+    def name(self) -> str:
+        """As config_from_hf names a model: its directory, or the file's stem."""
+        return self.path.parent.name or self.path.stem
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        return (self.path,)
+
+
+@dataclass(frozen=True)
+class HeaderFiles:
+    """Weight files counted from their headers alone: no config beside them, one of another architecture, or a
+    partial file (header_count)."""
+
+    spec: str
+    path: Path  # a .safetensors, an index, a .gguf, a .bin/.pth, or a directory of such files; absolute
+    reason: str  # why not the native way, said in the output
+
+
+Countable = Union[ModelSource, ForeignConfig, HeaderFiles]
+
+
+def resolve_countable(spec: str | Path) -> Countable:
+    """MODEL for count-params: a model we build (resolve), else a foreign config, else weight files' headers.
+
+    A family modelled here always goes the native way; only what resolve refuses for its architecture, its missing
+    config or a partial file comes back as ForeignConfig or HeaderFiles. Anything else stays resolve's one line.
+    """
+    if isinstance(spec, (ModelSource, ForeignConfig, HeaderFiles)):
+        return spec
+    text = str(spec)
+    p = Path(text)
+    if p.is_file() and p.suffix.lower() in LONE_WEIGHT_SUFFIXES:
+        return HeaderFiles(text, p.resolve(), "a weight file given alone")
+    if p.is_dir() and not any((p / n).is_file() for n in ("config.json", "params.json")) and (
+            find_weight_files(p) is not None or any(p.glob("*.gguf"))):
+        return HeaderFiles(text, p.resolve(), "no config.json beside the weights")
+    try:
+        return resolve(text)
+    except UnknownArchitecture as e:
+        if isinstance(e.data.get("weight_map"), dict):  # an index: its JSON is no config
+            return HeaderFiles(text, e.path.resolve(), "a weight index given alone")
+        if p.is_dir() and find_weight_files(p) is not None:
+            return HeaderFiles(text, p.resolve(), f"{e.path.name} is of architecture {_arch(e.data)}, which no "
+                                                  f"family here models")
+        if isinstance(e.data.get("model_type"), str):
+            return ForeignConfig(text, e.path.resolve(), e.data)
+        raise
+    except UnmodelledGguf as e:
+        return HeaderFiles(text, p.resolve(), str(e).removeprefix(f"{p}: "))
+    except PartialFile as e:
+        if not p.exists():
+            raise
+        return HeaderFiles(text, p.resolve(), f"{e.path.name} is partial")
+
+
+def _arch(data: dict[str, Any]) -> str:
+    archs = data.get("architectures")
+    return repr(archs[0] if isinstance(archs, list) and archs else data.get("model_type"))
 
 
 # --- MODEL's tokenizer: the tokenizer files found beside it (tokenizer.py reads them) -------------------------

@@ -131,15 +131,29 @@ def write_index(directory: Path, weight_map: dict[str, str], total_size: int) ->
 
 
 def read_headers(wf: WeightFiles) -> list[list[TensorInfo]]:
-    """Per file, its tensors; an index must agree with the files it names."""
+    """Per file, its tensors; an index must agree with the files it names. A partial file is refused (PartialFile)."""
     per_file = [read_safetensors_header(f) if wf.kind == "safetensors" else read_torch_header(f) for f in wf.files]
-    if wf.weight_map is not None:
-        where = {t.name: t.file for infos in per_file for t in infos}
-        for name, fname in wf.weight_map.items():
-            if where.get(name) != fname:
-                raise ValueError(f"{wf.index}: says {name!r} is in {fname}, but "
-                                 + (f"it is in {where[name]}" if name in where else "no shard holds it"))
+    check_index(wf, per_file)
     return per_file
+
+
+def check_index(wf: WeightFiles, per_file: list[list[TensorInfo]]) -> None:
+    """An index's weight_map must name, for every tensor, the file that holds it."""
+    if wf.weight_map is None:
+        return
+    where = {t.name: t.file for infos in per_file for t in infos}
+    for name, fname in wf.weight_map.items():
+        if where.get(name) != fname:
+            raise ValueError(f"{wf.index}: says {name!r} is in {fname}, but "
+                             + (f"it is in {where[name]}" if name in where else "no shard holds it"))
+
+
+def index_files(index: Path) -> WeightFiles:
+    """The files an index (model.safetensors.index.json or any other name) names, checked as find_weight_files does."""
+    d = index.parent
+    weight_map, names = _index_names(index, d)
+    kind = "bin" if all(n.endswith(".bin") for n in names) else "safetensors"
+    return WeightFiles(kind, tuple(d / n for n in names), index, weight_map)
 
 
 def checkpoint_config(directory: str | Path, wf: WeightFiles | None = None,

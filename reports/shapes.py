@@ -16,11 +16,14 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llama_tools import dtypes
 from llama_tools.config import ModelConfig
 from llama_tools.weights import WeightSpec, weight_specs
+
+if TYPE_CHECKING:
+    from llama_tools.transformers_count import ModuleTree
 
 LAYER_CHOICES = ("all", "first")
 ONLY_CHOICES = ("all", "weights", "activations")
@@ -64,6 +67,7 @@ class ShapeReport:
     dtype: str
     layers: str  # "all" or "first"
     rows: tuple[ShapeRow, ...]
+    notes: tuple[str, ...] = ()  # what the rows leave out (a foreign architecture's activations)
 
     @property
     def dtype_bytes(self) -> int:
@@ -86,9 +90,10 @@ class ShapeReport:
         return out
 
     def payload(self) -> dict[str, Any]:
-        """The JSON form: the inputs of the report and its rows."""
+        """The JSON form: the inputs of the report, its notes when it has any, and its rows."""
         return {"model": self.model, "seq_len": self.seq_len, "batch": self.batch, "past": self.past,
-                "dtype": self.dtype, "layers": self.layers, "rows": self.records()}
+                "dtype": self.dtype, "layers": self.layers, **({"notes": list(self.notes)} if self.notes else {}),
+                "rows": self.records()}
 
 
 # --- weights --------------------------------------------------------------------------------------
@@ -270,6 +275,33 @@ def shape_report(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 0, 
     rows = ([] if only == "activations" else weights) + (
         [] if only == "weights" else activation_rows(cfg, seq_len, batch, past, layers))
     return ShapeReport(cfg.name, seq_len, batch, past, dtype, layers, tuple(rows))
+
+
+def module_tree_report(tree: ModuleTree, seq_len: int, batch: int = 1, past: int = 0, dtype: str | None = None,
+                       layers: str = "all", only: str = "all") -> ShapeReport:
+    """A foreign architecture's weights from transformers' module tree (transformers_count); no activation rows.
+
+    Each parameter once (a tied lm_head is the embedding's row), with its shape, elements and bytes; the paper's
+    symbols and sections do not apply, and its activations are not modelled here: the report's note says so.
+    """
+    dtype = dtypes.model_dtype(dtype).name if dtype else tree.torch_dtype
+    for name, v, low in (("seq_len", seq_len, 1), ("batch", batch, 1), ("past", past, 0)):
+        if not isinstance(v, int) or v < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+    if layers not in LAYER_CHOICES or only not in ONLY_CHOICES:
+        raise ValueError(f"layers must be one of {', '.join(LAYER_CHOICES)} and only one of {', '.join(ONLY_CHOICES)}")
+    rows = () if only == "activations" else tuple(
+        ShapeRow("weight", "", w.layer, "", f"weight ({w.component})", w.name, "param", w.shape)
+        for w in tree.weights if layers == "all" or w.layer is None or w.layer == 0)
+    if len(rows) > MAX_ROWS:
+        raise ValueError(f"{tree.model}: --layers all gives {len(rows):,} rows, over the limit of {MAX_ROWS:,}; pass "
+                         f"--layers first")
+    notes = [f"{tree.class_name} (model_type {tree.model_type}) is no family llama-tools models: its weights come "
+             f"from transformers {tree.transformers_version}'s module tree (no paper symbols); its activations are "
+             f"left out"]
+    if tree.tied:
+        notes.append("lm_head is tied to the embedding: one row, counted once")
+    return ShapeReport(tree.model, seq_len, batch, past, dtype, layers, rows, tuple(notes))
 
 
 def row_count(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 0, layers: str = "all",

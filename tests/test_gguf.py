@@ -156,13 +156,19 @@ def test_count_params_cli_table_and_json(tiny_gguf):
     assert data["checkpoint"]["layout"] == "gguf" and data["n8"] == 2
 
 
-def test_not_llama_is_one_line(tmp_path):
+def test_not_llama_is_one_line_and_counted_from_its_header(tmp_path):
+    """Another architecture: refused in one line by what runs the model; count-params counts its header."""
     path = tmp_path / "gpt2.gguf"
-    write_gguf(path, arch="gpt2")
+    state = write_gguf(path, arch="gpt2")
     with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not LLaMA-family"):
         resolve(str(path))
-    r = CliRunner().invoke(cli, ["count-params", str(path)])
+    r = CliRunner().invoke(cli, ["generate", str(path), "--ids", "1"])
     assert r.exit_code == 1 and "'gpt2'" in r.output and len(r.output.strip().splitlines()) == 1
+    r = CliRunner().invoke(cli, ["count-params", str(path), "--format", "json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)[0]
+    tied = sum(a.size for k, a in state.items() if k != "lm_head.weight")  # write_gguf leaves a tied lm_head out
+    assert data["counted_from"] == "headers" and data["architecture"] == "gpt2" and data["total"] == tied
 
 
 def test_truncated_or_foreign_file_is_one_line(tmp_path, tiny_gguf):
