@@ -9,7 +9,6 @@ readers every command uses (header_readers, gguf_files); nothing here imports to
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from .gguf_files import is_gguf, read_gguf_tensors
 from .header_readers import FileExtent, TensorInfo, read_safetensors_extent, read_torch_header
-from .inspection import DtypeTotal
+from .inspection import DtypeTotal, dtype_totals
 from .source import HeaderFiles
 from .weight_files import WeightFiles, check_index, find_weight_files, index_files
 
@@ -138,17 +137,11 @@ def count_headers(target: HeaderFiles) -> HeaderCount:
             raise ValueError(f"{p}: tensor {t.name!r} is in both {seen[t.name]} and {t.file}; count one of them")
         seen[t.name] = t.file
     blocks = {k: v for part in parts for k, v in part.blocks.items()}
-    by_dtype: dict[str, list[int]] = {}
-    for t in tensors:
-        acc = by_dtype.setdefault(t.dtype, [0, 0, 0])
-        acc[0] += 1
-        acc[1] += t.numel
-        acc[2] += t.nbytes
     arch = next((part.architecture for part in parts if part.architecture), None) or _config_architecture(p)
     count = HeaderCount(
         model=p.name, source=str(p), format=fmt, architecture=arch, reason=target.reason,
         files=[part.extent for part in parts], tensors=tensors,
-        by_dtype=[DtypeTotal(k, *v, *blocks.get(k, _per_block(v[1], v[2]))) for k, v in sorted(by_dtype.items())],
+        by_dtype=dtype_totals(tensors, blocks),
         layers=_layers(tensors), total=sum(t.numel for t in tensors), total_bytes=sum(t.nbytes for t in tensors))
     if not count.layers:
         count.notes.append("no tensor name shows a layer index (model.layers.N., blk.N., h.N., layers.N.)")
@@ -240,12 +233,6 @@ def _layers(tensors: list[TensorInfo]) -> list[LayerTotal]:
             a[1] += t.numel
             a[2] += t.nbytes
     return [LayerTotal(s, j, *v) for (s, j), v in sorted(acc.items())]
-
-
-def _per_block(params: int, nbytes: int) -> tuple[int, int]:
-    """(weights, bytes) in lowest terms: (1, 2) for bf16."""
-    g = math.gcd(params, nbytes) or 1
-    return params // g, nbytes // g
 
 
 # --- Rows for output.render -------------------------------------------------------------------------------------

@@ -108,12 +108,6 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInspection:
     spec_by_name = {s.name: s for s in weight_specs(cfg)}
     found = {t.name: t for t in tensors}
 
-    by_dtype: dict[str, list[int]] = {}
-    for t in tensors:
-        acc = by_dtype.setdefault(t.dtype, [0, 0, 0])
-        acc[0] += 1
-        acc[1] += t.numel
-        acc[2] += t.nbytes
     comp_expected: dict[str, int] = {}
     comp_found: dict[str, int] = {}
     for s in spec_by_name.values():
@@ -140,13 +134,24 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInspection:
         path=str(d), format=wf.kind, layout=fmt.name, config=cfg.source,
         files=[FileSummary(f.name, f.stat().st_size, len(infos)) for f, infos in zip(wf.files, per_file)],
         tensors=tensors,
-        by_dtype=[DtypeTotal(k, *v, *h.blocks.get(k, _per_block(v[1], v[2]))) for k, v in sorted(by_dtype.items())],
+        by_dtype=dtype_totals(tensors, h.blocks),
         by_component=[ComponentTotal(c, comp_expected.get(c, 0), comp_found.get(c, 0)) for c in components],
         unexplained=unexplained, missing=missing, mismatched=mismatched, cfg=cfg,
         total_params=sum(t.numel for t in tensors), total_bytes=sum(t.nbytes for t in tensors),
         expected_params=sum(s.numel for s in spec_by_name.values()),
         seconds=time.perf_counter() - start,
     )
+
+
+def dtype_totals(tensors: list[TensorInfo], blocks: dict[str, tuple[int, int]]) -> list[DtypeTotal]:
+    """Tensors, parameters and bytes per stored dtype, with its block size (GGUF's, else from the bytes)."""
+    acc: dict[str, list[int]] = {}
+    for t in tensors:
+        a = acc.setdefault(t.dtype, [0, 0, 0])
+        a[0] += 1
+        a[1] += t.numel
+        a[2] += t.nbytes
+    return [DtypeTotal(k, *v, *blocks.get(k, _per_block(v[1], v[2]))) for k, v in sorted(acc.items())]
 
 
 def _per_block(params: int, nbytes: int) -> tuple[int, int]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import dtypes
-from .accounting import Item, gib, nbytes
+from .accounting import Item, LayerGroup, gib, nbytes
 from .source import ForeignConfig
 
 PIP = 'pip install "transformers>=4.45"'  # what the `hf` extra holds
@@ -75,20 +75,10 @@ class ModuleTree:
 
 
 @dataclass(frozen=True)
-class TreeLayerGroup:
+class TreeLayerGroup(LayerGroup):
     """Decoders first..last of one shape: each holds `total` parameters (attention + ffn + norms + other)."""
 
-    first: int
-    last: int
-    attention: int
-    ffn: int  # MLP, or router + routed + shared experts
-    norms: int
-    other: int
-    total: int
-
-    @property
-    def label(self) -> str:
-        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+    other: int = 0  # what no component names (ffn holds the MLP, or router + routed + shared experts)
 
 
 @dataclass(frozen=True)
@@ -327,9 +317,9 @@ def count_module_tree(foreign: ForeignConfig) -> ModuleTreeCount:
         a, f, n, o = per_layer[j]
         g = groups[-1] if groups else None
         if g and g.last + 1 == j and (g.attention, g.ffn, g.norms, g.other) == (a, f, n, o):
-            groups[-1] = TreeLayerGroup(g.first, j, a, f, n, o, g.total)
+            groups[-1] = TreeLayerGroup(g.first, j, a, f, n, g.total, other=o)
         else:
-            groups.append(TreeLayerGroup(j, j, a, f, n, o, a + f + n + o))
+            groups.append(TreeLayerGroup(j, j, a, f, n, a + f + n + o, other=o))
     total = tree.total
     notes = [f"counted from transformers {tree.transformers_version}'s module tree ({tree.class_name}, built on the "
              f"meta device: nothing allocated); these parts have no paper formula", *tree.notes]

@@ -88,3 +88,24 @@ def train_tiny_tokenizer(texts: list[str], prefix: str | Path, vocab_size: int =
     path = Path(f"{prefix}.model")
     path.write_bytes(model.getvalue())
     return path
+
+
+def add_llama_hparams(w: Any, cfg: ModelConfig, block_count: int | None = None) -> None:
+    """cfg's llama.* hyperparameters on a gguf.GGUFWriter, as llama.cpp's converter writes them."""
+    w.add_block_count(cfg.num_hidden_layers if block_count is None else block_count)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.head_dim)
+
+
+def finish_gguf(w: Any) -> None:
+    """Write a gguf.GGUFWriter's header, metadata and tensors, and close the file."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -26,6 +26,8 @@ from llama_tools import load_model  # noqa: E402
 from llama_tools.cli import cli  # noqa: E402
 from llama_tools.exporters.parity import resolve_target  # noqa: E402
 from llama_tools.exporters.verdict import parity_inputs, verify  # noqa: E402
+from helpers import add_llama_hparams, finish_gguf  # noqa: E402
+from llama_tools.config_files import load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("bench_faults", ROOT / "benchmarks" / "bench_faults.py")
@@ -185,18 +187,9 @@ def write_family_gguf(d: Path, hf, path: Path) -> None:
     arch = {"qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}[c.model_type]
     w = gguf.GGUFWriter(str(path), arch)
     n = c.num_hidden_layers
-    w.add_block_count(n)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    add_llama_hparams(w, load_config(d))  # the keys every architecture shares, from the config.json HF wrote
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_rope_dimension_count(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    theta = getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]
-    w.add_rope_freq_base(theta)
     scaling = getattr(c, "rope_scaling", None)
     if scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -230,10 +223,7 @@ def write_family_gguf(d: Path, hf, path: Path) -> None:
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             a = a + 1.0  # convert_hf_to_gguf.py: Gemma's gains as llama.cpp multiplies by them
         w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 def test_family_gguf_is_counted_loaded_exported_and_verified(family, tmp_path):

@@ -29,6 +29,7 @@ from llama_tools.gguf_files import GgufReader  # noqa: E402
 from llama_tools.loading import load_model  # noqa: E402
 from llama_tools.source import resolve  # noqa: E402
 from llama_tools.weights import weight_specs  # noqa: E402
+from helpers import add_llama_hparams, finish_gguf  # noqa: E402
 
 Q8_0, F32 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
 TOKENS = (["<unk>", "<s>", "</s>"] + [chr(c) for c in range(97, 123)] + [chr(c) for c in range(65, 91)] + ["Ġ"]
@@ -60,15 +61,7 @@ def write_gguf(path: Path, *, tied: bool = True, arch: str = "llama", seed: int 
     state = {k: v.detach().numpy().astype(np.float32) for k, v in build_model(cfg, seed=seed).state_dict().items()}
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(block_count or cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.head_dim)
+    add_llama_hparams(w, cfg, block_count)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(TOKENS)
@@ -88,10 +81,7 @@ def write_gguf(path: Path, *, tied: bool = True, arch: str = "llama", seed: int 
         w.add_tensor(names.get_name(s.name, try_suffixes=(".weight", ".bias")), gguf.quants.quantize(a, q), raw_dtype=q)
     for name, a in (extra or {}).items():
         w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return state
 
 

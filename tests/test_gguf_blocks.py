@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from llama_tools.cli import cli  # noqa: E402
 from llama_tools.config import ModelConfig  # noqa: E402
 from llama_tools.gguf_files import GgufReader  # noqa: E402
 from llama_tools.weights import weight_specs  # noqa: E402
+from helpers import add_llama_hparams, finish_gguf  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 EPS32 = 2.0 ** -23  # float32's unit roundoff x 2
@@ -213,15 +213,7 @@ def write_blocks_gguf(path: Path, kind: str, seed: int = 0,
     rng = np.random.default_rng(seed)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, CFG.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(CFG.num_hidden_layers)
-    w.add_context_length(CFG.max_position_embeddings)
-    w.add_embedding_length(CFG.hidden_size)
-    w.add_feed_forward_length(CFG.intermediate_size)
-    w.add_head_count(CFG.num_attention_heads)
-    w.add_head_count_kv(CFG.num_key_value_heads)
-    w.add_rope_freq_base(CFG.rope_theta)
-    w.add_layer_norm_rms_eps(CFG.rms_norm_eps)
-    w.add_rope_dimension_count(CFG.head_dim)
+    add_llama_hparams(w, CFG)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(CFG.vocab_size)])
     stored = {}
@@ -239,10 +231,7 @@ def write_blocks_gguf(path: Path, kind: str, seed: int = 0,
             raw, t = stored_bytes(kind, a, rng), T[kind]
             w.add_tensor(name, raw, raw_dtype=t)
         stored[s.name] = (name, raw, tuple(s.shape))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return stored
 
 
@@ -353,19 +342,11 @@ def test_big_endian_file_is_one_line(tmp_path):
     """A big-endian GGUF: the library's dequantizers would read its floats byte-swapped; refused in one line."""
     path = tmp_path / "be.gguf"
     w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG)
-    w.add_block_count(CFG.num_hidden_layers)
-    w.add_context_length(CFG.max_position_embeddings)
-    w.add_embedding_length(CFG.hidden_size)
-    w.add_feed_forward_length(CFG.intermediate_size)
-    w.add_head_count(CFG.num_attention_heads)
-    w.add_head_count_kv(CFG.num_key_value_heads)
+    add_llama_hparams(w, CFG)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, CFG.num_hidden_layers)
     for s in weight_specs(CFG):
         w.add_tensor(names.get_name(s.name, try_suffixes=(".weight",)), np.ones(s.shape, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     with pytest.raises(ValueError, match="big-endian"):
         GgufReader(path)
 
@@ -405,10 +386,7 @@ def test_header_parse_equals_library(tmp_path):
     w.add_array("test.nested_strings", [["a", "bc"], ["d"]])
     for t in src.tensors:
         w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     for p in (path, tmp_path / "more.gguf"):
         assert_fields_equal_library(p)
     assert type(gguf_files.open_gguf(tmp_path / "more.gguf").fields["tokenizer.ggml.tokens"]).__name__ == "ArrayField"

@@ -23,6 +23,7 @@ from llama_tools.cli import cli
 from llama_tools.convert import save_checkpoint
 from llama_tools.model import build_model
 from llama_tools.presets import get_preset
+from helpers import finish_gguf
 
 gguf = pytest.importorskip("gguf")
 
@@ -148,10 +149,7 @@ def write_phi3_gguf(path: Path) -> dict[str, np.ndarray]:
         data = gguf.quants.quantize(a, q)
         w.add_tensor(name, data, raw_dtype=q)
         stored[name] = (a, data, q.name)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return stored
 
 

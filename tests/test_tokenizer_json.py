@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from helpers import train_tiny_tokenizer
+from helpers import finish_gguf, train_tiny_tokenizer
 from llama_tools.cli import cli
 from llama_tools.config_files import config_to_hf
 from llama_tools.exporters.genai import write_client_files
@@ -67,10 +67,7 @@ def _write_llama_gguf(spm_model: Path, out: Path, *, space_prefix: bool | None =
     w.add_add_eos_token(False)
     if space_prefix is not None:
         w.add_add_space_prefix(space_prefix)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return out
 
 
