@@ -6,13 +6,18 @@ U, R, Y, the SwiGLU intermediates, Z^{j+1}, the final rnorm and the logits H), w
 axis in front and the shapes of `llama_tools.model.Llama`'s tensors. A per-head row
 (Q^{j,i}, scores, ...) has the shape of one block and `count` blocks; numel and bytes cover all of them.
 No torch and no pandas here: `to_frame` imports pandas when asked.
-Every decoder has decoder 0's shapes, so `--layers first` costs the same for any depth; `--layers all`
-is refused past MAX_ROWS rows (counted from decoder 0 before anything is built) instead of building GBs.
+The families' extra steps (families.py) get rows of their own, none of which a plain LLaMA has: Qwen3's and
+Gemma 3's per-head q/k norms, Gemma's embedding scale and GELU-tanh gate, Gemma 2/3's norms after attention and
+after the FFN, Gemma 2's soft caps of scores and logits; a sliding layer's scores read the window mask M^{sw}.
+Every decoder has decoder 0's shapes (and row count: sliding and global layers differ in symbols and words only),
+so `--layers first` costs the same for any depth; `--layers all` is refused past MAX_ROWS rows (counted from
+decoder 0 before anything is built) instead of building GBs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from llama_tools import dtypes
 from llama_tools.config import ModelConfig
+from llama_tools.families import SLIDING
 from llama_tools.weights import WeightSpec, weight_specs
 
 if TYPE_CHECKING:
@@ -44,7 +50,8 @@ class ShapeRow:
     symbol: str  # the paper's symbol (j substituted), or ours where the paper has none
     description: str
     module: str  # weights: parameter name (= HF name); activations: the HF module that produces or reads it
-    port: str  # "param", "in" / "out" of `module`, or "inside" (computed within its forward)
+    port: str  # "param", "in" / "out" of `module`, "inside" (computed within its forward), or "after" (applied
+    # to `module`'s output by its parent: Gemma 2's logit soft cap)
     shape: tuple[int, ...]  # of one block where count > 1
     count: int = 1  # number of blocks (heads, experts) of this shape
     meta_name: str | None = None  # Meta checkpoint name (weights only)
@@ -67,7 +74,7 @@ class ShapeReport:
     dtype: str
     layers: str  # "all" or "first"
     rows: tuple[ShapeRow, ...]
-    notes: tuple[str, ...] = ()  # what the rows leave out (a foreign architecture's activations)
+    notes: tuple[str, ...] = ()  # what the rows leave out or spread out (foreign activations, sliding layers)
 
     @property
     def dtype_bytes(self) -> int:
@@ -98,8 +105,11 @@ class ShapeReport:
 
 # --- weights --------------------------------------------------------------------------------------
 
-def _weight_section(spec: WeightSpec) -> str:
-    """Where the paper introduces the weight: D in 4, attention in 6.2, FFN in 6.4, W^8 in 7."""
+def _weight_section(spec: WeightSpec, sandwich: bool = False) -> str:
+    """Where the paper introduces the weight: D in 4, attention in 6.2, FFN in 6.4, W^8 in 7.
+
+    sandwich: Gemma 2/3, whose post_attention_layernorm normalizes R^j before 6.3's residual.
+    """
     if spec.component == "embedding":
         return "4"
     if spec.component == "lm_head":
@@ -107,7 +117,9 @@ def _weight_section(spec: WeightSpec) -> str:
     if spec.component == "final_norm":
         return "6.6"
     if spec.component == "norm":
-        return "6.1" if "input_layernorm" in spec.name else "6.4"
+        if "input_layernorm" in spec.name:
+            return "6.1"
+        return "6.3" if sandwich and "post_attention_layernorm" in spec.name else "6.4"
     return "6.2" if spec.component.startswith("attn") else "6.4"
 
 
@@ -123,25 +135,61 @@ def _first_decoder_specs(cfg: ModelConfig) -> list[WeightSpec]:
 def weight_rows(cfg: ModelConfig, layers: str = "all") -> list[ShapeRow]:
     """One row per parameter, straight from weight_specs (a tied lm_head appears once, as D)."""
     specs = weight_specs(cfg) if layers == "all" else _first_decoder_specs(cfg)
-    return [ShapeRow("weight", _weight_section(s), s.layer, s.symbol, f"weight ({s.component})", s.name, "param",
-                     s.shape, meta_name=s.meta_name) for s in specs]
+    return [ShapeRow("weight", _weight_section(s, cfg.sandwich_norms), s.layer, s.symbol, f"weight ({s.component})",
+                     s.name, "param", s.shape, meta_name=s.meta_name) for s in specs]
 
 
 # --- activations ----------------------------------------------------------------------------------
 
+def _gain(cfg: ModelConfig) -> str:
+    """What a norm row adds to "rnorm(X)": Gemma's gain is 1 + γ."""
+    return ", gain 1 + γ" if cfg.norm_plus_one else ""
+
+
+def _layer_kinds(cfg: ModelConfig) -> list[bool]:
+    """The kinds of layer the model has, global (False) before sliding (True); bounded by layer_types' own length."""
+    if cfg.sliding_window is None:
+        return [False]
+    if cfg.layer_types is None:
+        return [True]
+    return sorted({t == SLIDING for t in cfg.layer_types})
+
+
+def _mask_symbol(sliding: bool) -> str:
+    """M: the causal mask of a global layer; M^{sw}: a sliding layer's, which also hides keys past the window."""
+    return "M^{sw}" if sliding else "M"
+
+
+def _custom_scale(cfg: ModelConfig) -> bool:
+    """Whether the scores are divided by sqrt(s) of Gemma's query_pre_attn_scalar rather than sqrt(n6)."""
+    return cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != cfg.head_dim
+
+
+def _rope_base(cfg: ModelConfig, sliding: bool) -> str:
+    """The RoPE base a layer rotates with, when the layers differ in it (Gemma 3's local layers); else ""."""
+    if cfg.rope_local_theta is None:
+        return ""
+    if sliding:
+        return f", local base {cfg.rope_local_theta:g}"
+    sc = cfg.rope_scaling
+    return f", base {cfg.rope_theta:g}" + (f" ({sc.type} scaling x{sc.factor:g})" if sc else "")
+
+
 def _layer_activations(cfg: ModelConfig, j: int, b: int, n3: int, past: int) -> list[ShapeRow]:
-    """Decoder j, 6.1 to 6.4: Z^j -> Z^{j+1}."""
+    """Decoder j, 6.1 to 6.4: Z^j -> Z^{j+1}, with the family's extra steps."""
     n2, n5, kv, n6 = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     total = past + n3  # key positions each query sees: cached ones plus this step's
     p = f"model.layers.{j}."
     a = lambda sec, sym, desc, mod, port, shape, count=1: ShapeRow(  # noqa: E731
         "activation", sec, j, sym, desc, mod, port, tuple(shape), count)
-    rope = cfg.position_encoding == "rope"
+    rope, gain, sliding = cfg.position_encoding == "rope", _gain(cfg), cfg.slides(j)
     qs, ks = (f"Qbar^{{{j},i}}", f"Kbar^{{{j},i}}") if rope else (f"Q^{{{j},i}}", f"K^{{{j},i}}")
-    score = f"{qs}{ks}T/sqrt(n6)+M"
+    raw = f"{qs}{ks}T/sqrt({'s' if _custom_scale(cfg) else 'n6'})"
+    cap = cfg.attn_logit_softcap
+    score = f"{f'softcap({raw})' if cap is not None else raw}+{_mask_symbol(sliding)}"
     rows = [
         a("6.1", f"Z^{{{j}}}", f"decoder {j} input", p.rstrip("."), "in", (b, n3, n2)),
-        a("6.1", f"Zbar^{{{j}}}", "rnorm(Z^j)", p + "input_layernorm", "out", (b, n3, n2)),
+        a("6.1", f"Zbar^{{{j}}}", f"rnorm(Z^j){gain}", p + "input_layernorm", "out", (b, n3, n2)),
         a("6.2", f"Q^{{{j}}}", "queries Zbar^j W^{j1T}", p + "self_attn.q_proj", "out", (b, n3, cfg.q_size)),
         a("6.2", f"K^{{{j}}}", "keys Zbar^j W^{j2T}", p + "self_attn.k_proj", "out", (b, n3, cfg.kv_size)),
         a("6.2", f"V^{{{j}}}", "values Zbar^j W^{j3T}", p + "self_attn.v_proj", "out", (b, n3, cfg.kv_size)),
@@ -150,10 +198,20 @@ def _layer_activations(cfg: ModelConfig, j: int, b: int, n3: int, past: int) -> 
         a("6.2", f"K^{{{j},i}}", "key block of one KV head", p + "self_attn", "inside", (b, n3, n6), kv),
         a("6.2", f"V^{{{j},i}}", "value block of one KV head", p + "self_attn", "inside", (b, n3, n6), kv),
     ]
-    if rope:
+    if cfg.qk_norm:
+        # Qwen3, Gemma 3: each head's row normalized over its n6 channels by one shared gain, before RoPE.
         rows += [
-            a("6.2", f"Qbar^{{{j},i}}", "rope(Q^{j,i})", p + "self_attn.rope", "out", (b, n3, n6), n5),
-            a("6.2", f"Kbar^{{{j},i}}", "rope(K^{j,i})", p + "self_attn.rope", "out", (b, n3, n6), kv),
+            a("6.2", f"rnorm(Q^{{{j},i}})", f"q norm: each query head RMS-normalized over n6{gain}",
+              p + "self_attn.q_norm", "out", (b, n3, n6), n5),
+            a("6.2", f"rnorm(K^{{{j},i}})", f"k norm: each key head RMS-normalized over n6{gain}",
+              p + "self_attn.k_norm", "out", (b, n3, n6), kv),
+        ]
+    if rope:
+        q_in, k_in = ("rnorm(Q^{j,i})", "rnorm(K^{j,i})") if cfg.qk_norm else ("Q^{j,i}", "K^{j,i}")
+        base = _rope_base(cfg, sliding)
+        rows += [
+            a("6.2", f"Qbar^{{{j},i}}", f"rope({q_in}){base}", p + "self_attn.rope", "out", (b, n3, n6), n5),
+            a("6.2", f"Kbar^{{{j},i}}", f"rope({k_in}){base}", p + "self_attn.rope", "out", (b, n3, n6), kv),
         ]
     if past:
         rows += [
@@ -175,31 +233,67 @@ def _layer_activations(cfg: ModelConfig, j: int, b: int, n3: int, past: int) -> 
             a("6.2", f"repeat(V^{{{j},i}})", f"values repeated {cfg.n_rep}x to n5 heads (GQA)", p + "self_attn",
               "inside", (b, total, n6), n5),
         ]
+    scale = f", s = query_pre_attn_scalar = {cfg.query_pre_attn_scalar:g}" if _custom_scale(cfg) else ""
+    if cap is not None:
+        # Gemma 2 caps the scaled scores before the mask is added.
+        rows += [
+            a("6.2", raw, f"scaled scores before the soft cap{scale}", p + "self_attn", "inside", (b, n3, total), n5),
+            a("6.2", f"softcap({raw})", f"scores soft-capped: {cap:g} tanh(x / {cap:g}) (attn_logit_softcapping)",
+              p + "self_attn", "inside", (b, n3, total), n5),
+        ]
+        scale = ""
+    if sliding:
+        window = f", sliding window of {cfg.sliding_window} keys"
+    else:
+        window = ", global layer: full causal mask" if len(_layer_kinds(cfg)) > 1 else ""
     rows += [
-        a("6.2", score, "attention scores (+ALiBi in M)" if not rope else "attention scores", p + "self_attn",
-          "inside", (b, n3, total), n5),
+        a("6.2", score, ("attention scores (+ALiBi in M)" if not rope else "attention scores") + scale + window,
+          p + "self_attn", "inside", (b, n3, total), n5),
         a("6.2", f"smax({score})", "attention probabilities", p + "self_attn", "inside", (b, n3, total), n5),
         a("6.2", f"U^{{{j},i}}", "smax(...) V^{j,i}: one head's output", p + "self_attn", "inside", (b, n3, n6), n5),
         a("6.2", f"U^{{{j}}}", "[U^{j,0}, ..., U^{j,n5-1}]", p + "self_attn.o_proj", "in", (b, n3, cfg.q_size)),
         a("6.2", f"R^{{{j}}}", "U^j W^{j4T}", p + "self_attn.o_proj", "out", (b, n3, n2)),
-        a("6.3", f"Y^{{{j}}}", "Z^j + R^j", p + "post_attention_layernorm", "in", (b, n3, n2)),
-        a("6.4", f"Ybar^{{{j}}}", "rnorm(Y^j)", p + "post_attention_layernorm", "out", (b, n3, n2)),
     ]
+    if cfg.sandwich_norms:
+        # Gemma 2/3: HF's post_attention_layernorm normalizes R^j; 6.3's norm is pre_feedforward_layernorm.
+        rows += [
+            a("6.3", f"rnorm(R^{{{j}}})", f"post-attention norm: R^j normalized before the residual{gain}",
+              p + "post_attention_layernorm", "out", (b, n3, n2)),
+            a("6.3", f"Y^{{{j}}}", "Z^j + rnorm(R^j)", p + "pre_feedforward_layernorm", "in", (b, n3, n2)),
+            a("6.4", f"Ybar^{{{j}}}", f"rnorm(Y^j){gain}", p + "pre_feedforward_layernorm", "out", (b, n3, n2)),
+        ]
+    else:
+        rows += [
+            a("6.3", f"Y^{{{j}}}", "Z^j + R^j", p + "post_attention_layernorm", "in", (b, n3, n2)),
+            a("6.4", f"Ybar^{{{j}}}", f"rnorm(Y^j){gain}", p + "post_attention_layernorm", "out", (b, n3, n2)),
+        ]
     rows += _moe_activations(cfg, j, b, n3) if cfg.is_moe else _ffn_activations(cfg, j, b, n3)
-    rows.append(a("6.4", f"Z^{{{j + 1}}}", "Y^j + Yhat^j: decoder output", p.rstrip("."), "out", (b, n3, n2)))
+    if cfg.sandwich_norms:
+        rows += [
+            a("6.4", f"rnorm(Yhat^{{{j}}})", f"post-FFN norm: Yhat^j normalized before the residual{gain}",
+              p + "post_feedforward_layernorm", "out", (b, n3, n2)),
+            a("6.4", f"Z^{{{j + 1}}}", "Y^j + rnorm(Yhat^j): decoder output", p.rstrip("."), "out", (b, n3, n2)),
+        ]
+    else:
+        rows.append(a("6.4", f"Z^{{{j + 1}}}", "Y^j + Yhat^j: decoder output", p.rstrip("."), "out", (b, n3, n2)))
     return rows
 
 
+# The FFN gate's activation (config.ACTIVATIONS): the row's op name and its words.
+_ACT_WORDS = {"silu": "silu", "gelu_tanh": "GELU (tanh approximation)"}
+
+
 def _ffn_activations(cfg: ModelConfig, j: int, b: int, n3: int) -> list[ShapeRow]:
-    """SwiGLU: Yhat^j = (silu(Ybar W^{j5T}) ⊗ (Ybar W^{j7T})) W^{j6T}."""
+    """SwiGLU: Yhat^j = (silu(Ybar W^{j5T}) ⊗ (Ybar W^{j7T})) W^{j6T}; Gemma's GeGLU puts gelu_tanh for silu."""
     n2, n7, p = cfg.hidden_size, cfg.intermediate_size, f"model.layers.{j}.mlp"
     gate, up = f"Ybar^{{{j}}}W^{{{j}5T}}", f"Ybar^{{{j}}}W^{{{j}7T}}"
+    act = cfg.hidden_act
     a = lambda sym, desc, mod, port, shape: ShapeRow("activation", "6.4", j, sym, desc, mod, port, shape)  # noqa: E731
     return [
         a(gate, "gate projection", p + ".gate_proj", "out", (b, n3, n7)),
-        a(f"silu({gate})", "gate after silu", p, "inside", (b, n3, n7)),
+        a(f"{act}({gate})", f"gate after {_ACT_WORDS[act]}", p, "inside", (b, n3, n7)),
         a(up, "up projection", p + ".up_proj", "out", (b, n3, n7)),
-        a(f"silu({gate})⊗{up}", "gated product", p + ".down_proj", "in", (b, n3, n7)),
+        a(f"{act}({gate})⊗{up}", "gated product", p + ".down_proj", "in", (b, n3, n7)),
         a(f"Yhat^{{{j}}}", "(...) W^{j6T}: FFN output", p + ".down_proj", "out", (b, n3, n2)),
     ]
 
@@ -226,29 +320,80 @@ def _moe_activations(cfg: ModelConfig, j: int, b: int, n3: int) -> list[ShapeRow
     return rows
 
 
+def _mask_rows(cfg: ModelConfig, b: int, n3: int, past: int) -> list[ShapeRow]:
+    """M of each kind of layer the model has (built once per pass, broadcast over the batch)."""
+    total, mixed = past + n3, len(_layer_kinds(cfg)) > 1
+    # ALiBi adds a per-head slope, hence n5 planes.
+    m_heads = cfg.num_attention_heads if cfg.position_encoding == "alibi" else 1
+    rows = []
+    for sliding in _layer_kinds(cfg):
+        desc = "mask (+ALiBi)" if m_heads > 1 else "causal mask"
+        if sliding:
+            desc = f"sliding-window {desc}: each query sees its last {cfg.sliding_window} positions"
+        desc += (" (sliding layers)" if sliding else " (global layers)") if mixed else ""
+        rows.append(ShapeRow("activation", "5", None, _mask_symbol(sliding), desc, "model", "inside",
+                             (1, m_heads, n3, total)))
+    return rows
+
+
 def activation_rows(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 0,
                     layers: str = "all") -> list[ShapeRow]:
     """Every tensor of one forward pass over `seq_len` new tokens after `past` cached ones."""
-    b, n3, n8 = batch, seq_len, cfg.num_hidden_layers
-    total = past + n3
+    b, n3, n8, n2 = batch, seq_len, cfg.num_hidden_layers, cfg.hidden_size
     a = lambda sec, sym, desc, mod, port, shape, dtype=None: ShapeRow(  # noqa: E731
         "activation", sec, None, sym, desc, mod, port, shape, dtype=dtype)
-    # M is built once per pass and broadcast over the batch; ALiBi adds a per-head slope, hence n5 planes.
-    m_heads = cfg.num_attention_heads if cfg.position_encoding == "alibi" else 1
     rows = [
         a("4", "t^", "token ids", "model", "in", (b, n3), "int64"),
         a("4", "t", "position ids", "model", "inside", (b, n3), "int64"),
-        a("5", "M", "mask (+ALiBi)" if m_heads > 1 else "causal mask", "model", "inside", (1, m_heads, n3, total)),
-        a("6", "Z^{0}", "token embeddings: rows of D", "model.embed_tokens", "out", (b, n3, cfg.hidden_size)),
+        *_mask_rows(cfg, b, n3, past),
     ]
+    if cfg.embed_scale:
+        rows += [
+            a("6", "D[t^]", "token embeddings: rows of D", "model.embed_tokens", "out", (b, n3, n2)),
+            a("6", "Z^{0}", f"D[t^] x sqrt(n2) = {math.sqrt(n2):g} (Gemma's embedding scale, in the weights' dtype)",
+              "model", "inside", (b, n3, n2)),
+        ]
+    else:
+        rows.append(a("6", "Z^{0}", "token embeddings: rows of D", "model.embed_tokens", "out", (b, n3, n2)))
     for j in range(n8 if layers == "all" else 1):
         rows += _layer_activations(cfg, j, b, n3, past)
     rows += [
-        a("6.5", f"Z^{{{n8}}}", "output of the decoder stack", "model.norm", "in", (b, n3, cfg.hidden_size)),
-        a("6.6", f"Zbar^{{{n8}}}", "rnorm(Z^n8): the model's output", "model.norm", "out", (b, n3, cfg.hidden_size)),
-        a("7", "H", "logits Zbar^n8 W^{8T}", "lm_head", "out", (b, n3, cfg.vocab_size)),
+        a("6.5", f"Z^{{{n8}}}", "output of the decoder stack", "model.norm", "in", (b, n3, n2)),
+        a("6.6", f"Zbar^{{{n8}}}", f"rnorm(Z^n8): the model's output{_gain(cfg)}", "model.norm", "out", (b, n3, n2)),
     ]
+    cap = cfg.final_logit_softcap
+    if cap is None:
+        rows.append(a("7", "H", "logits Zbar^n8 W^{8T}", "lm_head", "out", (b, n3, cfg.vocab_size)))
+    else:
+        rows += [
+            a("7", f"Zbar^{{{n8}}}W^{{8T}}", "logits before the soft cap", "lm_head", "out", (b, n3, cfg.vocab_size)),
+            a("7", "H", f"logits soft-capped: {cap:g} tanh(Zbar^n8 W^{{8T}} / {cap:g}) (final_logit_softcapping)",
+              "lm_head", "after", (b, n3, cfg.vocab_size)),
+        ]
     return rows
+
+
+_LISTED = 16  # layer numbers a note names of each kind before it says how many more
+
+
+def layer_note(cfg: ModelConfig, layers: str = "all") -> str | None:
+    """Which layers slide and which attend globally, when the model has both kinds (Gemma 2/3); else None."""
+    if len(_layer_kinds(cfg)) < 2:
+        return None
+    lt = cfg.layer_types or ()  # two kinds need layer_types (_layer_kinds)
+    n_sliding = lt.count(SLIDING)
+
+    def kind(name: str, sliding: bool, n: int, what: str) -> str:
+        # The first _LISTED numbers only: a deep stack's note stays one short line.
+        idx = list(itertools.islice((j for j, t in enumerate(lt) if (t == SLIDING) == sliding), _LISTED))
+        more = f", ... ({n - _LISTED:,} more)" if n > _LISTED else ""
+        return f"{n:,} {name} ({what}): layer{'s' if n > 1 else ''} {', '.join(map(str, idx))}{more}"
+    note = ("layers differ in attention: "
+            + kind("sliding", True, n_sliding, f"mask M^{{sw}}, window {cfg.sliding_window}" + _rope_base(cfg, True))
+            + "; " + kind("global", False, len(lt) - n_sliding, "mask M, full causal" + _rope_base(cfg, False)))
+    if layers == "first":
+        note += f"; --layers first shows decoder 0 only, a {'sliding' if cfg.slides(0) else 'global'} layer"
+    return note
 
 
 def shape_report(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 0, dtype: str | None = None,
@@ -274,7 +419,8 @@ def shape_report(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 0, 
     weights = weight_rows(cfg, layers)
     rows = ([] if only == "activations" else weights) + (
         [] if only == "weights" else activation_rows(cfg, seq_len, batch, past, layers))
-    return ShapeReport(cfg.name, seq_len, batch, past, dtype, layers, tuple(rows))
+    note = layer_note(cfg, layers)
+    return ShapeReport(cfg.name, seq_len, batch, past, dtype, layers, tuple(rows), (note,) if note else ())
 
 
 def module_tree_report(tree: ModuleTree, seq_len: int, batch: int = 1, past: int = 0, dtype: str | None = None,
@@ -311,7 +457,9 @@ def row_count(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 0, lay
     rows = ([] if only == "activations" else weight_rows(one, "first")) + (
         [] if only == "weights" else activation_rows(one, seq_len, batch, past, "first"))
     per_decoder = sum(r.layer == 0 for r in rows)
-    return len(rows) + per_decoder * ((cfg.num_hidden_layers if layers == "all" else 1) - 1)
+    # The copy keeps decoder 0's kind of layer only; the whole model builds one mask per kind.
+    masks = 0 if only == "weights" else len(_layer_kinds(cfg)) - len(_layer_kinds(one))
+    return len(rows) + masks + per_decoder * ((cfg.num_hidden_layers if layers == "all" else 1) - 1)
 
 
 def to_frame(report: ShapeReport) -> Any:
