@@ -1,4 +1,5 @@
-"""Write a checkpoint in HF (config.json + safetensors) or Meta (params.json + consolidated.NN.pth) layout.
+"""Write a checkpoint in HF (config.json + safetensors) or Meta (params.json + consolidated.NN.pth) layout, or as
+one GGUF file (llama.cpp's, gguf_write).
 
 Conversions are exact: only row orders change (RoPE q/k rows, W_pack fusing) and no value is cast unless
 --dtype asks, so HF -> Meta -> HF gives back the same bytes. A GGUF file is dequantized (float32 unless
@@ -10,6 +11,7 @@ What the source says beside its weights travels with them as it says it (source_
 (an eos list kept), generation_config.json and the tokenizer files byte for byte, the chat template in its own
 form (chat_template.jinja, or tokenizer_config.json's field). Meta's params.json has no place for ids or a
 template: those files are copied beside consolidated.NN.pth. A file that is not valid is left out, with a warning.
+A GGUF holds the config's ids and the vocabulary (tokenizer.ggml.*) in its own metadata; nothing is written beside it.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class ConvertResult:
     source: str
     destination: str
     to: str
-    layout: str  # tensor naming written: hf, baichuan, internlm2 or meta
+    layout: str  # tensor naming written: hf, baichuan, internlm2, meta or gguf
     files: list[str]
     tensors: int
     params: int
@@ -161,6 +163,8 @@ def save_checkpoint(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str |
     # extra_files are copied beside the weights; extra_texts (file name -> text or bytes) are written there;
     # ids: config.json's bos/eos/pad as the source writes them (an eos list), over cfg's.
     check_target(to, shards, len(state))
+    if to == "gguf":
+        raise ValueError("a GGUF is one file, not a checkpoint directory: write it with gguf_write.write_gguf")
     with files.atomic_dir(dst) as tmp:  # all files appear at once, or none; a kill leaves nothing
         writer = _write_hf if to == "hf" else _write_meta
         layout, written = writer(cfg, state, tmp, shards, ids or {})
@@ -184,6 +188,12 @@ def check_target(to: str, shards: int, tensors: int, cfg: ModelConfig | None = N
         raise ValueError(f"--shards must be >= 1, got {shards}")
     if to == "hf" and shards > tensors:
         raise ValueError(f"--shards {shards} is more than the {tensors} tensors to write; give at most {tensors}")
+    if to == "gguf" and shards != 1:
+        raise ValueError(f"--shards {shards}: a GGUF is one file; --shards applies to --to hf and meta")
+    if to == "gguf" and cfg is not None:
+        from .gguf_write import check_config
+
+        check_config(cfg)  # the family's GGUF architecture, and what a GGUF can hold of the config
     if to == "meta" and shards > 1 and cfg is not None:
         for s in weight_specs(cfg.replace(num_hidden_layers=1)):  # every layer has the first one's shapes
             if s.meta_shard_dim is not None and s.shape[s.meta_shard_dim] % shards:
@@ -229,14 +239,24 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
     if dtype is not None:
         dtype = dtypes.model_dtype(dtype).name  # a ValueError line before any weight is read
     check_target(to, shards, tensor_total(source.cfg), source.cfg)  # constant time: a 10^8-layer config is not listed
-    files.check_output_path(dst, directory=True)
+    read_dtype = dtype  # what the weights are read in (None: as stored; a GGUF dequantized to float32)
+    if to == "gguf":
+        from . import gguf_write
+
+        gguf_write.check_destination(dst)
+        read_dtype = None  # the writer casts one matrix at a time (1-D tensors stay F32): no cast copy of the model
+        if dtype is None and source.weights is not None and source.weights.kind == "gguf":
+            assert source.path is not None, "a GGUF source has a path"
+            dtype = gguf_write.stored_float(source.path)  # F16/BF16 matrices stay so (read exactly in fp32)
+    else:
+        files.check_output_path(dst, directory=True)
     need = _output_bytes(source, dtype)
     if source.weights is not None or need <= MAX_RANDOM_INIT_BYTES:  # too big to seed: load_model says so below
         files.check_space(dst, need)  # before any weight is read: a full disk is one line
     texts: dict[str, str] = {}
     if source.weights is not None:
         assert source.path is not None, "a checkpoint source has a path"
-        cfg, state, texts = _WEIGHT_READERS.get(source.weights.kind, _stored_weights)(source.path, dtype)
+        cfg, state, texts = _WEIGHT_READERS.get(source.weights.kind, _stored_weights)(source.path, read_dtype)
     else:  # a preset or config: the seeded weights `export onnx` and `generate` would use
         from .loading import load_model
 
@@ -244,10 +264,15 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
         cfg, state = model.cfg, dict(model.state_dict())
         if cfg.tie_word_embeddings:
             state.pop("lm_head.weight")
-        if dtype is not None:
-            state = {k: v.to(dtypes.to_torch(dtype)) for k, v in state.items()}
+        if read_dtype is not None:
+            state = {k: v.to(dtypes.to_torch(read_dtype)) for k, v in state.items()}
     emb = state["model.embed_tokens.weight"]
     cfg = cfg.replace(torch_dtype=dtypes.get(emb.dtype).name)
+    if to == "gguf":
+        vocabulary, said = gguf_write.source_vocabulary(source, cfg)
+        res = gguf_write.write_gguf(cfg, state, dst, dtype=dtype, vocabulary=vocabulary)
+        return ConvertResult(source=source.label, destination=str(dst), to=to, layout="gguf", files=[Path(dst).name],
+                             tensors=res.tensors, params=res.params, bytes=res.bytes, warnings=said + res.warnings)
     extra, carried, ids, warnings = _carried(source, cfg, texts)
     layout, written = save_checkpoint(cfg, state, dst, to=to, shards=shards, extra_files=extra,
                                       extra_texts={**texts, **carried}, ids=ids)

@@ -90,8 +90,8 @@ FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in [
                                        ("post_feedforward_layernorm.", "post_ffw_norm."))),
 ]}
 HF, META = FORMATS["hf"], FORMATS["meta"]
-# What `convert --to` writes: the family's own HF-style format, or Meta's.
-WRITABLE = ("hf", "meta")
+# What `convert --to` writes: the family's own HF-style format, Meta's, or one GGUF file (gguf_write).
+WRITABLE = ("hf", "meta", "gguf")
 # Buffers some exporters store that no config explains and loaders skip.
 BENIGN_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # Family -> the format its published checkpoints use (default: hf).
