@@ -40,6 +40,7 @@ from llama_tools.weights import weight_specs
 from . import graph_io, onnx_save, rope_ops
 from .preflight import DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD_BYTES, check_args
 from .graph_io import ATTENTION_MASK, io_names
+from .graph_meta import META, ExportMetadata, read_metadata  # noqa: F401  (re-exported: readable without torch)
 
 # Above this many bytes of weights they stream to OUT.onnx.data (protobuf caps a file at 2 GiB, and one
 # serialized proto would hold every weight in memory twice).
@@ -47,7 +48,6 @@ from .graph_io import ATTENTION_MASK, io_names
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 3, 5
 # The RoPE tables' initializer names: (cos, sin), then the sliding layers' pair when they have their own base.
 TABLE_NAMES = ("cos_cache", "sin_cache", "cos_cache_local", "sin_cache_local")
-META = "llama_tools."  # prefix of our metadata_props keys
 # Decoders traced when a model has more; the others are stamped from the last traced one (_stamp_layers).
 STAMP_FROM = 2
 # A directory to keep the traced graph of those layers in between exports (_trace_cache_path); unset: none.
@@ -74,21 +74,6 @@ class ExportResult:
     graph: str = "plain"  # the llama_tools.graph metadata value: "plain" or "fused"
     op_counts: dict[str, int] = field(default_factory=dict)  # fused: "com.microsoft.GroupQueryAttention": 12, ...
     static_kv: int | None = None  # fused: max_length of the shared past/present buffer; None: past grows
-
-
-@dataclass
-class ExportMetadata:
-    """The llama_tools.* metadata of an exported model."""
-
-    config: ModelConfig
-    rope_layout: str
-    rope_op: str
-    dtype: str
-    version: str
-    source: str
-    seed: int | None  # None: the weights came from a checkpoint or a given module
-    graph: str = "plain"  # "plain" (this module) or "fused" (fused.py)
-    static_kv: int | None = None  # a fused graph's preallocated KV length, if it has one
 
 
 # --- The traced module ---------------------------------------------------------------------------------
@@ -678,25 +663,3 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
         rope_nodes=rope_nodes, opset=opset, dtype=dt.name, rope_op=rope_op,
         seconds=time.perf_counter() - t0, peak_rss_bytes=peak_rss_bytes())
 
-
-def read_metadata(path: str | Path) -> ExportMetadata:
-    """The llama_tools.* metadata of an exported file, without reading its external weights."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file; pass the .onnx file that `llama-tools export onnx` wrote")
-    if path.stat().st_size == 0:
-        raise ValueError(f"{path}: empty file; export it again with `llama-tools export onnx`")
-    try:
-        props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
-    except Exception as e:  # protobuf's DecodeError and friends  # noqa: BLE001
-        raise ValueError(f"{path}: not an ONNX model ({type(e).__name__})") from None
-    if META + "config" not in props:
-        raise ValueError(f"{path}: has no {META}config metadata; export it with llama-tools first")
-    seed = props.get(META + "seed", "")
-    return ExportMetadata(
-        config=ModelConfig.from_dict(json.loads(props[META + "config"])),
-        rope_layout=props.get(META + "rope_layout", ""), rope_op=props.get(META + "rope_op", ""),
-        dtype=props.get(META + "dtype", ""), version=props.get(META + "version", ""),
-        source=props.get(META + "source", ""), seed=int(seed) if seed else None,
-        graph=props.get(META + "graph", "plain"),
-        static_kv=int(props[META + "static_kv"]) if props.get(META + "static_kv") else None)

@@ -31,7 +31,8 @@ from llama_tools.tokenizer import check_vocab
 
 from .compare import BUDGET, DTYPE_LABEL, BudgetCheck, Budget, DecodeCheck, judge, margin
 from .foreign import GraphIO, check_matches, describe_graph, foreign_lm
-from .onnx_export import META, ExportMetadata, export_onnx, read_metadata
+from .graph_meta import has_our_metadata, is_int4  # noqa: F401  (verdict, by_layer, quantize import them from here)
+from .onnx_export import ExportMetadata, export_onnx, read_metadata
 from .prompts import default_prompts, left_pad, positions
 from .runtime import OnnxLM, create_session
 
@@ -80,17 +81,6 @@ class ParityTarget:
     foreign: GraphIO | None = None  # a graph another exporter wrote: its I/O as read from the graph
 
 
-def has_our_metadata(onnx_path: str | Path) -> bool:
-    """Whether llama-tools wrote this graph (its metadata names the config), read without the weights."""
-    import onnx
-
-    try:
-        props = onnx.load(str(onnx_path), load_external_data=False).metadata_props
-    except Exception:  # noqa: BLE001  read_metadata words the error
-        return True
-    return any(p.key == META + "config" for p in props)
-
-
 def resolve_target(target: str | None, source: str | None) -> ParityTarget:
     """TARGET (an .onnx, or a MODEL to export on the fly; default tiny) and --source -> one typed value."""
     target = target or "tiny"
@@ -131,13 +121,6 @@ def _foreign_target(target: str, source: str | None) -> ParityTarget:
     meta = ExportMetadata(config=src.cfg, rope_layout=io.rope_layout, rope_op="", dtype=io.dtype, version="",
                           source=src.spec, seed=None, graph=io.producer)
     return ParityTarget(Path(target), meta, src, 0, io)
-
-
-def is_int4(onnx_path: Path) -> bool:
-    """Whether a graph holds onnxruntime's weight-only int4 MatMulNBits (read without its weights)."""
-    import onnx
-
-    return any(n.op_type == "MatMulNBits" for n in onnx.load(str(onnx_path), load_external_data=False).graph.node)
 
 
 def check_inputs(prompts: list[list[int]], steps: int, target: ParityTarget) -> None:

@@ -10,3 +10,7 @@ BLOCK_SIZE = 32
 # MLAS's int4 kernels on the CPU: accuracy level 4 quantizes the activations to int8 per block and runs
 # an int8 dot product (the fast path); 0/1 dequantize to fp32 first.
 ACCURACY_LEVEL = 4
+# What runs without --int4-algorithm (quantize_int4's default; tests/test_cli_contract.py holds the two equal).
+DEFAULT_ALGORITHM = "rtn"
+# `verify int4` without --prompt/--ids starts its greedy decode from this many seeded ids.
+PROMPT_IDS = 8

@@ -6,6 +6,7 @@ Imports stay inside the commands: `count-params` from a preset never loads torch
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import errno
 import functools
 import json
@@ -21,26 +22,77 @@ import click
 from . import __version__, dtypes
 from .files import check_output_path, check_writes, cleanup_on_signals, guard_std_streams, stream_fd
 from .formats import BENIGN_SUFFIXES, WRITABLE
+from .formats import FORMATS as CHECKPOINT_FORMATS
 from .output import FORMATS, render
-from .exporters.parity_options import MODES
-from .exporters.quant_options import INT4_ALGORITHMS, QUANTIZE
+from .exporters.parity_options import MODES, WHOLE_GRAPH_BYTES
+from .exporters.preflight import SINGLE_FILE_MAX_BYTES
+from .exporters.quant_options import ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, INT4_ALGORITHMS, PROMPT_IDS, QUANTIZE
+from .presets import PAPER_MODELS
 from .progress import peak_rss_bytes, terminal
+from .tokenizer import KINDS as TOKENIZER_KINDS
 
 
 _STDOUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EPIPE, errno.EIO)  # an OSError of writing stdout
 
 
+# click >= 8.4 and 8.2 (older ones say the same in a plain UsageError, and print the help without raising)
+_NO_SUCH_COMMAND: Any = getattr(click.exceptions, "NoSuchCommand", ())
+_HELP_SHOWN: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+def closest(word: str, choices: Any) -> str | None:
+    """The one of `choices` that `word` most likely misspells (difflib's ratio >= 0.6), or None."""
+    close = difflib.get_close_matches(word, [str(c) for c in choices], n=1)
+    return close[0] if close else None
+
+
+def usage_line(e: click.UsageError) -> click.ClickException:
+    """A usage error as the one line every refusal is: what is wrong, the closest right word, where help is; exit 1.
+
+    click's own form (a usage block, a blank line, the error, possibilities on further lines) and its exit 2 are
+    for nobody to parse: the contract is one line on stderr and exit 1 (tests/test_cli_contract.py).
+    """
+    ctx = e.ctx
+    msg, near = e.format_message(), getattr(e, "did_you_mean", None)
+    if isinstance(e, click.NoSuchOption) and ctx is not None:
+        names = [o for p in ctx.command.get_params(ctx) for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
+        msg, near = e.message, closest(e.option_name, names)
+    elif isinstance(e, _NO_SUCH_COMMAND) and isinstance(ctx and ctx.command, click.Group):
+        msg, near = e.message, closest(e.command_name, ctx.command.list_commands(ctx))
+    msg = " ".join(msg.split()).rstrip(".")  # a Choice's "Choose from:" list, one name a line, joined
+    hints = ([f"did you mean {near}?"] if near else []) + ([f"see '{ctx.command_path} --help'"] if ctx else [])
+    return click.ClickException(msg + (f" ({' '.join(hints)})" if hints else ""))
+
+
+class Choice(click.Choice):
+    """click's Choice, whose refusal carries the closest choice for usage_line's "did you mean"."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        try:
+            return super().convert(value, param, ctx)
+        except click.BadParameter as e:
+            e.did_you_mean = closest(str(value), self.choices)  # type: ignore[attr-defined]
+            raise
+
+
 class Group(click.Group):
     """Bad input becomes one line on stderr and exit 1, never a traceback."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except _HELP_SHOWN:
+            raise  # the help itself, as asked by giving nothing
+        except click.UsageError as e:  # this group's own options (`llama-tools --bogus`)
+            raise usage_line(e) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except click.UsageError as e:  # a bad option value: the one line, without the usage block
-            if isinstance(e, click.NoSuchOption) or e.ctx is None or isinstance(e.ctx.command, click.Group):
-                raise
-            hint = f" (see '{e.ctx.command_path} --help')"
-            raise click.ClickException(e.format_message().splitlines()[0] + hint) from None
+        except _HELP_SHOWN:
+            raise
+        except click.UsageError as e:  # a subcommand's options, an unknown subcommand, a command's own refusal
+            raise usage_line(e) from None
         except (ValueError, OSError) as e:
             name = getattr(e, "filename", None)
             if isinstance(e, OSError) and not name and e.errno in _STDOUT_ERRNOS:
@@ -111,7 +163,7 @@ class Finite(click.ParamType):
 def output_options(formats: tuple[str, ...] = FORMATS) -> Callable:
     """The shared --format option: a human table by default, machine-readable on request."""
     def decorator(f: Callable) -> Callable:
-        @click.option("--format", "fmt", type=click.Choice(formats), default=formats[0], show_default=True,
+        @click.option("--format", "fmt", type=Choice(formats), default=formats[0], show_default=True,
                       help="Output format.")
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -126,7 +178,33 @@ def say(msg: str) -> None:
         click.echo(msg, err=True)
 
 
-DTYPE_CHOICE = click.Choice(dtypes.MODEL_DTYPES)
+def size_words(n: int) -> str:
+    """A byte constant as help text quotes it (64 MiB, 1 GiB): read from the code, never retyped."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift:,} {unit}"
+    return f"{n:,} bytes"
+
+
+def _tokenizer_files() -> str:
+    """The tokenizers MODEL may carry, from tokenizer.KINDS: a file name, or a glob's file's vocabulary."""
+    names = [k.patterns[0] if "*" not in k.patterns[0] else f"a {k.patterns[0].lstrip('*')} file's vocabulary"
+             for k in TOKENIZER_KINDS]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+TOKENIZER_FILES = _tokenizer_files()
+
+
+def quoting(**values: Any) -> Callable:
+    """Fill a command's docstring (its -h) with figures and names from the code: {name} placeholders."""
+    def decorator(f: Callable) -> Callable:
+        f.__doc__ = (f.__doc__ or "").format(**values)
+        return f
+    return decorator
+
+
+DTYPE_CHOICE = Choice(dtypes.MODEL_DTYPES)
 # What every seeded generator takes (torch's manual_seed and numpy's default_rng both): 0 .. 2^64 - 1.
 SEED = click.IntRange(min=0, max=2**64 - 1)
 
@@ -134,7 +212,18 @@ SEED = click.IntRange(min=0, max=2**64 - 1)
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
 @click.version_option(__version__, prog_name="llama-tools")
 def cli() -> None:
-    """Understand, count, export and verify LLaMA-family models."""
+    """Understand, count, export and verify LLaMA-family models.
+
+    MODEL, wherever a command takes one, is a preset name (`llama-tools presets` lists them and their aliases),
+    a config.json or params.json, a checkpoint directory or a .gguf file. Each command's -h has its defaults
+    and examples.
+
+    \b
+    Examples:
+      llama-tools presets
+      llama-tools count-params llama-2-7b
+      llama-tools generate tiny --prompt "Who is" --max-new-tokens 8
+    """
 
 
 # ==== count-params ====================================================================================
@@ -148,11 +237,12 @@ def cli() -> None:
 @click.option("--check", is_flag=True, help="Exit 1 also when a checkpoint holds tensors its config does not explain, "
                                            "or a weight file is partial.")
 @output_options()
+@quoting(paper=" ".join(PAPER_MODELS))
 def count_params(models: tuple[Any, ...], context: int | None, batch: int, per_layer: bool, check: bool,
                  fmt: str) -> None:
     """Exact parameters of MODELS (presets, config.json files or checkpoint directories) beside the paper's formula.
 
-    With no MODELS: the paper's four (llama-7b llama-13b baichuan-7b baichuan-13b). A checkpoint
+    With no MODELS: the paper's four ({paper}). A checkpoint
     directory is counted from its headers alone; no tensor data is read. A config.json of an architecture
     no family here models is counted exactly from transformers' module tree (the [hf] extra); weight files
     without a config (a model.safetensors, an index, any GGUF, a directory of them) or partial ones are
@@ -165,7 +255,6 @@ def count_params(models: tuple[Any, ...], context: int | None, batch: int, per_l
     """
     from .accounting import ParamCount, layer_rows, long_rows, summary_rows
     from .header_count import HeaderCount, header_long_rows, header_rows
-    from .presets import PAPER_MODELS
     from .source import resolve_countable
     from .transformers_count import ModuleTreeCount, tree_layer_rows, tree_long_rows, tree_summary_rows
 
@@ -236,18 +325,20 @@ def count_params(models: tuple[Any, ...], context: int | None, batch: int, per_l
 @cli.command(short_help="List the presets a MODEL argument may name.")
 @output_options(("table", "json", "csv", "markdown"))
 def presets(fmt: str) -> None:
-    """The presets MODEL may name: parameters, layers, width, heads and where the numbers come from.
+    """The presets MODEL may name, with the aliases that name them too: parameters, layers, width, heads and where
+    the numbers come from.
 
     \b
     Example:
       llama-tools presets --format json
     """
     from .accounting import count_params
-    from .presets import PRESET_SOURCES, PRESETS, preset_tokenizer
+    from .presets import PRESET_SOURCES, PRESETS, aliases_of, preset_tokenizer
 
     rows = [{"name": name, "params": count_params(c).total, "layers": c.num_hidden_layers, "width": c.hidden_size,
              "heads q/kv": f"{c.num_attention_heads}/{c.num_key_value_heads}", "vocab": c.vocab_size,
-             "tokenizer": "yes" if preset_tokenizer(name) else "", "source": PRESET_SOURCES.get(name, "")}
+             "tokenizer": "yes" if preset_tokenizer(name) else "", "source": PRESET_SOURCES.get(name, ""),
+             "aliases": ", ".join(aliases_of(name))}
             for name, c in PRESETS.items()]
     click.echo(render(rows, fmt))
 
@@ -308,7 +399,13 @@ def checkpoint_rows(insp: Any) -> list[dict[str, Any]]:
 
 @cli.group(cls=Group, short_help="Shape reports of weights and activations, in the paper's order.")
 def report() -> None:
-    """Shape reports: every weight and activation of a forward pass, in the paper's order."""
+    """Shape reports: every weight and activation of a forward pass, in the paper's order.
+
+    \b
+    Examples:
+      llama-tools report shapes llama-2-7b --seq-len 512 -o shapes.csv
+      llama-tools report regenerate -o reports/generated
+    """
 
 
 @report.command("shapes", short_help="Every weight and activation of one forward pass: shape, elements, bytes.")
@@ -319,13 +416,13 @@ def report() -> None:
 @click.option("--past", type=click.IntRange(min=0), default=0, show_default=True,
               help="Cached positions before this step (KV cache).")
 @click.option("--dtype", type=DTYPE_CHOICE, default=None, help="Element type for bytes [default: the model's published dtype].")
-@click.option("--layers", type=click.Choice(["all", "first"]), default="all", show_default=True,
+@click.option("--layers", type=Choice(["all", "first"]), default="all", show_default=True,
               help="Rows of every decoder, or of decoder 0 only.")
-@click.option("--only", type=click.Choice(["all", "weights", "activations"]), default="all", show_default=True,
+@click.option("--only", type=Choice(["all", "weights", "activations"]), default="all", show_default=True,
               help="Keep one kind of row.")
 @click.option("-o", "--output", type=click.Path(), metavar="PATH", default=None,
-              help="Write here (atomically) instead of stdout.")
-@click.option("--format", "fmt", type=click.Choice(["csv", "json", "markdown", "table"]), default=None,
+              help="Write here (atomically) instead of stdout [default: standard output].")
+@click.option("--format", "fmt", type=Choice(["csv", "json", "markdown", "table"]), default=None,
               help="Output format [default: from -o's suffix (.csv, .json, .md), else csv].")
 def report_shapes(model: Any, seq_len: int, batch: int, past: int, dtype: str | None, layers: str, only: str,
                   output: str | None, fmt: str | None) -> None:
@@ -333,6 +430,11 @@ def report_shapes(model: Any, seq_len: int, batch: int, past: int, dtype: str | 
 
     A config.json of an architecture no family here models: its weights from transformers' module tree (the [hf]
     extra), its activations left out (a note on stderr says so).
+
+    \b
+    Examples:
+      llama-tools report shapes tiny
+      llama-tools report shapes llama-2-7b --seq-len 512 --batch 4 --layers first -o shapes.md
     """
     from .reports.shapes import infer_format, module_tree_report, render_report, shape_report, write_report
     from .source import ForeignConfig, HeaderFiles
@@ -350,6 +452,7 @@ def report_shapes(model: Any, seq_len: int, batch: int, past: int, dtype: str | 
         rep = module_tree_report(module_tree(model), seq_len, batch, past, dtype, layers, only)
     else:
         rep = shape_report(model.cfg, seq_len, batch, past, dtype, layers, only)
+    check_counts(rep)
     for note in rep.notes:
         click.echo(f"note: {note}", err=True)
     if output is None:
@@ -359,12 +462,30 @@ def report_shapes(model: Any, seq_len: int, batch: int, past: int, dtype: str | 
     click.echo(f"wrote {len(rep.rows)} rows ({fmt}) to {output}", err=True)
 
 
+# Every count a shape report prints (dims, elements, bytes) is an int64 to pandas and to whatever reads its CSV/JSON.
+INT64_MAX = 2**63 - 1
+
+
+def check_counts(rep: Any) -> None:
+    """The report's largest tensor within int64 bytes, or one line naming it and the options that made it so."""
+    big = max(rep.records(), key=lambda r: r["bytes"], default=None)
+    if big is not None and big["bytes"] > INT64_MAX:
+        raise ValueError(f"--batch {rep.batch}, --seq-len {rep.seq_len}, --past {rep.past}: {big['symbol']} "
+                         f"({big['description']}) would take over 2^{big['bytes'].bit_length() - 1} bytes, past what "
+                         f"a 64-bit count holds (2^63 - 1); give smaller numbers")
+
+
 @report.command("regenerate", short_help="Rebuild the paper's four models' reports.")
 @click.option("-o", "--output", "--out", "out", type=click.Path(file_okay=False), metavar="DIR", default=None,
               help="Directory to write [default: the current directory].")
 @output_options(("table", "json"))
 def report_regenerate(out: str | None, fmt: str) -> None:
-    """Rebuild the reports of the paper's four models (the repository keeps them in reports/generated/)."""
+    """Rebuild the reports of the paper's four models (the repository keeps them in reports/generated/).
+
+    \b
+    Example:
+      llama-tools report regenerate -o reports/generated
+    """
     from .reports.regenerate import regenerate
 
     rows = [{"file": str(p), "bytes": p.stat().st_size} for p in regenerate(out)]
@@ -375,8 +496,9 @@ def report_regenerate(out: str | None, fmt: str) -> None:
 @cli.command(short_help="Rewrite a checkpoint (or a preset's seeded weights) in another layout.")
 @click.argument("src", type=ModelArg(weights_required_in_dir=True))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--to", "to", type=click.Choice(WRITABLE), required=True,
-              help="hf: config.json + safetensors; meta: params.json + consolidated.NN.pth.")
+@click.option("--to", "to", type=Choice(WRITABLE), required=True,
+              help="The layout to write: " + "; ".join(f"{k}: {CHECKPOINT_FORMATS[k].description}" for k in WRITABLE)
+                   + ".")
 @click.option("--shards", type=click.IntRange(min=1), default=1, show_default=True,
               help="Number of files (HF shards with an index, or Meta model-parallel shards).")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Random init of a preset or config.json.")
@@ -384,7 +506,17 @@ def report_regenerate(out: str | None, fmt: str) -> None:
               help="Cast the weights [default: as stored; a GGUF is dequantized to float32].")
 @output_options(("table", "json"))
 def convert(src: Any, dst: Path, to: str, shards: int, seed: int, dtype: str | None, fmt: str) -> None:
-    """Rewrite SRC (a checkpoint, a GGUF file, or a preset/config with its seeded weights) in another layout at DST."""
+    """Rewrite SRC (a checkpoint, a GGUF file, or a preset/config with its seeded weights) in another layout at DST.
+
+    DST is a new (or empty) directory, written atomically: all its files appear at once, or none. For --to gguf it
+    is a new file (or a stream, device or FIFO), written atomically the same way.
+
+    \b
+    Examples:
+      llama-tools convert tiny tiny-hf --to hf
+      llama-tools convert ./tiny-hf tiny.gguf --to gguf --dtype float16
+      llama-tools convert ./tiny-hf tiny-meta --to meta --shards 2 --dtype bfloat16
+    """
     from .convert import convert as run_convert
 
     check_writes([dst], src.files)
@@ -393,7 +525,8 @@ def convert(src: Any, dst: Path, to: str, shards: int, seed: int, dtype: str | N
         click.echo(f"warning: {warning}", err=True)
     rows = [{"destination": res.destination, "layout": res.layout, "files": len(res.files),
              "tensors": res.tensors, "params": res.params, "bytes": res.bytes}]
-    click.echo(render(rows, fmt, json_payload=res))
+    # A GGUF sent to standard output (DST -): the summary goes to stderr, not into it.
+    click.echo(render(rows, fmt, json_payload=res), err=stream_fd(dst) == 1)
 
 
 @cli.command(short_help="Text to token ids and pieces, or ids back to text.")
@@ -402,13 +535,22 @@ def convert(src: Any, dst: Path, to: str, shards: int, seed: int, dtype: str | N
 @click.option("--ids", type=IdsArg(), default=None, help="Decode these ids instead of encoding TEXT.")
 @click.option("--no-bos", is_flag=True, help="Do not prepend <s>.")
 @output_options()
+@quoting(files=TOKENIZER_FILES)
 def tokenize(model: Any, text: str | None, ids: list[int] | None, no_bos: bool, fmt: str) -> None:
-    """Encode TEXT (or decode --ids) with MODEL's tokenizer.model: one row per token."""
+    """Encode TEXT (or decode --ids) with MODEL's own tokenizer: one row per token.
+
+    The tokenizer is MODEL's {files} (the tiny preset ships one).
+
+    \b
+    Examples:
+      llama-tools tokenize tiny "Hello world"
+      llama-tools tokenize ./tiny-hf --ids "1 450 29871" --format json
+    """
     from .source import load_tokenizer, no_tokenizer
 
     if (text is None) == (ids is None):
         raise ValueError("give exactly one of TEXT or --ids '1 2 3'")
-    tok = load_tokenizer(model)
+    tok = load_tokenizer(model, fits=False)  # the tokenizer alone: its ids need not fit the model's vocab_size
     if tok is None:
         raise no_tokenizer(model, "decode --ids" if ids is not None else "encode TEXT")
     token_ids = ids if ids is not None else tok.encode(text or "", bos=False if no_bos else None)
@@ -418,7 +560,8 @@ def tokenize(model: Any, text: str | None, ids: list[int] | None, no_bos: bool, 
 
 @cli.command(short_help="Continue a prompt with a model (greedy by default).")
 @click.argument("model", type=ModelArg(weights_required_in_dir=True))
-@click.option("--prompt", default=None, metavar="TEXT", help="Text, encoded with MODEL's tokenizer (with <s>).")
+@click.option("--prompt", default=None, metavar="TEXT",
+              help=f"Text, encoded with MODEL's tokenizer ({TOKENIZER_FILES}; with <s> as it says); this or --ids.")
 @click.option("--ids", default=None, metavar="IDS", help="Raw prompt ids instead of --prompt, e.g. '1 450 29871'.")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=32, show_default=True,
               help="Tokens to add at most (fewer when </s> comes); prompt + these must fit the context.")
@@ -481,19 +624,25 @@ def _rope_op_option(help_suffix: str = "") -> Callable:
     from .exporters.rope_ops import ROPE_OPS, OURS
 
     lines = "; ".join(f"{op.name}: {op.display}, {op.help}" for op in ROPE_OPS.values())
-    return click.option("--rope-op", type=click.Choice(list(ROPE_OPS)), default=OURS.name, show_default=True,
+    return click.option("--rope-op", type=Choice(list(ROPE_OPS)), default=OURS.name, show_default=True,
                         help=lines + help_suffix)
 
 
 @cli.group(cls=Group, short_help="Export a model to ONNX (plain, fused or int4) with its client files.")
 def export() -> None:
-    """Export a model for deployment."""
+    """Export a model for deployment.
+
+    \b
+    Example:
+      llama-tools export onnx tiny -o plain/model.onnx
+    """
 
 
 @export.command("onnx", short_help="One ONNX graph for prefill and decode, plus the files clients need.")
 @click.argument("model", type=ModelArg(weights_required_in_dir=True))
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), metavar="PATH",
-              help="The .onnx file to write (atomically; weights over 256 MiB stream to OUTPUT.data beside it).")
+              help=f"The .onnx file to write (atomically; weights over {size_words(SINGLE_FILE_MAX_BYTES)} stream to "
+                   f"OUTPUT.data beside it).")
 @click.option("--dtype", type=DTYPE_CHOICE, default=dtypes.FLOAT32.name, show_default=True,
               help="Element type of the graph's weights and activations.")
 @_rope_op_option()
@@ -501,22 +650,29 @@ def export() -> None:
                                                "MatMuls, Skip RMSNorms, our RoPE node (plain attention, with a note, "
                                                "where the fused ops cannot run the model).")
 @click.option("--static-kv", type=click.IntRange(min=1), default=None, metavar="LENGTH",
-              help="With --optimize: one preallocated KV buffer of LENGTH positions shared by past and present "
-                   "(onnxruntime-genai's past_present_share_buffer).")
-@click.option("--quantize", type=click.Choice(QUANTIZE), default=None,
-              help="Weight-only int4 (onnxruntime's MatMulNBits quantizer, block 32); implies --optimize.")
+              help="One preallocated KV buffer of LENGTH positions (at most the model's context) shared by past and "
+                   "present (onnxruntime-genai's past_present_share_buffer); implies --optimize [default: none, the "
+                   "cache grows with each step].")
+@click.option("--quantize", type=Choice(QUANTIZE), default=None,
+              help=f"Weight-only int4 (onnxruntime's MatMulNBits quantizer, block {BLOCK_SIZE}); implies --optimize "
+                   f"[default: none, the weights in --dtype].")
 @click.option("--int4-block-size", type=click.IntRange(min=16), default=None, metavar="N",
-              help="With --quantize int4: weights per scale, a power of two >= 16 [default: 32].")
+              help=f"With --quantize int4: weights per scale, a power of two >= 16 [default: {BLOCK_SIZE}].")
 @click.option("--int4-asymmetric", is_flag=True,
               help="With --quantize int4: a zero point per block (costs the tied embedding's sharing).")
 @click.option("--int4-accuracy-level", type=click.IntRange(0, 4), default=None, metavar="0-4",
-              help="With --quantize int4: MatMulNBits' compute type; 4 = int8 activations, the CPU's fast path "
-                   "[default: 4].")
-@click.option("--int4-algorithm", type=click.Choice(list(INT4_ALGORITHMS)), default=None,
+              help=f"With --quantize int4: MatMulNBits' compute type; 4 = int8 activations, the CPU's fast path "
+                   f"[default: {ACCURACY_LEVEL}].")
+@click.option("--int4-algorithm", type=Choice(list(INT4_ALGORITHMS)), default=None,
               help="With --quantize int4: " + "; ".join(f"{k}: {v}" for k, v in INT4_ALGORITHMS.items())
-                   + " [default: rtn].")
+                   + f" [default: {DEFAULT_ALGORITHM}].")
 @click.option("--int4-keep", multiple=True, metavar="NODE",
-              help="With --quantize int4: keep this MatMul in full precision (repeatable), e.g. /lm_head/MatMul.")
+              help="With --quantize int4: keep this MatMul in full precision (repeatable), e.g. /lm_head/MatMul "
+                   "[default: none kept].")
+@click.option("--max-kl", type=click.FloatRange(min=0, min_open=True, max=10), default=None, metavar="NATS",
+              help="With --quantize int4: a quality target. The matrices whose int4 error moves the next-token "
+                   "distribution most (measured on built-in text) stay 8-bit until the mean KL to the full-precision "
+                   "model is at most NATS [default: no target, every matrix int4].")
 @click.option("--no-client-files", is_flag=True, help="Do not write config.json, genai_config.json and the "
                                                       "tokenizer files beside OUTPUT.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Random init of a preset or config.json.")
@@ -525,7 +681,7 @@ def export() -> None:
 def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bool, static_kv: int | None,
                 quantize: str | None, int4_block_size: int | None, int4_asymmetric: bool,
                 int4_accuracy_level: int | None, int4_algorithm: str | None, int4_keep: tuple[str, ...],
-                no_client_files: bool, seed: int,
+                max_kl: float | None, no_client_files: bool, seed: int,
                 quiet: bool, fmt: str) -> None:
     """Write MODEL as one ONNX graph for prefill and decode, with the files clients need beside it.
 
@@ -543,14 +699,19 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
 
     int4 = {k: v for k, v in (("block_size", int4_block_size), ("symmetric", False if int4_asymmetric else None),
                               ("accuracy_level", int4_accuracy_level), ("exclude", int4_keep or None),
-                              ("algorithm", int4_algorithm))
+                              ("algorithm", int4_algorithm), ("max_kl", max_kl))
             if v is not None}
     if int4 and quantize != "int4":
         raise click.UsageError("the --int4-* options go with --quantize int4")
     if int4_block_size is not None and int4_block_size & (int4_block_size - 1):
         raise click.BadParameter(f"{int4_block_size} is not a power of two", param_hint="--int4-block-size")
     check_args(dtype, rope_op, None)
-    check_output(model, output, dtype=dtype, quantize=quantize)  # inputs, streams, a .data not ours, free space
+    if static_kv is not None and static_kv > model.cfg.max_position_embeddings:
+        raise click.BadParameter(f"{static_kv} positions is more than {model.spec}'s context of "
+                                 f"{model.cfg.max_position_embeddings} (its RoPE tables end there); give at most that",
+                                 param_hint="--static-kv")
+    # inputs, streams, a .data not ours, free space, the tokenizer it reads and writes beside the graph
+    check_output(model, output, dtype=dtype, quantize=quantize, client_files=not no_client_files)
     if model.kind == "config":  # a preset is random by name; a config file gets random weights by asking
         click.echo(f"note: {model.spec} is a config without weights: exporting seeded random weights (seed {seed})",
                    err=True)
@@ -581,6 +742,15 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
     if rep.quantized:
         q = rep.quantized
         rows.append(("int4", f"{q.quantized} MatMulNBits, {q.ratio:.2f}x the bytes"))
+    if rep.target:
+        t = rep.target
+        kept = ", ".join(n.removesuffix("/MatMul").removeprefix("/model/") for n in t.kept_8bit[:4])
+        more = f", ... ({len(t.kept_8bit) - 4} more)" if len(t.kept_8bit) > 4 else ""
+        rows.append(("int4 target", f"mean KL <= {t.max_kl:g} nats {'met' if t.met else 'NOT met'}: "
+                                    f"{t.calibration_kl:.4f} on {t.calibration_tokens} calibration tokens, "
+                                    f"{len(t.rounds)} graph(s) tried"))
+        rows.append(("kept 8-bit", f"{len(t.kept_8bit)} of {len(t.sensitivity)} matrices" + (f": {kept}{more}" if kept
+                                                                                             else "")))
     if rep.quality:
         qq = rep.quality
         rows.append(("int4 quality", f"mean KL {qq.mean_kl:.4f} nats, top-1 {qq.top1:.1%} against the full-precision "
@@ -598,6 +768,7 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
                "peak_rss_bytes": peak_rss_bytes(),  # the whole run's, as the table says
                "quantized": dataclasses.asdict(rep.quantized) if rep.quantized else None,
                "int4_quality": dataclasses.asdict(rep.quality) if rep.quality else None,
+               "int4_target": dataclasses.asdict(rep.target) if rep.target else None,
                "client_files": [str(p) for p in rep.client_files.written] if rep.client_files else [],
                "client_files_invented": rep.client_files.invented if rep.client_files else [],
                "client_files_warnings": rep.client_files.warnings if rep.client_files else []}
@@ -613,24 +784,31 @@ def export_phases(started: float, rep: Any) -> dict[str, float]:
     now = time.time()
     phases = {"start-up": started - psutil.Process().create_time(), "graph": rep.result.seconds}
     if rep.quantized:
-        phases["int4"] = rep.quantized.seconds
+        phases["int4"] = rep.target.seconds if rep.target else rep.quantized.seconds
     phases["client files and checks"] = max(now - started - sum(list(phases.values())[1:]), 0.0)
     return phases
 
 
 @cli.group(cls=Group, short_help="Check an ONNX export against PyTorch (parity, or int4 quality).")
 def verify() -> None:
-    """Check an export against the PyTorch model."""
+    """Check an export against the PyTorch model.
+
+    \b
+    Examples:
+      llama-tools verify parity plain/model.onnx
+      llama-tools verify int4 int4/model.onnx
+    """
 
 
 @verify.command("parity", short_help="An ONNX graph on onnxruntime against PyTorch, layer by layer and whole.")
 @click.argument("target", required=False)
 @click.option("--source", default=None, help="The PyTorch side when TARGET is an .onnx file "
                                               "[default: the source in the file's metadata].")
-@click.option("--prompt", "prompts", multiple=True, help="Text, encoded with the checkpoint's tokenizer "
-                                                        "(tokenizer.json, tokenizer.model or a GGUF vocabulary); "
-                                                        "repeat for a batch [default: built-in text].")
-@click.option("--ids", "ids", multiple=True, type=IdsArg(), help="Raw ids, e.g. '1 450 29871'; repeat for a batch.")
+@click.option("--prompt", "prompts", multiple=True, help=f"Text, encoded with the checkpoint's tokenizer "
+                                                        f"({TOKENIZER_FILES}); repeat for a batch [default: "
+                                                        f"built-in text].")
+@click.option("--ids", "ids", multiple=True, type=IdsArg(),
+              help="Raw ids instead of --prompt, e.g. '1 450 29871'; repeat for a batch.")
 @click.option("--random-ids", "random_ids", type=click.IntRange(1, 64), default=None, metavar="N",
               help="N rows of seeded random ids instead of text: a stress test (the default only without a "
                    "tokenizer).")
@@ -638,7 +816,7 @@ def verify() -> None:
               help="Seed of --random-ids.")
 @click.option("--steps", type=click.IntRange(min=0), default=8, show_default=True,
               help="Greedy decode steps through the KV cache (whole-graph check).")
-@click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+@click.option("--provider", type=Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: CUDA when a session really runs on it, else the CPU.")
 @click.option("--dtype", type=DTYPE_CHOICE, default=dtypes.FLOAT32.name, show_default=True,
               help="When TARGET is a model exported on the fly.")
@@ -646,23 +824,25 @@ def verify() -> None:
 @click.option("--tf32", is_flag=True, help="Let CUDA run fp32 MatMuls in TF32 (faster, ~1e-3 off; judged by its own "
                                          "tolerance). Default: TF32 off, so fp32 means fp32.")
 @click.option("--all-layers", is_flag=True, help="A row for every check of every layer, not only the failing ones.")
-@click.option("--checks", type=click.Choice(MODES), default="auto", show_default=True,
+@click.option("--checks", type=Choice(MODES), default="auto", show_default=True,
               help="layers: each decoder layer fed float64's own input to it (prefill; about one layer in memory); "
                    "whole: the graph end to end (prefill and greedy decode); both; auto: layers, and whole while "
-                   "the graph's weights are <= 1 GiB.")
+                   f"the graph's weights are <= {size_words(WHOLE_GRAPH_BYTES)}.")
 @click.option("--by-layer", is_flag=True, help="The same as --checks layers.")
 @click.option("--plot", "plot", type=click.Path(path_type=Path), default=None, metavar="FILE.png",
               help="Draw each layer's error and noise (K, V and the hidden state; the whole graph's K and V with "
-                   "--checks whole), the bound and the first layer out of budget (needs the [plot] extra).")
+                   "--checks whole), the bound and the first layer out of budget (needs the [plot] extra) "
+                   "[default: no plot].")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on the terminal.")
 @output_options(("table", "json"))
+@quoting(whole=size_words(WHOLE_GRAPH_BYTES))
 def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ...], ids: tuple[list[int], ...],
                   random_ids: int | None, seed: int, steps: int, provider: str, dtype: str, rope_op: str, tf32: bool,
                   all_layers: bool, checks: str, by_layer: bool, plot: Path | None, quiet: bool, fmt: str) -> None:
     """Run TARGET on onnxruntime against PyTorch float64; exit 0 only when every check passes.
 
     The verdict and the first bad layer come from each decoder layer run on its own, fed float64's input to it;
-    the whole graph (prefill and greedy decode) is judged beside it while its weights are <= 1 GiB. Inputs:
+    the whole graph (prefill and greedy decode) is judged beside it while its weights are <= {whole}. Inputs:
     built-in text (prose, code, a chat turn) through the model's tokenizer, or seeded random ids without one.
 
     TARGET: an exported .onnx (the PyTorch side is the source in its metadata, or --source), or a MODEL
@@ -677,23 +857,36 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
     """
     if target is not None:
         check_onnx_exists(target)
-    if plot is not None:
-        from .reports.parity_plot import check_plot_path
-
-        check_plot_path(plot)
     if random_ids is not None and (prompts or ids):
         raise click.UsageError("give --random-ids N, or --prompt/--ids, not both")
-    from .exporters.preflight import check_args
-    from .exporters.parity import resolve_target
-    from .exporters.verdict import parity_inputs, verify
-    from .source import prompt_ids
-
-    check_args(dtype, rope_op, None)
-    tgt = resolve_target(target, source)
-    batch = [prompt_ids(tgt.source, t, None)[0] for t in prompts] + [list(i) for i in ids]
     if by_layer and checks not in ("auto", "layers"):
         raise click.UsageError(f"--by-layer is --checks layers; it cannot go with --checks {checks}")
     mode = "layers" if by_layer else checks
+    from .exporters.preflight import check_args
+    from .exporters.verify_preflight import parity_room
+    from .tokenizer import check_vocab
+
+    from .source import prompt_ids
+
+    check_args(dtype, rope_op, None)
+    room = parity_room(target, source)  # TARGET, --source and the graph's metadata, before torch is imported
+    for row in ids:
+        check_vocab(row, room.cfg.vocab_size, "--ids")
+    # --prompt through the tokenizer now where the PyTorch side is known without reading more (else after)
+    batch = [prompt_ids(room.source, t, None)[0] for t in prompts] if room.source is not None else None
+    if mode != "layers":  # the layer-local check decodes nothing
+        room.check(max([len(r) for r in [*(batch or []), *ids]], default=1), steps)  # a prompt has a token at least
+    if plot is not None:
+        from .reports.parity_plot import check_plot_path
+
+        check_plot_path(plot)  # last of the cheap checks: it imports matplotlib
+    from .exporters.parity import resolve_target
+    from .exporters.verdict import parity_inputs, verify
+
+    tgt = resolve_target(target, source)
+    if batch is None:
+        batch = [prompt_ids(tgt.source, t, None)[0] for t in prompts]
+    batch += [list(i) for i in ids]
     inputs = parity_inputs(tgt, batch or None, steps if mode != "layers" else 0, random_ids, seed)
     v = verify(tgt, inputs, mode=mode, provider=provider, steps=steps, dtype=dtype, rope_op=rope_op, tf32=tf32,
                progress=terminal("parity", quiet=quiet))
@@ -777,9 +970,9 @@ def parity_rows(rep: Any, all_layers: bool = False) -> list[dict[str, Any]]:
 @click.option("--source", type=ModelArg(weights_required_in_dir=True), default=None,
               help="The fp32 PyTorch side [default: the source in the file's metadata].")
 @click.option("--steps", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Greedy decode steps for the top-1 agreement.")
+              help="Greedy decode steps for the top-1 agreement; the prompt and these must fit the model's context.")
 @click.option("--prompt", default=None, metavar="TEXT",
-              help="Start the greedy decode from this text (the source's tokenizer) [default: 8 seeded ids].")
+              help=f"Start the greedy decode from this text (the source's tokenizer) [default: {PROMPT_IDS} seeded ids].")
 @click.option("--ids", default=None, metavar="IDS", help="Raw prompt ids instead of --prompt, e.g. '1 450 29871'.")
 @click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Score KL, perplexity and top-1 on this real text file (its first --max-tokens tokens) "
@@ -802,33 +995,31 @@ def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: 
     check_onnx_exists(str(target))
     if prompt is not None and ids is not None:
         raise click.UsageError("give at most one of --prompt TEXT or --ids '1 2 3'")
-    from .exporters.onnx_export import read_metadata
-    from .exporters.quantize import measure_quant_parity
-    from .loading import load_model
+    from .exporters.verify_preflight import int4_source
+    from .header_readers import open_regular
     from .source import load_tokenizer, no_tokenizer, prompt_ids
 
-    from .source import resolve
-
-    if source is None:
-        from .exporters.parity import has_our_metadata
-
-        if not has_our_metadata(target):
-            raise ValueError(f"{target} was not written by llama-tools; pass --source with the checkpoint it was "
-                             f"exported from")
-    model = source if source is not None else resolve(read_metadata(target).source, needs_data=True)
+    # Everything that needs no weights, before torch is imported: the graph holds int4, its fp32 side, the prompt
+    # in the vocabulary, the prompt and --steps within the context, --text.
+    model, room = int4_source(target, source)
     start = prompt_ids(model, prompt, ids)[0] if prompt is not None or ids is not None else None
+    room.check(len(start) if start else PROMPT_IDS, steps)
     sequence = None
     if text_file is not None:
         tok = load_tokenizer(model)
         if tok is None:
             raise no_tokenizer(model, "score --text")
         try:
-            text = text_file.read_text(encoding="utf-8")
+            with open_regular(text_file) as f:  # a FIFO or device is refused, never read
+                text = f.read().decode("utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"{text_file}: not UTF-8 text (byte {e.start}); --text takes a text file") from None
         sequence = tok.encode(text)[:min(max_tokens, model.cfg.max_position_embeddings)]
         if len(sequence) < 2:
             raise click.BadParameter(f"{text_file} encodes to {len(sequence)} token(s); give some text", param_hint="--text")
+    from .exporters.quantize import measure_quant_parity  # numpy, torch and onnxruntime: the work itself
+    from .loading import load_model
+
     reference = load_model(source) if source is not None else None
     rep = measure_quant_parity(target, reference, prompt=start, sequence=sequence, steps=steps)
     t = rep.thresholds

@@ -67,7 +67,11 @@ def next_token(phi: torch.Tensor, seen: torch.Tensor, *, temperature: float, rep
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if temperature == 0:
         return int(phi.argmax())
-    phi = filter_top_k_top_p(phi / temperature, top_k, top_p)  # 7.2: phi / alpha2
+    # 7.2, phi / alpha2, with the best score shifted to 0 first: a tiny temperature sends the others to -inf, never
+    # to inf - inf = NaN in the softmax (a penalized score past float32's range is clamped back into it first).
+    top = torch.finfo(phi.dtype).max
+    phi = phi.clamp(-top, top)
+    phi = filter_top_k_top_p((phi - phi.max()) / temperature, top_k, top_p)
     probs = torch.softmax(phi, dim=-1)  # 7.3: phihat = smax(phi)
     return int(torch.multinomial(probs, 1, generator=generator))
 

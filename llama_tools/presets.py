@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
 
 ALIASES = {
     "llama-2-7b-hf": "llama-2-7b", "llama2-7b": "llama-2-7b", "llama2-13b": "llama-2-13b",
-    "llama2-70b": "llama-2-70b", "llama-3.1-405b": "llama-3.1-405b", "llama3-8b": "llama-3-8b",
+    "llama2-70b": "llama-2-70b", "llama3-8b": "llama-3-8b",
     "llama3-70b": "llama-3-70b", "mistral-7b-v0.1": "mistral-7b", "mixtral-8x7b-v0.1": "mixtral-8x7b",
 }
 
@@ -101,17 +102,28 @@ def preset_names() -> list[str]:
     return list(PRESETS)
 
 
+def aliases_of(name: str) -> list[str]:
+    """The other names that select preset NAME (what `presets` lists beside it)."""
+    return [a for a, target in ALIASES.items() if target == name]
+
+
 def preset_tokenizer(name: str) -> Path | None:
     """The packaged tokenizer.model of preset NAME, or None when it has none."""
     rel = PRESET_TOKENIZERS.get(ALIASES.get(name.lower(), name.lower()))
     return Path(__file__).resolve().parent / rel if rel else None
 
 
+def closest_preset(name: str) -> str | None:
+    """The preset or alias NAME most likely misspells (difflib's ratio >= 0.6), or None."""
+    close = difflib.get_close_matches(name.lower(), [*PRESETS, *ALIASES], n=1)
+    return close[0] if close else None
+
+
 def get_preset(name: str) -> ModelConfig:
     key = ALIASES.get(name.lower(), name.lower())
     if key not in PRESETS:
-        raise ValueError(f"unknown model {name!r}: not a preset, config.json or checkpoint directory. "
+        close = closest_preset(name)
+        hint = f" (did you mean {close}?)" if close else ""
+        raise ValueError(f"unknown model {name!r}: not a preset, config.json or checkpoint directory{hint}. "
                          f"Known presets: {', '.join(PRESETS)}")
     return PRESETS[key]
-
-

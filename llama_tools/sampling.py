@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-import math
+import struct
 
 from .config import ModelConfig
 from .tokenizer import check_vocab
+
+# The scores are sampled in float32 (generation.next_token): a temperature or penalty they are divided by must be a
+# float32 number, neither 0 there (below its smallest normal) nor inf (above its largest).
+FLOAT32_TINY = struct.unpack("<f", struct.pack("<I", 0x00800000))[0]  # 1.1754944e-38
+FLOAT32_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]  # 3.4028235e+38
 
 
 def check_sampling(cfg: ModelConfig, prompt_ids: list[int], *, max_new_tokens: int, temperature: float,
@@ -24,10 +29,12 @@ def check_sampling(cfg: ModelConfig, prompt_ids: list[int], *, max_new_tokens: i
     if len(prompt_ids) + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens + --max-new-tokens {max_new_tokens} exceeds the "
                          f"model's context of {cfg.max_position_embeddings} positions")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"--temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
-    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
-        raise ValueError(f"--repetition-penalty must be a finite number > 0, got {repetition_penalty}")
+    if not (temperature == 0 or FLOAT32_TINY <= temperature <= FLOAT32_MAX):
+        raise ValueError(f"--temperature must be 0 (greedy) or in {FLOAT32_TINY:.8g}..{FLOAT32_MAX:.8g} (float32, "
+                         f"what the scores are divided in), got {temperature}")
+    if not FLOAT32_TINY <= repetition_penalty <= FLOAT32_MAX:
+        raise ValueError(f"--repetition-penalty must be in {FLOAT32_TINY:.8g}..{FLOAT32_MAX:.8g} (float32, what the "
+                         f"scores are scaled in; 1 is off), got {repetition_penalty}")
     if top_k < 0:
         raise ValueError(f"--top-k must be >= 0 (0 keeps every token), got {top_k}")
     if not 0 < top_p <= 1:

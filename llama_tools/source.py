@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
 
 from .config import ModelConfig
-from .config_files import UnknownArchitecture, load_config, looks_like_path
+from .config_files import UnknownArchitecture, is_config_file, load_config, looks_like_path
 from .gguf_files import UnmodelledGguf, is_gguf, read_gguf_headers
-from .header_readers import PartialFile, read_safetensors_header
+from .header_readers import PartialFile, _kind as file_kind, read_safetensors_header
 from .presets import preset_tokenizer
-from .tokenizer import KINDS, Tokenizer, check_vocab, find_tokenizer, parse_ids
+from .tokenizer import KINDS, Tokenizer, check_fits, check_vocab, find_tokenizer, parse_ids
 from .weight_files import NO_WEIGHTS, WeightFiles, checkpoint_config, find_weight_files, read_headers
 
 MAX_RANDOM_INIT_BYTES = 8 * 2**30  # seeded weights above this are refused (load_model) rather than materialized
@@ -69,6 +71,7 @@ def resolve(spec: str | Path, *, weights_required_in_dir: bool = False, needs_da
         return spec
     text = str(spec)
     p = Path(text)
+    check_model_path(text)
     if p.is_dir():
         path = p.resolve()
         tok = find_tokenizer(path)
@@ -100,6 +103,29 @@ def resolve(spec: str | Path, *, weights_required_in_dir: bool = False, needs_da
 # --- What count-params and report shapes take beyond a model we build -------------------------------------------
 
 LONE_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth")  # weight files count-params reads alone, by their headers
+# A MODEL ending so names a file, never a preset (no preset name has a suffix like these).
+FILE_SUFFIXES = (*LONE_WEIGHT_SUFFIXES, ".gguf", ".json", ".onnx")
+
+
+def check_model_path(text: str) -> None:
+    """MODEL meant as a path (path-like, or a file suffix): it exists, and is a directory or a regular file.
+
+    Said as typed (`./tiny-hf` keeps its `./`), before anything would take it for a preset name; a FIFO or device
+    is refused by its stat alone, never opened (a FIFO would block).
+    """
+    try:
+        st = os.stat(text)
+    except (FileNotFoundError, NotADirectoryError):
+        if looks_like_path(text) or Path(text).suffix.lower() in FILE_SUFFIXES:
+            what = "a broken symbolic link" if os.path.islink(text) else "no such file or directory"
+            raise ValueError(f"{text}: {what}; MODEL is a preset name (`llama-tools presets`), a config.json or "
+                             f"params.json, a checkpoint directory or a .gguf file") from None
+        return  # not a path: a preset name, looked up by load_config
+    except OSError as e:
+        raise ValueError(f"{text}: cannot be read ({e.strerror})") from None
+    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        raise ValueError(f"{text}: is {file_kind(st.st_mode)}, not a regular file; MODEL is a checkpoint directory, "
+                         f"a config.json or params.json, or a .gguf file")
 
 
 @dataclass(frozen=True)
@@ -155,7 +181,7 @@ def resolve_countable(spec: str | Path) -> Countable:
     p = Path(text)
     if p.is_file() and p.suffix.lower() in LONE_WEIGHT_SUFFIXES:
         return HeaderFiles(text, p.resolve(), "a weight file given alone")
-    if p.is_dir() and not any((p / n).is_file() for n in ("config.json", "params.json")) and (
+    if p.is_dir() and not any(is_config_file(p / n) for n in ("config.json", "params.json")) and (
             find_weight_files(p) is not None or any(p.glob("*.gguf"))):
         return HeaderFiles(text, p.resolve(), "no config.json beside the weights")
     try:
@@ -184,12 +210,19 @@ def _arch(data: dict[str, Any]) -> str:
 
 # --- MODEL's tokenizer: the tokenizer files found beside it (tokenizer.py reads them) -------------------------
 
-def load_tokenizer(source: ModelSource) -> Tokenizer | None:
-    """MODEL's tokenizer (KINDS decides the library), or None when it has none."""
+def load_tokenizer(source: ModelSource, *, fits: bool = True) -> Tokenizer | None:
+    """MODEL's tokenizer (KINDS decides the library), or None when it has none; one line naming the file when it is
+    not usable. fits: also refused (naming both files) when it has ids past the model's vocab_size (check_fits), as
+    every command that runs the model needs; `tokenize` alone reads the tokenizer without the model."""
     found = find_tokenizer(source.path)
     if found is None and source.tokenizer is not None:  # e.g. one shipped with a preset
         found = source.tokenizer
-    return Tokenizer(found) if found is not None else None
+    if found is None:
+        return None
+    tok = Tokenizer(found)
+    if fits:
+        check_fits(tok, source.cfg.vocab_size, source.cfg.source or source.spec)
+    return tok
 
 
 def no_tokenizer(source: ModelSource, need: str) -> ValueError:
@@ -210,11 +243,12 @@ def prompt_ids(source: ModelSource, prompt: str | None, ids: str | None,
         out = parse_ids(ids)
         if not out:
             raise ValueError("--ids: no token ids given")
+        check_vocab(out, source.cfg.vocab_size)
     elif tok is None:
         raise no_tokenizer(source, "encode --prompt; pass --ids instead")
     else:
         out = tok.encode(prompt or "", bos=bos)
         if not out:
             raise ValueError(f"--prompt {prompt!r} encodes to no tokens; give some text")
-    check_vocab(out, source.cfg.vocab_size)
+        check_vocab(out, source.cfg.vocab_size, f"{tok.path} (encoding --prompt)")  # the tokenizer's ids, not --ids
     return out, tok
