@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_faults as bf  # noqa: E402
 import realmodels  # noqa: E402
 
-MODELS = {"glublm": realmodels.glublm_hf, "smollm2": realmodels.smollm2_hf, "qwen2": realmodels.qwen2_hf}
+MODELS = {"glublm": realmodels.glublm_hf, "smollm2": realmodels.smollm2_hf, "qwen2": realmodels.qwen2_hf,
+          "gemma3": realmodels.gemma3_hf}
 
 
 def export(hf: Path, root: Path, graph: str) -> Path:
@@ -157,9 +158,11 @@ def main() -> None:
                       f"{' '.join(f'{x:.2g}' for x in g)}; largest {max(g):.3g} at layer {g.index(max(g))}",
                       flush=True)
             continue
-        print(f"\n{name}: {cfg.num_hidden_layers} layers, width {cfg.hidden_size}, heads {cfg.num_attention_heads}/"
+        print(f"\n{name} ({cfg.family}): {cfg.num_hidden_layers} layers, width {cfg.hidden_size}, heads {cfg.num_attention_heads}/"
               f"{cfg.num_key_value_heads}, vocab {cfg.vocab_size}, rope_theta {cfg.rope_theta:g}, "
-              f"tied {cfg.tie_word_embeddings}, q/k/v bias {cfg.qkv_bias}", flush=True)
+              f"tied {cfg.tie_word_embeddings}, q/k/v bias {cfg.qkv_bias}"
+              + (f", sliding window {cfg.sliding_window} on {sum(map(cfg.slides, range(cfg.num_hidden_layers)))} "
+                 f"layers" if cfg.sliding_window else ""), flush=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"bench-corpus-{name}-"))
         root = args.keep / name if args.keep else tmp
         try:
@@ -176,7 +179,7 @@ def main() -> None:
                 for fault in args.faults.split(","):
                     faulted = bf.plant(path, fault, cfg, layer)
                     r = verdict(faulted, str(hf))
-                    want = bf.expected(fault, "default", layer, cfg.num_hidden_layers)
+                    want = bf.expected(fault, "default", layer, cfg.num_hidden_layers, cfg)
                     print(f"{'fault':<8} {fault:<10} {'PASS' if r['passed'] else 'FAIL':<7} {r['where']:<12} "
                           f"expected {want:<29} {fmt(r['whole']):<38} {r['seconds']:>5.1f}", flush=True)
                     faulted.unlink()

@@ -113,13 +113,15 @@ def plant(onnx_path: str | Path, fault: str, cfg: Any, layer: int, eps: float = 
             rows = p.array(name).shape[0]
             p.replace(name, fn(np.arange(rows, dtype=np.float64)[:, None] * inv[None, :]))  # [positions, n6/2]
     elif fault == "kv-swap":
-        assert cfg.num_key_value_heads >= 2, "two KV heads to swap"
         d, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        split = [(p.weight_of(_one(p.nodes(layer, "MatMul", f"/{w}/"), w)), 0) for w in ("k_proj", "v_proj")
+        # One KV head (MQA) has nothing to swap it with: two query heads are swapped instead, the same class of
+        # fault (heads out of order) in the only projection that has two.
+        projections = ("k_proj", "v_proj") if nkv >= 2 else ("q_proj",)
+        split = [(p.weight_of(_one(p.nodes(layer, "MatMul", f"/{w}/"), w)), 0) for w in projections
                  if p.nodes(layer, "MatMul", f"/{w}/")]
         if not split:  # packed q|k|v columns: [n2, (nq + 2 nkv) d]
             qkv = p.weight_of(_one(p.nodes(layer, "MatMul", "qkv_proj"), "qkv_proj"))
-            split = [(qkv, nq * d), (qkv, (nq + nkv) * d)]
+            split = [(qkv, nq * d), (qkv, (nq + nkv) * d)] if nkv >= 2 else [(qkv, 0)]
         for name, base in split:
             w = p.array(name).copy()  # [n2, out]: an output channel per column
             h0, h1 = slice(base, base + d), slice(base + d, base + 2 * d)
@@ -149,10 +151,11 @@ def _one(nodes: list[Any], what: str) -> Any:
     return nodes[0]
 
 
-def expected(fault: str, mode: str, layer: int, n8: int) -> str:
+def expected(fault: str, mode: str, layer: int, n8: int, cfg: Any = None) -> str:
     """Where each mode should place the fault (see the module docstring)."""
-    if fault == "rope":
-        return "layer 0"
+    if fault == "rope":  # the global table: a model with a local RoPE base (Gemma 3) reads it first at a global layer
+        local = cfg is not None and cfg.rope_local_theta is not None
+        return f"layer {next(j for j in range(n8) if not cfg.slides(j)) if local else 0}"
     if fault == "final-norm":
         return "logits only"
     if fault == "scale" and mode == "whole":
@@ -294,7 +297,7 @@ def main() -> None:
                 faulted = plant(path, fault, cfg, layer)
                 for mode in MODES:
                     v = check(faulted, mode, source)
-                    want = expected(fault, mode, layer, cfg.num_hidden_layers)
+                    want = expected(fault, mode, layer, cfg.num_hidden_layers, cfg)
                     print(f"{fault:<10} {g:<8} {mode:<9} {'PASS' if v.passed else 'FAIL':<7} {v.located:<12} "
                           f"{want:<12} {v.ratio:>11.3g} {v.seconds:>8.1f}", flush=True)
                 faulted.unlink()

@@ -43,7 +43,7 @@ from .onnx_export import export_onnx, read_metadata
 from .prompts import default_prompts, left_pad, positions
 from .emulation import emulate_bf16, is_bf16_graph
 from .runtime import (EMULATED_BF16, bf16_bits_to_float32, cuda_unusable, float32_to_bf16_bits, numpy_to_ortvalue, onnxruntime,
-                      ortvalue_to_numpy, provider_list)
+                      ortvalue_to_numpy, provider_list, run_bound)
 
 LAYER_NODE = re.compile(r"/model/layers\.(\d+)/")
 EMBEDDING, HEAD = "embedding", "head"
@@ -216,7 +216,7 @@ class BlockRunner:
     def session(self, b: Block) -> Any:
         ort = onnxruntime()
         opts = ort.SessionOptions()
-        opts.log_severity_level = 3
+        opts.log_severity_level = 4  # fatal only: a kernel that refuses to run is raised as one line (run_bound)
         opts.add_session_config_entry(EXTERNAL_FOLDER, str(self.blocks.path.parent.resolve()))
         # A block runs once: MLAS's prepacked copy of each weight would double the block's memory for nothing
         # (Qwen2.5-0.5B's lm_head block: +0.5 GB at the run's peak).
@@ -297,7 +297,7 @@ class BlockRunner:
         names = [o.name for o in sess.get_outputs()]
         for name in names:
             binding.bind_output(name, "cpu")
-        sess.run_with_iobinding(binding)
+        run_bound(sess, binding, f"{self.blocks.path} ({b.name})")
         out = {n: ortvalue_to_numpy(v) for n, v in zip(names, binding.get_outputs())}
         if b.presents:
             for name in b.presents:  # a static buffer: only the slots written are keys

@@ -194,7 +194,13 @@ class BudgetCheck:
         why = []
         if self.nonfinite:
             why.append(f"{self.nonfinite} NaN/Inf")
-        if not self.error <= self.bound:
+        if not math.isfinite(self.noise) and math.isfinite(self.scale):
+            # Every correct implementation in this dtype overflowed where float64 did not: the dtype cannot hold
+            # this model's numbers (Gemma's residual stream passes fp16's 65504), so no noise can judge the graph.
+            label = DTYPE_LABEL.get(self.dtype, self.dtype)
+            why.append(f"PyTorch {label} overflows (NaN/Inf) where float64 is finite: {label} cannot hold this "
+                       f"model's numbers; export it in fp32 (or bf16)")
+        elif not self.error <= self.bound:
             why.append("error over budget")
         if not self.cosine >= self.min_cosine:
             why.append(f"cosine < {self.min_cosine}")

@@ -134,6 +134,18 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def run_bound(sess: Any, binding: Any, what: str) -> None:
+    """sess.run_with_iobinding, with onnxruntime's refusal to run the graph as one line naming `what`."""
+    try:
+        sess.run_with_iobinding(binding)
+    except Exception as e:  # noqa: BLE001  (onnxruntime raises its own Fail/RuntimeError types)
+        oom = out_of_memory_error(e, what)
+        if oom is not None:
+            raise oom from None
+        msg = re.sub(r"^.*?Status Message: ", "", _first_line(e))
+        raise ValueError(f"{what}: onnxruntime cannot run it: {msg}") from None
+
+
 def _graph_dtype(path: str) -> str:
     """The element type of past_key_values.0.key ("float16", ...), else of the first float input, read from the
     proto without its weights."""
@@ -429,7 +441,7 @@ class OnnxLM:
                     binding.bind_ortvalue_output(self.present_name(i, what), bound_past[i, what])
                 else:
                     binding.bind_output(self.present_name(i, what), self.device, self.device_id)  # stays where written
-        self.sess.run_with_iobinding(binding)
+        run_bound(self.sess, binding, getattr(self.sess, "path", "the graph"))
         outs = dict(zip(bound, binding.get_outputs()))
         # A static buffer is handed back as the value that was bound (it keeps a numpy-backed buffer alive;
         # get_outputs' view of the same memory would not).

