@@ -29,7 +29,7 @@ import numpy as np
 
 from llama_tools import files
 
-from .quant_options import ACCURACY_LEVEL, BLOCK_SIZE, INT4_ALGORITHMS
+from .quant_options import ACCURACY_LEVEL, BLOCK_SIZE, INT4_ALGORITHMS, PROMPT_IDS
 
 @dataclass(frozen=True)
 class QuantizeResult:
@@ -47,6 +47,7 @@ class QuantizeResult:
     accuracy_level: int
     seconds: float
     algorithm: str = "rtn"
+    kept_8bit: list[str] = field(default_factory=list)  # MatMuls quantized to 8 bits, not 4 (a --max-kl target)
 
     @property
     def ratio(self) -> float:
@@ -82,7 +83,8 @@ def share_tied_embedding(model: Any, block_size: int) -> bool:
     heads = {n.input[1]: n for n in graph.node if n.op_type == "MatMulNBits"}
     for gather in [n for n in graph.node if n.op_type == "Gather"]:
         table = gather.input[0]
-        head = heads.get(table + "_t_Q4")  # the quantizer's name for fold_weight_transposes' table + "_t"
+        head, bits = next(((heads[table + f"_t_Q{b}"], b) for b in (4, 8) if table + f"_t_Q{b}" in heads),
+                          (None, 4))  # the quantizer's name for fold_weight_transposes' table + "_t"
         if table not in inits or head is None:
             continue
         zp = inits.get(head.input[3]) if len(head.input) > 3 and head.input[3] else None
@@ -99,6 +101,7 @@ def share_tied_embedding(model: Any, block_size: int) -> bool:
                                   name=f"{p}/Reshape_scales")  # [n1, n2/block] -> [n1, n2/block, 1]
         gathered = [head.input[1], gather.input[1], f"{p}/scales_3d"]
         if zp is not None:  # [n1, ceil(blocks/2)], block b in nibble b % 2 of byte b // 2 -> [n1, blocks, 1]
+            assert bits == 4, "an 8-bit head is symmetric: it has no zero points"
             packed = numpy_helper.to_array(zp).reshape(n1, -1)
             unpacked = np.stack([(packed[:, b // 2] >> (4 * (b % 2))) & 0xF for b in range(blocks)], 1)
             graph.initializer.append(numpy_helper.from_array(unpacked.astype(np.uint8)[:, :, None],
@@ -106,7 +109,7 @@ def share_tied_embedding(model: Any, block_size: int) -> bool:
             gathered.append(f"{p}/zero_points_3d")
         rows = helper.make_node("GatherBlockQuantized", gathered,
                                 [f"{p}/blocks"], name=f"{p}/GatherBlockQuantized", domain="com.microsoft",
-                                gather_axis=0, quantize_axis=2, block_size=block_size, bits=4)  # [b, s, n2/block, block]
+                                gather_axis=0, quantize_axis=2, block_size=block_size, bits=bits)  # [b, s, n2/block, block]
         flat = helper.make_node("Reshape", [f"{p}/blocks", f"{p}/row_shape"], [gather.output[0]],
                                 name=f"{p}/Reshape_rows")  # [b, s, n2/block, block] -> [b, s, n2]
         at = list(graph.node).index(gather)
@@ -221,26 +224,27 @@ def _quantize_matmul(quantizer: Any, node: Any, name: str, k: int, n: int,
     return nodes, joined
 
 
-def _node_quantizer(algorithm: str, block_size: int, symmetric: bool, accuracy_level: int) -> Any:
+def _node_quantizer(algorithm: str, block_size: int, symmetric: bool, accuracy_level: int, bits: int = 4) -> Any:
     """onnxruntime's per-MatMul quantizer (what its MatMulNBitsQuantizer runs on each node)."""
     from onnxruntime.quantization import matmul_nbits_quantizer as mnq
 
     if algorithm == "hqq":  # its zero points are floats: no symmetric form
-        return mnq.HQQWeightOnlyQuantizer(mnq.HQQWeightOnlyQuantConfig(block_size=block_size, bits=4))
+        return mnq.HQQWeightOnlyQuantizer(mnq.HQQWeightOnlyQuantConfig(block_size=block_size, bits=bits))
     return mnq.DefaultWeightOnlyQuantizer(mnq.DefaultWeightOnlyQuantConfig(
-        block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=4))
+        block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=bits))
 
 
 def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = BLOCK_SIZE,
                   symmetric: bool = True, accuracy_level: int = ACCURACY_LEVEL,
-                  exclude: tuple[str, ...] = (), algorithm: str = "rtn") -> QuantizeResult:
+                  exclude: tuple[str, ...] = (), algorithm: str = "rtn",
+                  keep_8bit: tuple[str, ...] = ()) -> QuantizeResult:
     """SOURCE .onnx (plain or fused) -> OUTPUT with every constant-weight MatMul as int4 MatMulNBits, atomically.
 
     symmetric=True (the default): int4 in [-8, 7] times one scale per block of 32 weights, no zero point.
     LLaMA's linear weights are centred on zero, so a zero point buys little (measured: see
     benchmarks/bench_fused.py and tests/test_genai.py) and costs 1/64 byte per weight and a subtraction.
     exclude: node names to keep in full precision (e.g. "/lm_head/MatMul"). algorithm: "rtn" or "hqq"
-    (always with zero points).
+    (always with zero points). keep_8bit: node names quantized to 8 bits (symmetric RTN, the same blocks) instead.
 
     In bounded memory: the graph is read without its weights; each MatMul's weight is read from SOURCE's
     .data file, quantized by onnxruntime's own node quantizer on a one-node graph and dropped, so one
@@ -275,6 +279,9 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     if unknown:
         raise ValueError(f"--int4-keep {unknown[0]!r} is not a MatMul with a constant weight in the graph; "
                          f"choose among {', '.join(candidates[:4])}, ..., {candidates[-1]}")
+    unknown = [n for n in keep_8bit if n not in candidates or n in exclude]
+    if unknown:
+        raise ValueError(f"8-bit {unknown[0]!r} is not a MatMul with a constant weight that is quantized")
     if not [n for n in candidates if n not in exclude]:
         raise ValueError(f"{source}: no MatMul with a constant 2-D weight to quantize to int4 "
                          f"(already quantized, or every one excluded)")
@@ -283,6 +290,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     # which GatherBlockQuantized can only read without a zero point: with HQQ it is quantized symmetric RTN.
     gathered = {n.input[0] for n in graph.node if n.op_type == "Gather"}
     tied_rtn = _node_quantizer("rtn", block_size, True, accuracy_level) if algorithm == "hqq" else None
+    eight = _node_quantizer("rtn", block_size, True, accuracy_level, bits=8) if keep_8bit else None
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node
     inits = {t.name: t for t in graph.initializer}
     nodes, folded = [], 0
@@ -294,7 +302,9 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
         k, n, cols = _columns(inits[name], base, through_transpose)
         if through_transpose:
             name, folded = name + "_t", folded + 1  # the quantizer names its tensors after this: W_t_Q4, ...
-        if tied_rtn is not None and through_transpose and weights[node.name][0] in gathered:
+        if node.name in keep_8bit:
+            made_nodes, made = _quantize_matmul(eight, node, name, k, n, cols, chunked=True)
+        elif tied_rtn is not None and through_transpose and weights[node.name][0] in gathered:
             made_nodes, made = _quantize_matmul(tied_rtn, node, name, k, n, cols, chunked=True)
         else:
             made_nodes, made = _quantize_matmul(quantizer, node, name, k, n, cols, chunked=algorithm == "rtn")
@@ -313,7 +323,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     return QuantizeResult(source=source, path=output, bytes_before=_disk_bytes(source), bytes_after=_disk_bytes(output),
                           quantized=quantized, left_fp=list(exclude), folded_transposes=folded,
                           block_size=block_size, symmetric=symmetric, accuracy_level=accuracy_level,
-                          seconds=time.perf_counter() - t0, algorithm=algorithm)
+                          seconds=time.perf_counter() - t0, algorithm=algorithm, kept_8bit=list(keep_8bit))
 
 
 def _drop_unused(graph: Any) -> None:
@@ -475,7 +485,7 @@ def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt
         meta = read_metadata(onnx_path)
         cfg = meta.config
     rng = np.random.default_rng(0)
-    prompt = list(prompt) if prompt else rng.integers(3, cfg.vocab_size, size=8).tolist()
+    prompt = list(prompt) if prompt else rng.integers(3, cfg.vocab_size, size=PROMPT_IDS).tolist()
     longest = max(len(prompt) + steps, len(sequence) if sequence else 0)
     if meta is not None and meta.static_kv is not None and longest > meta.static_kv:
         raise ValueError(f"{onnx_path}: its static KV buffer holds {meta.static_kv} positions, but the prompt and "
