@@ -109,3 +109,25 @@ def test_target_on_a_seeded_model(tmp_path):
     assert q.bytes_after > everything.rounds[0].bytes  # 8-bit costs bytes
     with pytest.raises(ValueError, match="--max-kl"):
         quantize_to_target(full, tmp_path / "bad" / "model.onnx", ref, None, float("nan"), {})
+
+
+def test_cli_max_kl(tmp_path):
+    """`export onnx --quantize int4 --max-kl`: the target's rows and JSON; refused without --quantize and at 0."""
+    import json
+
+    from click.testing import CliRunner
+
+    from llama_tools.cli import cli
+
+    r = CliRunner().invoke(cli, ["export", "onnx", "tiny", "-o", str(tmp_path / "q" / "model.onnx"), "--quantize",
+                                 "int4", "--max-kl", "0.0001", "-q", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    t = out["int4_target"]
+    assert t["max_kl"] == 0.0001 and len(t["rounds"]) >= 2 and t["rounds"][0]["kept"] == 0
+    assert t["met"] == (t["rounds"][-1]["measured_kl"] <= 0.0001) and t["kept_8bit"]
+    assert out["quantized"]["kept_8bit"] == t["kept_8bit"]
+    for bad, why in ((["--max-kl", "0.1"], "--quantize int4"), (["--quantize", "int4", "--max-kl", "0"], "--max-kl")):
+        r = CliRunner().invoke(cli, ["export", "onnx", "tiny", "-o", str(tmp_path / "b" / "model.onnx"), *bad])
+        assert r.exit_code != 0 and why in r.output, r.output
+        assert not (tmp_path / "b").exists()
