@@ -2,9 +2,10 @@
 
 Everything is summed from `weights.weight_specs`, the one table of the model's tensors, so the
 count is exactly what `Llama(cfg)` holds (tests check it against `numel` on the meta device).
-Every decoder has the same shapes, so the stack is counted as decoder 0 times n8: time and memory
-do not grow with the layer count (10^6 layers count as fast as 2), and the per-layer list is
-built only when asked for (`ParamCount.layers`).
+Every decoder has the same shapes and every routed expert the same as the first, so the stack is
+counted as decoder 0 (its expert 0 times the expert count) times n8 (`weights.stack_specs`): time and
+memory grow with neither (10^6 layers or 65,536 experts count as fast as 2), and the per-layer list
+is built only when asked for (`ParamCount.layers`).
 The paper (section 10) counts n8(4 n2^2 + 3 n2 n7) + n1 n2: the trainable W^{j1}..W^{j7} and one
 n1 x n2 matrix. What it leaves out (norm gains, the second n1 x n2 matrix, GQA's narrower K/V,
 biases, experts) is itemized so that formula + left-out == exact, always.
@@ -21,7 +22,7 @@ from . import dtypes
 from .config import ModelConfig
 from .inspection import CheckpointInspection, inspect_checkpoint
 from .source import ModelSource, resolve
-from .weights import COMPONENTS, WeightSpec, weight_specs
+from .weights import COMPONENTS, stack_specs
 
 
 @dataclass(frozen=True)
@@ -155,20 +156,6 @@ class ParamCount:
         return list(self.iter_layers())
 
 
-def _sum(specs, pred) -> int:
-    return sum(s.numel for s in specs if pred(s))
-
-
-def stack_specs(cfg: ModelConfig) -> tuple[list[WeightSpec], list[WeightSpec]]:
-    """(weights outside the decoder stack, weights of decoder 0), in constant time whatever n8 is.
-
-    Every decoder has decoder 0's shapes (weights.py builds each from the same fields), so the
-    full table is outside + n8 copies of decoder 0 up to names; tests check this on every preset.
-    """
-    specs = weight_specs(cfg.replace(num_hidden_layers=1))
-    return [s for s in specs if s.layer is None], [s for s in specs if s.layer == 0]
-
-
 def nbytes(elements: int, dtype: str) -> int:
     """Bytes of `elements` values of dtype, in exact integers (int4: half a byte each, rounded up)."""
     bits = round(dtypes.get(dtype).bytes * 8)  # 4, 8, 16, 32, 64: exact
@@ -176,15 +163,13 @@ def nbytes(elements: int, dtype: str) -> int:
 
 
 def param_total(cfg: ModelConfig) -> int:
-    """Every parameter of Llama(cfg), in constant time whatever n8 is."""
-    outside, decoder = stack_specs(cfg)
-    return sum(s.numel for s in outside) + cfg.num_hidden_layers * sum(s.numel for s in decoder)
+    """Every parameter of Llama(cfg), in constant time whatever n8 and the expert count are."""
+    return stack_specs(cfg).total()
 
 
 def tensor_total(cfg: ModelConfig) -> int:
-    """len(weight_specs(cfg)), in constant time whatever n8 is."""
-    outside, decoder = stack_specs(cfg)
-    return len(outside) + cfg.num_hidden_layers * len(decoder)
+    """len(weight_specs(cfg)), in constant time whatever n8 and the expert count are."""
+    return stack_specs(cfg).total(key=lambda s: 1)
 
 
 # --- What a command would allocate, checked before it does ------------------------------------------
@@ -266,20 +251,20 @@ def count_params(cfg: ModelConfig, *, context: int | None = None, batch: int = 1
     if context <= 0 or batch <= 0:
         raise ValueError(f"--context and --batch must be positive, got context={context}, batch={batch}")
     n1, n2, n7, n8 = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    outside, decoder = stack_specs(cfg)
-    # Parameters of each component over the whole model: outside the stack once, decoder 0's n8 times.
-    of = lambda specs, c: _sum(specs, lambda s: s.component == c)  # noqa: E731
-    by_component = {c: of(outside, c) + n8 * of(decoder, c) for c in COMPONENTS}
+    stack = stack_specs(cfg)
+    # Parameters of each component over the whole model: outside the stack once, decoder 0's n8 times (with its
+    # expert 0's `experts` times): no loop over decoders or experts, whatever their number.
+    by_component = {c: stack.total(pred=lambda s, c=c: s.component == c) for c in COMPONENTS}
     total = sum(by_component.values())
     components = [Item(c, p) for c, p in by_component.items() if p]
 
-    attn = _sum(decoder, lambda s: s.component.startswith("attn.") and s.component != "attn.qk_norm")
-    norms = _sum(decoder, lambda s: s.component in ("norm", "attn.qk_norm"))
-    ffn = _sum(decoder, lambda s: s.component.startswith(("mlp.", "moe.")))
+    attn = stack.per_decoder(pred=lambda s: s.component.startswith("attn.") and s.component != "attn.qk_norm")
+    norms = stack.per_decoder(pred=lambda s: s.component in ("norm", "attn.qk_norm"))
+    ffn = stack.per_decoder(pred=lambda s: s.component.startswith(("mlp.", "moe.")))
     layer_groups = [LayerGroup(0, n8 - 1, attn, ffn, norms, attn + ffn + norms)]
 
     formula = paper_formula(n1, n2, n7, n8)
-    per_layer_norms = sum(1 for s in decoder if s.component == "norm")
+    per_layer_norms = sum(1 for s in stack.decoder if s.component == "norm")
     weights_of = lambda *comps: sum(by_component[c] for c in comps)  # noqa: E731
     left_out = [
         Item("second n1 x n2 matrix", 0 if cfg.tie_word_embeddings else n1 * n2,

@@ -47,7 +47,9 @@ def torch_load(path: Path) -> dict[str, torch.Tensor]:
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{path}: refused: holds objects other than tensors ({first})") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:  # a damaged record: torch says which, we name the file
+    # A damaged record: torch says which, we name the file (TypeError: a size or stride past int64, which
+    # read_torch_header refuses first when the headers are read).
+    except (RuntimeError, EOFError, OSError, ValueError, TypeError) as e:
         raise ValueError(f"{path}: cannot read torch file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         bad = type(obj).__name__ if not isinstance(obj, dict) else \

@@ -21,6 +21,33 @@ PositionEncoding = Literal["rope", "alibi"]
 # Every size is an int64 for torch and ONNX shapes; one past it is refused when the config is read.
 INT64_MAX = 2**63 - 1
 
+# The most a config file may say, by HF key (config_files maps Meta's keys onto these). Each is far past every
+# published model (the largest in the comment) and small enough that what is built per unit of it (a per-layer
+# list, per-expert tensor names, a RoPE table before the memory check) cannot run away. Counting is analytic in all
+# of them: a 405B or DeepSeek-V3 config counts in milliseconds, and a 10^8-decoder one is refused by the memory
+# check (with its figure) rather than here.
+SIZE_LIMITS: dict[str, int] = {
+    "vocab_size": 2**24,  # Gemma 3: 262,144
+    "hidden_size": 2**20,  # Llama 3.1 405B: 16,384
+    "intermediate_size": 2**22,  # 405B: 53,248
+    "head_dim": 2**16,  # Gemma: 256
+    "num_attention_heads": 2**16,  # 405B: 128
+    "num_key_value_heads": 2**16,
+    "num_hidden_layers": 2**30,  # 405B: 126 (decoders are counted, never listed: see LAYER_LIST_LIMIT)
+    "num_local_experts": 2**16,  # Qwen3-Next: 512
+    "num_experts_per_tok": 2**16,  # Qwen3-Next: 10
+    "max_position_embeddings": 2**40,  # Llama 4 Scout: 10,485,760
+    "original_max_position_embeddings": 2**40,
+    "sliding_window": 2**40,  # Qwen2: 131,072
+    "sliding_window_pattern": 2**30,  # Gemma 3: 6
+    "multiple_of": 2**22,  # Llama 3: 4,096
+    "token_id": 2**31 - 1,  # bos/eos/pad: an id of a vocabulary of at most vocab_size
+}
+# A config whose layers alternate (Gemma 2/3's sliding pattern) lists each layer's attention: at most this many.
+LAYER_LIST_LIMIT = 2**20
+# rope_scaling's factor, low_freq_factor and high_freq_factor (DeepSeek-V3's yarn: 40, Llama 3.1: 8).
+ROPE_FACTOR_LIMIT = 2.0**16
+
 # The families (families.py); `family` picks the tensor names and what `convert` writes.
 FAMILIES = FAMILY_NAMES
 ACTIVATIONS = ("silu", "gelu_tanh")  # the FFN gate's: SwiGLU's SiLU, or GeGLU's tanh-approximated GELU
@@ -194,7 +221,8 @@ class ModelConfig:
     @property
     def uniform_layers(self) -> bool:
         """Whether every decoder layer computes the same function of its own weights (no local/global mix)."""
-        return len({self.slides(j) for j in range(self.num_hidden_layers)}) <= 1
+        # Without layer_types every layer slides alike: no loop over n8, which may be any number.
+        return self.sliding_window is None or self.layer_types is None or len(set(self.layer_types)) <= 1
 
     @property
     def attention_scale(self) -> float:

@@ -8,15 +8,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from . import dtypes
-from .config import INT64_MAX, ModelConfig, RopeScaling
+from .config import INT64_MAX, LAYER_LIST_LIMIT, ROPE_FACTOR_LIMIT, SIZE_LIMITS, ModelConfig, RopeScaling
 from .families import FAMILIES, FULL, HF_NAMES, SLIDING
 from .formats import FORMATS
-from .header_readers import MAX_HEADER_BYTES, open_regular
+from .header_readers import MAX_HEADER_BYTES, open_regular, real_path
 from .presets import get_preset
 
 # HF `architectures` entry (or `model_type`) -> our family.
@@ -37,7 +38,8 @@ class UnknownArchitecture(ValueError):
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from a regular file of bounded size, or one ValueError line naming the file and what is wrong."""
     with open_regular(path) as f:  # a FIFO or device named config.json never blocks
-        raw = f.read(MAX_HEADER_BYTES + 1)
+        # Sized by the file (read(n) allocates n up front): a 2 kB config takes 2 kB, a growing one is still cut off.
+        raw = f.read(min(os.fstat(f.fileno()).st_size, MAX_HEADER_BYTES) + 1)
     if len(raw) > MAX_HEADER_BYTES:
         raise ValueError(f"{path}: over {MAX_HEADER_BYTES} bytes: not a config or index file")
     try:
@@ -57,6 +59,13 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def is_config_file(path: Path) -> bool:
+    """Whether a config file is there: a symlink loop or a dangling link by that name is one error line, not absence."""
+    if os.path.islink(path):
+        real_path(path)
+    return path.is_file()
+
+
 def _require(d: dict[str, Any], path: Path, *keys: str) -> Any:
     for k in keys:
         if k in d and d[k] is not None:
@@ -72,6 +81,19 @@ def _got(v: Any) -> str:
     return f"{text[:60]}{'...' if len(text) > 60 else ''} ({kind})"
 
 
+# Meta's params.json keys (and HF's aliases) -> the SIZE_LIMITS entry that bounds them.
+_LIMIT_OF = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+             "n_kv_heads": "num_key_value_heads", "max_seq_len": "max_position_embeddings",
+             "model_max_length": "max_position_embeddings", "_sliding_window_pattern": "sliding_window_pattern",
+             "bos_token_id": "token_id", "eos_token_id": "token_id", "pad_token_id": "token_id"}
+
+
+def size_limit(field_name: str) -> int:
+    """The SIZE_LIMITS bound of a field as a file or an error names it ("n_layers", "rope_scaling.factor[0]")."""
+    key = field_name.rsplit(".", 1)[-1].split("[")[0]
+    return SIZE_LIMITS.get(_LIMIT_OF.get(key, key), INT64_MAX)
+
+
 # Integers must be JSON integers: HF writes them so, and transformers' own modules fail on 4096.0; a float
 # accepted here would also be rounded past 2^53 on the way, which no count may be.
 def _as_int(v: Any, path: Path, field_name: str, minimum: int | None = 1) -> int:
@@ -82,6 +104,10 @@ def _as_int(v: Any, path: Path, field_name: str, minimum: int | None = 1) -> int
     if v > INT64_MAX:
         raise ValueError(f"{path}: field {field_name!r} is {len(str(v))} digits; a size must fit in 64 bits "
                          f"(<= {INT64_MAX})")
+    limit = size_limit(field_name)
+    if v > limit:
+        raise ValueError(f"{path}: field {field_name!r} is {v:,}, over the {limit:,} llama-tools reads (far past "
+                         f"any published model); fix the config")
     return v
 
 
@@ -117,9 +143,18 @@ def _token_id(data: dict[str, Any], path: Path, key: str, default: int) -> int:
     v = data.get(key)
     if v is None:
         return default
-    if isinstance(v, list) and v:
-        return _as_int(v[0], path, f"{key}[0]", minimum=0)
+    if isinstance(v, list) and v:  # every id typed and bounded, though only the first is used
+        return [_as_int(x, path, f"{key}[{i}]", minimum=0) for i, x in enumerate(v)][0]
     return _as_int(v, path, key, minimum=0)
+
+
+def _factor(v: Any, path: Path, field_name: str) -> float:
+    """A rope_scaling factor: a finite number in (0, ROPE_FACTOR_LIMIT]."""
+    x = _as_float(v, path, field_name)
+    if x > ROPE_FACTOR_LIMIT:
+        raise ValueError(f"{path}: field {field_name!r} is {x:g}, over the {ROPE_FACTOR_LIMIT:g} llama-tools reads "
+                         f"(published scalings use at most 40); fix the config")
+    return x
 
 
 def _rope_scaling(raw: Any, path: Path, where: str = "rope_scaling") -> RopeScaling | None:
@@ -131,7 +166,7 @@ def _rope_scaling(raw: Any, path: Path, where: str = "rope_scaling") -> RopeScal
     if kind is None or kind == "default":
         return None
     kind = _as_str(kind, path, f"{where}.rope_type")
-    f = lambda key, default: _as_float(_get(raw, key, default), path, f"{where}.{key}")  # noqa: E731
+    f = lambda key, default: _factor(_get(raw, key, default), path, f"{where}.{key}")  # noqa: E731
     scaling = RopeScaling(
         type=kind, factor=f("factor", 1.0), low_freq_factor=f("low_freq_factor", 1.0),
         high_freq_factor=f("high_freq_factor", 4.0),
@@ -156,19 +191,39 @@ def _activation(data: dict[str, Any], path: Path, family: str) -> str:
     return _ACTIVATIONS[name]
 
 
+def _listed_layer_types(data: dict[str, Any], path: Path, layers: int) -> tuple[str, ...] | None:
+    """The file's `layer_types`, checked whether or not a window uses it (its length first, before any element)."""
+    raw = data.get("layer_types")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != layers or any(t not in (SLIDING, FULL) for t in raw):
+        got = f"a list of {len(raw):,}" if isinstance(raw, list) else _got(raw)
+        raise ValueError(f"{path}: field 'layer_types' must list {SLIDING!r} or {FULL!r} for each of the "
+                         f"{layers:,} layers, got {got}")
+    return tuple(raw)
+
+
 def _layer_types(data: dict[str, Any], path: Path, family: str, layers: int) -> tuple[str, ...] | None:
     """Which layers slide: the file's `layer_types`, else Gemma's pattern (2: alternate, 3: 5 of 6), else None."""
-    raw = data.get("layer_types")
-    if raw is not None:
-        if not isinstance(raw, list) or len(raw) != layers or any(t not in (SLIDING, FULL) for t in raw):
-            raise ValueError(f"{path}: field 'layer_types' must list {SLIDING!r} or {FULL!r} for each of the "
-                             f"{layers} layers")
-        return tuple(raw)
+    listed = _listed_layer_types(data, path, layers)
+    if listed is not None:
+        return listed
     pattern = {"gemma2": 2, "gemma3": None}.get(family, 0)
     if pattern is None:  # Gemma 3's configs name it with or without a leading underscore
         key = "sliding_window_pattern" if data.get("sliding_window_pattern") is not None else "_sliding_window_pattern"
         pattern = _as_int(_get(data, key, 6), path, key)
+    if pattern and layers > LAYER_LIST_LIMIT:  # the pattern is listed per layer: bounded before it is built
+        raise ValueError(f"{path}: field 'num_hidden_layers' is {layers:,}; a {family} config's sliding and full "
+                         f"layers are listed one by one, at most {LAYER_LIST_LIMIT:,} (published: 62)")
     return tuple(SLIDING if (j + 1) % pattern else FULL for j in range(layers)) if pattern else None
+
+
+def _check_head_width(hidden: int, heads: int, path: Path, keys: tuple[str, str]) -> None:
+    """n6 = n2 / n5 when the file gives no head_dim: held to head_dim's bound too, naming the fields it comes from."""
+    limit = SIZE_LIMITS["head_dim"]
+    if hidden // heads > limit:
+        raise ValueError(f"{path}: fields {keys[0]!r} {hidden:,} / {keys[1]!r} {heads:,} give heads {hidden // heads:,} "
+                         f"wide, over the {limit:,} llama-tools reads; fix the config or give head_dim")
 
 
 def _optional_float(data: dict[str, Any], path: Path, key: str) -> float | None:
@@ -201,6 +256,8 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
     hidden, heads = integer("hidden_size"), integer("num_attention_heads")
     kv = optional("num_key_value_heads") or heads
     head_dim = optional("head_dim") or 0
+    if not head_dim:
+        _check_head_width(hidden, heads, path, ("hidden_size", "num_attention_heads"))
     # Baichuan-13B and Baichuan2-13B use ALiBi; their config.json has no flag for it, so the 13B width
     # decides unless our own `position_embedding` key says otherwise.
     pe = _as_str(_get(data, "position_embedding", ""), path, "position_embedding").upper()
@@ -219,6 +276,7 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
     use_sliding = flag("use_sliding_window", not fam.window_flag)  # Qwen ships a window it does not use
     attention_bias = data.get("attention_bias")
     vocab = integer("vocab_size")
+    _listed_layer_types(data, path, integer("num_hidden_layers"))  # checked even where no window uses the list
     kw: dict[str, Any] = dict(
         name=path.parent.name or path.stem, source=str(path), family=family,
         vocab_size=vocab, hidden_size=hidden,
@@ -299,24 +357,34 @@ def config_from_meta(data: dict[str, Any], path: Path | str = "params.json", voc
     path = Path(path)
     integer = lambda key: _as_int(_require(data, path, key), path, key)  # noqa: E731
     dim, heads = integer("dim"), integer("n_heads")
+    _check_head_width(dim, heads, path, ("dim", "n_heads"))
     vocab = data.get("vocab_size", -1)
     if vocab is not None and type(vocab) is not int:
         raise ValueError(f"{path}: field 'vocab_size' must be an integer (-1: from the weights), got {_got(vocab)}")
     if vocab is None or vocab <= 0:
         if vocab_size is None:
             raise ValueError(f"{path}: field 'vocab_size' is {vocab!r}; pass the tokenizer's size or fix params.json")
+        if not 0 < vocab_size <= SIZE_LIMITS["vocab_size"]:  # the rows of tok_embeddings.weight, as a file says
+            raise ValueError(f"{path}: field 'vocab_size' is {vocab!r}, and the weights' {vocab_size:,} embedding rows "
+                             f"are not a vocabulary of 1 to {SIZE_LIMITS['vocab_size']:,}; fix params.json")
         vocab = vocab_size
+    vocab = _as_int(vocab, path, "vocab_size")
     scaling = RopeScaling("llama3", factor=8.0) if _as_bool(_get(data, "use_scaled_rope", False), path,
                                                             "use_scaled_rope") else None
     multiple_of = _as_int(_get(data, "multiple_of", 256), path, "multiple_of")
     multiplier = data.get("ffn_dim_multiplier")
     if multiplier is not None:
         _as_float(multiplier, path, "ffn_dim_multiplier")
+    n7 = ffn_hidden_size(dim, multiple_of, multiplier)
+    if n7 > SIZE_LIMITS["intermediate_size"]:
+        raise ValueError(f"{path}: fields 'dim' {dim:,}, 'multiple_of' {multiple_of:,} and 'ffn_dim_multiplier' "
+                         f"{multiplier!r} give an FFN width of {n7:,}, over the {SIZE_LIMITS['intermediate_size']:,} "
+                         f"llama-tools reads; fix params.json")
     kv = data.get("n_kv_heads")
     return ModelConfig(
         name=path.parent.name or "meta", source=str(path), family="llama",
         vocab_size=vocab, hidden_size=dim,
-        intermediate_size=ffn_hidden_size(dim, multiple_of, multiplier),
+        intermediate_size=n7,
         num_hidden_layers=integer("n_layers"),
         num_attention_heads=heads, num_key_value_heads=heads if kv is None else _as_int(kv, path, "n_kv_heads"),
         rms_norm_eps=_as_float(_get(data, "norm_eps", 1e-5), path, "norm_eps"),
@@ -331,10 +399,12 @@ def load_config(source: str | Path) -> ModelConfig:
     p = Path(source)
     if p.is_dir():
         for fname, reader in (("config.json", config_from_hf), ("params.json", config_from_meta)):
-            if (p / fname).is_file():
+            if is_config_file(p / fname):
                 return reader(read_json(p / fname), p / fname)
         raise ValueError(f"{p}: directory has neither config.json nor params.json")
     if looks_like_path(str(source)):
+        if os.path.islink(p):
+            real_path(p)  # a symlink loop or a dangling link says so
         if not p.exists():
             raise ValueError(f"{p}: no such file or directory")
         if not p.is_file():

@@ -2,18 +2,22 @@
 
 - safetensors: 8-byte little-endian header length, then a JSON header {name: {dtype, shape, data_offsets}}.
 - torch .pth/.bin (a zip): `data.pkl` is read by a restricted unpickler that only records what
-  `torch._utils._rebuild_tensor_v2` would be called with (storage dtype, shape) and refuses every
-  other global: nothing in the file is executed, and the storages (the data) are never opened.
+  `torch._utils._rebuild_tensor_v2` would be called with (storage dtype, shape, strides) and refuses every
+  other global and every opcode torch.save does not write: nothing in the file is executed, the storages
+  (the data) are never opened, and no work grows faster than the file (no dict key but a string, so nothing
+  is hashed or printed whole: a tuple that holds itself 2^80 times over through the memo costs nothing).
 No torch import: counting a 70B checkpoint takes milliseconds.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import math
 import os
 import pickle
+import pickletools
 import stat
 import struct
 import zipfile
@@ -25,13 +29,16 @@ from . import dtypes
 
 # The safetensors library's own limit (MAX_HEADER_SIZE in its tensor.rs): 100,000,000 bytes, decimal.
 MAX_HEADER_BYTES = 100_000_000
-# A torch zip's data.pkl (tensor metadata only) is held to the same bound; 70B's is a few hundred kB.
-MAX_PICKLE_BYTES = MAX_HEADER_BYTES
+# A torch zip's data.pkl holds tensor metadata only, ~130 bytes a tensor: 70B's is a few hundred kB, DeepSeek-V3's
+# 91k tensors in one file would be 12 MB. 32 MiB bounds the (pure-Python, op-checked) unpickling to seconds.
+MAX_PICKLE_BYTES = 32 * 2**20
 # Deflate can reach ~1000:1 on zeros (a zip bomb); weights barely compress, and torch.save stores every entry
 # uncompressed. A compressed entry claiming more than this ratio is refused before anything is inflated.
 MAX_COMPRESSION_RATIO = 32
 # serde_json's usize: shapes and offsets are unsigned 64-bit integers (20 decimal digits at most).
 _U64 = 2**64
+# torch's and ONNX's sizes and strides are int64: one past it is no tensor torch could make (it raises TypeError).
+_I64 = 2**63
 _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 
 
@@ -87,6 +94,30 @@ def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
+def _unreachable(path: Path, e: OSError) -> HeaderError:
+    """Why an input cannot be reached, in one line: a symlink loop and a dangling link say so."""
+    if e.errno == errno.ELOOP:
+        return HeaderError(f"{path}: is a symbolic link loop (following it leads back to itself, or through more "
+                           f"than 40 links); point it at the real file")
+    if isinstance(e, FileNotFoundError):
+        return HeaderError(f"{path}: " + ("a dangling symbolic link (its target does not exist)" if os.path.islink(path)
+                                          else "no such file"))
+    return HeaderError(f"{path}: cannot open ({e.strerror})")
+
+
+def real_path(path: str | Path) -> Path:
+    """An existing input with every symlink followed; one HeaderError line for a loop (Path.resolve raises
+    RuntimeError on one in Python 3.11, and quietly returns a path in 3.13), a dangling link or no file."""
+    path = Path(path)
+    try:
+        os.stat(path)
+    except OSError as e:
+        raise _unreachable(path, e) from None
+    except ValueError:  # a NUL in the name
+        raise HeaderError(f"{str(path)[:200]!r}: not a valid path (a NUL byte)") from None
+    return Path(os.path.realpath(path))
+
+
 def open_regular(path: str | Path) -> BinaryIO:
     """Open an input for reading only when it is a regular file: a FIFO, device or socket never blocks or streams.
 
@@ -99,10 +130,8 @@ def open_regular(path: str | Path) -> BinaryIO:
         if not stat.S_ISREG(st.st_mode):
             raise HeaderError(f"{path}: is {_kind(st.st_mode)}, not a regular file; inputs must be regular files")
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise HeaderError(f"{path}: no such file") from None
     except OSError as e:
-        raise HeaderError(f"{path}: cannot open ({e.strerror})") from None
+        raise _unreachable(path, e) from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
@@ -184,6 +213,8 @@ def _tensor_entry(path: Path, name: str, meta: Any) -> tuple[dtypes.DType, tuple
     shape = meta["shape"]
     if not isinstance(shape, list) or not all(_u64(s) for s in shape):
         raise HeaderError(f"{where}: shape {str(shape)[:80]} must be a list of non-negative integers")
+    if any(s >= _I64 for s in shape):  # the library's usize takes it; torch's and ONNX's int64 sizes do not
+        raise HeaderError(f"{where}: shape {str(shape)[:80]} has a dimension past 2^63 - 1 (sizes are int64)")
     offsets = meta["data_offsets"]
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_u64(o) for o in offsets)):
         raise HeaderError(f"{where}: data_offsets {str(offsets)[:80]} must be [begin, end], two non-negative "
@@ -203,7 +234,7 @@ def read_safetensors_header(path: str | Path) -> list[TensorInfo]:
     begin <= end), each spans product(shape) * itemsize bytes (no product overflowing 64 bits on the way),
     and the data end where the file ends. Anything this accepts, the library accepts (tests check it on
     fuzzed headers); it is stricter on purpose in a few places: dtypes we do not model, duplicate keys,
-    extra keys in an entry.
+    extra keys in an entry, a dimension past int64 (which the library's usize takes and torch cannot make).
     """
     path = Path(path)
     infos, extent = read_safetensors_extent(path)
@@ -271,6 +302,41 @@ def read_safetensors_extent(path: str | Path) -> tuple[list[TensorInfo], FileExt
 
 # --- torch zip headers (restricted unpickler) -----------------------------------------------------
 
+# What Python's pickler writes for torch.save's dicts, tuples, strings, ints and bools, protocols 0..5; anything
+# else (floats, bytes, sets, DUP, NEWOBJ, INST, EXT...) is no part of tensor metadata and is refused by name.
+_PICKLE_OPS = frozenset(
+    "PROTO FRAME STOP MARK POP POP_MARK EMPTY_DICT DICT SETITEM SETITEMS EMPTY_TUPLE TUPLE TUPLE1 TUPLE2 TUPLE3 "
+    "EMPTY_LIST LIST APPEND APPENDS BINUNICODE SHORT_BINUNICODE BINUNICODE8 UNICODE BININT BININT1 BININT2 LONG1 "
+    "LONG4 INT LONG NONE NEWTRUE NEWFALSE GLOBAL STACK_GLOBAL REDUCE BUILD BINPERSID PERSID BINPUT LONG_BINPUT PUT "
+    "MEMOIZE BINGET LONG_BINGET GET".split())
+
+
+def _show(v: Any, budget: int = 60) -> str:
+    """A value from a pickle as an error shows it, in at most ~budget characters and as much work.
+
+    Never str() or repr() a pickled value: a tuple can hold itself twice at each of 80 levels (memo references),
+    which str() would expand 2^80 times, and an int can have millions of digits.
+    """
+    if budget <= 0:
+        return "..."
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, int):
+        return str(v) if v.bit_length() <= 128 else f"<an integer of {v.bit_length()} bits>"
+    if isinstance(v, str):
+        return repr(v[:budget]) + ("..." if len(v) > budget else "")
+    if isinstance(v, (tuple, list)):
+        parts, left = [], budget - 2
+        for item in v[:8]:
+            if left <= 0:
+                break
+            parts.append(_show(item, left))
+            left -= len(parts[-1]) + 2
+        more = ", ..." if len(parts) < len(v) else ""
+        return ("(%s%s)" if isinstance(v, tuple) else "[%s%s]") % (", ".join(parts), more)
+    return f"<{type(v).__name__}>"
+
+
 @dataclass(frozen=True)
 class _Storage:
     dtype: str
@@ -284,18 +350,44 @@ class _TensorStub:
     storage: _Storage
     offset: int
     shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def span(self) -> int:
+        """Elements of its storage the tensor reaches, from element 0: torch.load refuses a view past the storage."""
+        if 0 in self.shape:
+            return 0
+        return self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride)) + 1
 
 
-def _rebuild_tensor_v2(storage: _Storage, storage_offset: int, size: tuple, stride: tuple, *rest: Any) -> _TensorStub:
-    if not (isinstance(storage, _Storage) and _u64(storage_offset) and isinstance(size, tuple)
-            and all(_u64(s) for s in size)):
-        raise HeaderError(f"a tensor with offset {str(storage_offset)[:30]} and shape {str(size)[:60]}: "
-                          f"not non-negative integers")
-    return _TensorStub(storage, storage_offset, size)
+def _int64s(v: Any) -> bool:
+    return isinstance(v, tuple) and all(type(s) is int and 0 <= s < _I64 for s in v)
 
 
-def _rebuild_parameter(data: _TensorStub, *rest: Any) -> _TensorStub:
+def _rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> _TensorStub:
+    if not isinstance(storage, _Storage):
+        raise HeaderError(f"a tensor whose storage is {_show(storage)}, not a storage reference")
+    if not (type(storage_offset) is int and 0 <= storage_offset < _I64 and _int64s(size)):
+        raise HeaderError(f"a tensor with offset {_show(storage_offset, 30)} and shape {_show(size)}: "
+                          f"not non-negative 64-bit integers")
+    if not (_int64s(stride) and len(stride) == len(size)):
+        raise HeaderError(f"a tensor of shape {_show(size)} with strides {_show(stride)}: not one non-negative "
+                          f"64-bit integer per dimension")
+    return _TensorStub(storage, storage_offset, size, stride)
+
+
+def _rebuild_parameter(data: Any, *rest: Any) -> _TensorStub:
+    if not isinstance(data, _TensorStub):
+        raise HeaderError(f"a parameter of {_show(data)}, not of a tensor")
     return data
+
+
+def _ordered_dict(*args: Any) -> collections.OrderedDict:
+    # torch.save writes OrderedDict() and fills it by SETITEMS (whose keys are checked); an iterable passed here
+    # would hash keys we never saw.
+    if args:
+        raise HeaderError(f"OrderedDict called with {_show(args)}; torch.save writes OrderedDict()")
+    return collections.OrderedDict()
 
 
 class _StorageType:
@@ -303,8 +395,23 @@ class _StorageType:
         self.dtype, self.itemsize = dt.name, int(dt.bytes)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Knows four globals; any other one (a class, os.system, ...) is refused before it can run."""
+def _refuse_op(code: int) -> Any:
+    op = pickletools.code2op.get(chr(code))
+    raise HeaderError(f"opcode {op.name if op else hex(code)}, which torch.save does not write")
+
+
+class _Dispatch(dict):
+    def __missing__(self, code: int) -> Any:
+        _refuse_op(code)
+
+
+class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """Knows four globals and torch.save's opcodes; any other global (a class, os.system, ...) or opcode is refused
+    before it can run.
+
+    The pure-Python unpickler, so that each opcode it runs is one we allow: dict keys must be strings (hashing a
+    shared tuple is exponential) and BUILD may only set a state dict's `_metadata`-style attributes.
+    """
 
     def __init__(self, file: Any, path: Path):
         super().__init__(file)
@@ -312,7 +419,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
+            return _ordered_dict
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _rebuild_tensor_v2
         if (module, name) == ("torch._utils", "_rebuild_parameter"):
@@ -325,10 +432,45 @@ class _MetadataUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> _Storage:
         # ('storage', storage_type, key, location, numel), as torch.save writes it.
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
-            raise HeaderError(f"{self.path}: refused: unexpected persistent reference {str(pid)[:80]}")
-        if not (isinstance(pid[2], str) and _u64(pid[4])):
-            raise HeaderError(f"{self.path}: refused: storage reference {str(pid)[:80]} is malformed")
+            raise HeaderError(f"{self.path}: refused: unexpected persistent reference {_show(pid, 80)}")
+        if not (isinstance(pid[2], str) and type(pid[4]) is int and 0 <= pid[4] < _I64):
+            raise HeaderError(f"{self.path}: refused: storage reference {_show(pid, 80)} is malformed")
         return _Storage(pid[1].dtype, pid[1].itemsize, pid[2], pid[4])
+
+    def _set(self, items: list[Any]) -> None:
+        """SETITEM(S): into a dict, string keys only (a key is hashed: a shared tuple would take 2^depth steps)."""
+        target = self.stack[-1] if self.stack else None
+        if not isinstance(target, dict):
+            raise HeaderError(f"items set on {_show(target)}, not on a dict")
+        for k, v in zip(items[0::2], items[1::2]):
+            if type(k) is not str:
+                raise HeaderError(f"a dict key {_show(k)}: torch.save's keys are strings")
+            target[k] = v
+
+    def _setitem(self) -> None:
+        value, key = self.stack.pop(), self.stack.pop()
+        self._set([key, value])
+
+    def _setitems(self) -> None:
+        self._set(self.pop_mark())
+
+    def _dict(self) -> None:
+        items = self.pop_mark()
+        self.append({})
+        self._set(items)
+
+    def _build(self) -> None:
+        # torch.save sets a state dict's `_metadata` (module versions), which counting never reads.
+        state, inst = self.stack[-1], self.stack[-2] if len(self.stack) > 1 else None
+        if not (isinstance(inst, collections.OrderedDict) and isinstance(state, dict) and set(state) <= {"_metadata"}):
+            raise HeaderError(f"BUILD of {_show(inst)} from {_show(state)}: torch.save only sets a state dict's "
+                              f"_metadata")
+        self.stack.pop()
+
+    dispatch = _Dispatch({code: fn for code, fn in pickle._Unpickler.dispatch.items()  # type: ignore[attr-defined]
+                          if pickletools.code2op[chr(code)].name in _PICKLE_OPS})
+    dispatch.update({pickle.SETITEM[0]: _setitem, pickle.SETITEMS[0]: _setitems, pickle.DICT[0]: _dict,
+                     pickle.BUILD[0]: _build})
 
 
 def _check_zip_sizes(zf: zipfile.ZipFile, path: Path, size: int) -> None:
@@ -370,7 +512,7 @@ def read_torch_header(path: str | Path) -> list[TensorInfo]:
     """The tensors of a torch zip file (.pth/.bin) from `data.pkl` alone, checking each storage is there.
 
     Every declared size is checked against the file first (no entry inflated past 32:1, none overlapping,
-    data.pkl at most 100 MB), so that neither this reader nor torch.load can be made to allocate more than
+    data.pkl at most 32 MiB), so that neither this reader nor torch.load can be made to allocate more than
     the file justifies.
     """
     path = Path(path)
@@ -401,21 +543,25 @@ def read_torch_header(path: str | Path) -> list[TensorInfo]:
                     raise
                 raise HeaderError(f"{path}: refused: data.pkl holds {e}") from None
             # A crafted pickle can raise nearly anything (it is only data to us, never run): every failure
-            # to read it is the same refusal.
+            # to read it is the same refusal, its message shown only when it is text (never a pickled value).
             except Exception as e:  # noqa: BLE001
+                said = str(e) if all(isinstance(a, str) for a in e.args) else _show(e.args, 100)
                 raise HeaderError(f"{path}: cannot read tensor metadata from data.pkl ({type(e).__name__}: "
-                                  f"{str(e)[:100]})") from None
+                                  f"{said.splitlines()[0][:100] if said.strip() else ''})") from None
     if not isinstance(obj, dict):
-        raise HeaderError(f"{path}: refused: holds a {type(obj).__name__}, not a dict of tensors")
+        raise HeaderError(f"{path}: refused: holds {_show(obj)}, not a dict of tensors")
     out = []
-    for name, t in obj.items():
-        if not isinstance(t, _TensorStub):
-            raise HeaderError(f"{path}: refused: entry {str(name)[:80]!r} is a {type(t).__name__}, not a tensor")
+    for name, t in dict.items(obj):
+        if not (isinstance(name, str) and isinstance(t, _TensorStub)):
+            raise HeaderError(f"{path}: refused: entry {_show(name, 80)} is {_show(t)}, not a tensor under a name")
         st = t.storage
         stored = sizes.get(f"{prefix}data/{st.key}")
-        need = (t.offset + math.prod(t.shape)) * st.itemsize
+        need = st.numel * st.itemsize  # torch.save writes each storage whole
         if stored is None or stored < need:
-            raise HeaderError(f"{path}: truncated: storage of tensor {str(name)[:80]!r} holds {stored or 0} bytes, "
+            raise HeaderError(f"{path}: truncated: storage of tensor {name[:80]!r} holds {stored or 0} bytes, "
                               f"needs {need}")
-        out.append(TensorInfo(str(name), t.shape, st.dtype, math.prod(t.shape) * st.itemsize, path.name))
+        if t.span > st.numel:
+            raise HeaderError(f"{path}: tensor {name[:80]!r} (offset {t.offset}, shape {_show(t.shape)}, strides "
+                              f"{_show(t.stride)}) reaches element {t.span:,} of a storage of {st.numel:,}")
+        out.append(TensorInfo(name, t.shape, st.dtype, math.prod(t.shape) * st.itemsize, path.name))
     return out

@@ -9,12 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ModelConfig
-from .formats import (BENIGN_SUFFIXES, CheckpointFormat, CheckpointTensor, checkpoint_tensors, detect_format,
-                      merge_meta_shards)
+from .formats import BENIGN_SUFFIXES, CheckpointTensor, checkpoint_tensors, detect_format, merge_meta_shards
 from .header_readers import TensorInfo
-from .weight_files import (NO_WEIGHTS, CheckpointHeaders, WeightFiles, checkpoint_config, find_weight_files,
-                           read_headers)
-from .weights import weight_specs
+from .weight_files import NO_WEIGHTS, CheckpointHeaders, checkpoint_config, find_weight_files, read_headers
+from .weights import stack_specs, weight_specs
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -95,6 +93,7 @@ def read_checkpoint_headers(path: str | Path) -> CheckpointHeaders:
     cfg = checkpoint_config(d, wf, per_file)
     tensors = merged_infos(cfg, per_file, wf.files) if wf.kind == "meta" else [t for infos in per_file for t in infos]
     _check_layer_count(d, cfg, tensors)  # before anyone builds n8 layers' worth of expected names
+    _check_tensor_count(d, cfg, tensors)  # ... or n8 x experts of them
     return CheckpointHeaders(d, wf, per_file, cfg, tensors, detect_format(wf.kind, [t.name for t in tensors]))
 
 
@@ -167,6 +166,16 @@ def _check_layer_count(d: Path, cfg: ModelConfig, tensors: list[TensorInfo]) -> 
     if held != cfg.num_hidden_layers:
         raise ValueError(f"{d}: {Path(cfg.source).name} says {cfg.num_hidden_layers} decoder layers, the weight "
                          f"files hold {held}; fix num_hidden_layers or the files")
+
+
+def _check_tensor_count(d: Path, cfg: ModelConfig, tensors: list[TensorInfo]) -> None:
+    """One line when the config predicts far more tensors than the files hold (every predicted name is built and
+    each missing one listed): counted analytically first, so an expert count of 65,536 costs nothing."""
+    predicted = stack_specs(cfg).total(key=lambda s: 1)
+    if predicted > 2 * len(tensors) + 1024:
+        experts = f" ({cfg.num_experts:,} experts in each of {cfg.num_hidden_layers:,} decoders)" if cfg.num_experts else ""
+        raise ValueError(f"{d}: {Path(cfg.source).name} predicts {predicted:,} tensors{experts}, the weight files hold "
+                         f"{len(tensors):,}; fix {'num_local_experts' if experts else 'the config'} or the files")
 
 
 def merged_infos(cfg: ModelConfig, per_file: list[list[TensorInfo]], files: tuple[Path, ...]) -> list[TensorInfo]:

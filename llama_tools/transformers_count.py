@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,53 @@ NO_FORMULA = "none: these parts are counted from transformers' module tree and h
 COMPONENTS = ("embedding", "attention", "mlp", "moe.router", "moe.experts", "moe.shared_experts", "norms",
               "layer other", "final_norm", "lm_head", "other embeddings", "other norms", "other")
 _FFN = ("mlp", "moe.router", "moe.experts", "moe.shared_experts")
+
+# transformers builds the tree one Python module at a time (each expert of each decoder: DeepSeek-V3's 61 x 256 take
+# seconds) and some configs list a value per layer in __init__; so the numbers that multiply modules are bounded, from
+# the JSON, before transformers or torch is imported. Widths and lengths build nothing per unit on the meta device.
+MAX_TREE_LAYERS = 2**12  # any *layers / *layer key; Llama 3.1 405B: 126
+MAX_TREE_EXPERTS = 2**12  # any *expert* count; Qwen3-Next: 512
+MAX_TREE_HEADS = 2**16  # any *head* count (heads are looped over in some inits); 405B: 128
+MAX_TREE_BLOCKS = 2**15  # decoders x (experts + 1), ~1 ms each; Kimi K2: 61 x 385 = 23,485
+MAX_TREE_INT = 2**40  # any other integer: widths, lengths, ids (Llama 4 Scout's context: 10,485,760)
+_LAYERS = re.compile(r"(?:^|_)layers?$")
+_SIZE = re.compile(r"(?:size|dim|dims)$")
+
+
+def _tree_limit(key: str) -> tuple[int, str]:
+    """(bound, what it counts) for an integer under `key` anywhere in a foreign config."""
+    k = key.lower()
+    if _LAYERS.search(k):
+        return MAX_TREE_LAYERS, "layers"
+    if "expert" in k and not _SIZE.search(k):
+        return MAX_TREE_EXPERTS, "experts"
+    if "head" in k and not _SIZE.search(k):
+        return MAX_TREE_HEADS, "heads"
+    return MAX_TREE_INT, "a size"
+
+
+def check_tree_sizes(data: dict[str, Any], path: Path | str) -> None:
+    """One ValueError line naming the field when a foreign config would make transformers build without bound."""
+    most = {"layers": 0, "experts": 0}
+    todo: list[tuple[str, Any]] = [(k, v) for k, v in data.items()]
+    while todo:  # iterative: a config nests as deep as JSON allows
+        where, v = todo.pop()
+        if isinstance(v, dict):
+            todo += [(f"{where}.{k}", x) for k, x in v.items()]
+        elif isinstance(v, list):
+            todo += [(where, x) for x in v]
+        elif type(v) is int:
+            limit, what = _tree_limit(where.rsplit(".", 1)[-1])
+            if abs(v) > limit:
+                raise ValueError(f"{path}: field {where!r} is {v:,}, over the {limit:,} llama-tools lets transformers "
+                                 f"build ({what}: far past any published model); fix the config")
+            if what in most:
+                most[what] = max(most[what], v)
+    blocks = most["layers"] * (most["experts"] + 1)
+    if blocks > MAX_TREE_BLOCKS:
+        raise ValueError(f"{path}: {most['layers']:,} layers x {most['experts']:,} experts would have transformers "
+                         f"build {blocks:,} expert blocks, over the {MAX_TREE_BLOCKS:,} llama-tools allows "
+                         f"(DeepSeek-V3: 61 x 256); fix the layer or expert count")
 
 
 @dataclass(frozen=True)
@@ -118,6 +166,7 @@ class ModuleTreeCount:
 
 def module_tree(foreign: ForeignConfig) -> ModuleTree:
     """transformers' model of `foreign`, built on the meta device, as parameter shapes; one ValueError line if not."""
+    check_tree_sizes(foreign.data, foreign.path)  # before transformers is imported or anything built
     return _tree(str(foreign.path), foreign.name, json.dumps(foreign.data, sort_keys=True))
 
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ModelConfig
-from .config_files import config_from_hf, config_from_meta, read_json
+from .config_files import config_from_hf, config_from_meta, is_config_file, read_json
 from .formats import CheckpointFormat
-from .header_readers import HeaderError, TensorInfo, read_safetensors_header, read_torch_header
+from .header_readers import HeaderError, TensorInfo, read_safetensors_header, read_torch_header, real_path
 
 # What a directory may hold, in the order looked for. HF's model*.safetensors before any *.safetensors:
 # Mistral repos also ship the same weights as consolidated.safetensors.
@@ -52,7 +52,7 @@ def _inside(d: Path, f: Path, index: Path | None = None) -> Path:
     One exception keeps the Hugging Face hub cache working: a snapshot's files are symlinks into the same
     repository's blobs/ (snapshots/<rev>/x -> ../../blobs/<hash>).
     """
-    real_d, real_f = d.resolve(), f.resolve()
+    real_d, real_f = real_path(d), real_path(f)  # a symlink loop is one line naming it
     if real_f.parent == real_d:
         return f
     if real_d.parent.name == "snapshots" and real_f.parent == real_d.parent.parent / "blobs":
@@ -111,13 +111,19 @@ def _check_meta_shards(d: Path, shards: list[Path]) -> tuple[Path, ...]:
     """consolidated.00.pth .. consolidated.NN.pth, none missing, in shard order."""
     numbers = []
     for f in shards:
-        m = re.fullmatch(r"consolidated\.(\d+)\.pth", f.name)
+        # At most 6 digits: the number is only ever compared with how many shards there are (never looped to).
+        m = re.fullmatch(r"consolidated\.(\d{1,6})\.pth", f.name)
         if not m:
             raise ValueError(f"{f}: unexpected shard name; Meta shards are consolidated.00.pth, consolidated.01.pth, ...")
         numbers.append(int(m.group(1)))
-    gone = sorted(set(range(max(numbers) + 1)) - set(numbers))
-    if gone:
-        raise ValueError(f"{d / f'consolidated.{gone[0]:02d}.pth'}: missing model-parallel shard {gone[0]} "
+    have = set(numbers)
+    if len(have) != len(numbers):
+        dup = next(n for i, n in enumerate(numbers) if n in numbers[:i])
+        raise ValueError(f"{d}: two files are model-parallel shard {dup} "
+                         f"({', '.join(f.name for f, n in zip(shards, numbers) if n == dup)}); keep one")
+    gone = next((k for k in range(len(have) + 1) if k not in have), None)
+    if max(numbers) + 1 != len(have) and gone is not None:
+        raise ValueError(f"{d / f'consolidated.{gone:02d}.pth'}: missing model-parallel shard {gone} "
                          f"of {max(numbers) + 1}")
     return tuple(sorted(shards, key=lambda f: int(f.name.split(".")[1])))
 
@@ -160,9 +166,9 @@ def checkpoint_config(directory: str | Path, wf: WeightFiles | None = None,
                       headers: list[list[TensorInfo]] | None = None) -> ModelConfig:
     """config.json or params.json; Meta's vocab_size -1 is read from tok_embeddings' stored shape."""
     d = Path(directory)
-    if (d / "config.json").is_file():
+    if is_config_file(d / "config.json"):
         return config_from_hf(read_json(d / "config.json"), d / "config.json")
-    if not (d / "params.json").is_file():
+    if not is_config_file(d / "params.json"):
         raise ValueError(f"{d}: checkpoint directory has neither config.json nor params.json")
     data = read_json(d / "params.json")
     vocab = None
@@ -170,7 +176,7 @@ def checkpoint_config(directory: str | Path, wf: WeightFiles | None = None,
         if headers is None and wf is not None:
             headers = read_headers(wf)
         emb = next((t for infos in (headers or []) for t in infos if t.name == "tok_embeddings.weight"), None)
-        vocab = emb.shape[0] if emb else None
+        vocab = emb.shape[0] if emb and emb.shape else None
     return config_from_meta(data, d / "params.json", vocab_size=vocab)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from .config import ModelConfig
 
@@ -41,7 +42,8 @@ class WeightSpec:
         return math.prod(self.shape)
 
 
-def _layer_specs(cfg: ModelConfig, j: int) -> list[WeightSpec]:
+def _layer_specs(cfg: ModelConfig, j: int, experts: int | None = None) -> list[WeightSpec]:
+    """Decoder j's weights; with `experts`, only the first that many routed experts (the rest have their shapes)."""
     n2, n7, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     hf, meta = f"model.layers.{j}.", f"layers.{j}."
     s = lambda *a, **k: WeightSpec(*a, layer=j, **k)  # noqa: E731
@@ -93,7 +95,7 @@ def _layer_specs(cfg: ModelConfig, j: int) -> list[WeightSpec]:
     moe, mmoe = hf + "block_sparse_moe.", meta + "feed_forward."
     out.append(s(moe + "gate.weight", mmoe + "gate.weight", f"G^{{{j}}}", (cfg.num_experts, n2), "moe.router",
                  in_paper=False))
-    for e in range(cfg.num_experts):
+    for e in range(cfg.num_experts if experts is None else min(experts, cfg.num_experts)):
         p, mp = f"{moe}experts.{e}.", f"{mmoe}experts.{e}."
         out += [s(p + f"{proj}.weight", mp + f"{w}.weight", f"W^{{{j}{i}}}_{{{e}}}", shape, "moe.experts",
                   in_paper=False, hf_name=p + f"{w}.weight")
@@ -102,17 +104,64 @@ def _layer_specs(cfg: ModelConfig, j: int) -> list[WeightSpec]:
     return out
 
 
-def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
-    """All parameters of the model, in the paper's order; a tied lm_head appears once, as the embedding."""
+def _outside_specs(cfg: ModelConfig) -> tuple[list[WeightSpec], list[WeightSpec]]:
+    """The weights before the decoder stack (D) and after it (the final norm, an untied lm_head)."""
     n1, n2 = cfg.vocab_size, cfg.hidden_size
-    specs = [WeightSpec("model.embed_tokens.weight", "tok_embeddings.weight", "D", (n1, n2), "embedding", None,
-                        in_paper=not cfg.tie_word_embeddings, meta_shard_dim=1)]
-    for j in range(cfg.num_hidden_layers):
-        specs += _layer_specs(cfg, j)
-    specs.append(WeightSpec("model.norm.weight", "norm.weight", f"γ^{{{cfg.num_hidden_layers}}}", (n2,),
-                            "final_norm", None, in_paper=False))
+    before = [WeightSpec("model.embed_tokens.weight", "tok_embeddings.weight", "D", (n1, n2), "embedding", None,
+                         in_paper=not cfg.tie_word_embeddings, meta_shard_dim=1)]
+    after = [WeightSpec("model.norm.weight", "norm.weight", f"γ^{{{cfg.num_hidden_layers}}}", (n2,),
+                        "final_norm", None, in_paper=False)]
     if not cfg.tie_word_embeddings:
         # \bar{W}^8: n1 x n2, the paper's lm_head (it counts this one matrix of the two n1 x n2 ones).
-        specs.append(WeightSpec("lm_head.weight", "output.weight", "W^8", (n1, n2), "lm_head", None,
+        after.append(WeightSpec("lm_head.weight", "output.weight", "W^8", (n1, n2), "lm_head", None,
                                 in_paper=True, meta_shard_dim=0))
-    return specs
+    return before, after
+
+
+def weight_specs(cfg: ModelConfig) -> list[WeightSpec]:
+    """All parameters of the model, in the paper's order; a tied lm_head appears once, as the embedding."""
+    before, after = _outside_specs(cfg)
+    specs = list(before)
+    for j in range(cfg.num_hidden_layers):
+        specs += _layer_specs(cfg, j)
+    return specs + after
+
+
+def _numel(s: WeightSpec) -> int:
+    return s.numel
+
+
+def _any(s: WeightSpec) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class StackSpecs:
+    """The whole weight table in constant time whatever n8 and the expert count are.
+
+    Every decoder has decoder 0's shapes and every routed expert expert 0's (both are built from the same
+    fields), so the table is `outside` + n8 copies of (`decoder` + `experts` copies of `expert`), up to names.
+    """
+
+    outside: list[WeightSpec]  # D, the final norm, lm_head
+    decoder: list[WeightSpec]  # decoder 0 without its routed experts
+    expert: list[WeightSpec]  # decoder 0's expert 0 (empty for a dense FFN)
+    layers: int  # n8
+    experts: int  # routed experts per decoder
+
+    def per_decoder(self, key: Callable[[WeightSpec], int] = _numel, pred: Callable[[WeightSpec], bool] = _any) -> int:
+        """sum(key(s)) over one decoder's weights that satisfy pred, its experts included."""
+        return (sum(key(s) for s in self.decoder if pred(s))
+                + self.experts * sum(key(s) for s in self.expert if pred(s)))
+
+    def total(self, key: Callable[[WeightSpec], int] = _numel, pred: Callable[[WeightSpec], bool] = _any) -> int:
+        """sum(key(s)) over the whole table's weights that satisfy pred."""
+        return sum(key(s) for s in self.outside if pred(s)) + self.layers * self.per_decoder(key, pred)
+
+
+def stack_specs(cfg: ModelConfig) -> StackSpecs:
+    """weight_specs(cfg) folded: outside the stack, decoder 0 and its expert 0, with the counts that repeat them."""
+    before, after = _outside_specs(cfg)
+    first = _layer_specs(cfg, 0, experts=1)
+    return StackSpecs(before + after, [s for s in first if s.component != "moe.experts"],
+                      [s for s in first if s.component == "moe.experts"], cfg.num_hidden_layers, cfg.num_experts)

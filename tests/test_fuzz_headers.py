@@ -1,33 +1,50 @@
-"""A fuzz run of the weight-file header readers (issue 18): mutated safetensors headers and torch zips.
+"""A fuzz run of the weight-file header readers (issues 18, 21): mutated safetensors headers and torch zips.
 
 Properties, on every generated file:
-- our reader either returns tensors or raises HeaderError (a ValueError naming the file): no other exception;
-- whatever it accepts, the safetensors library accepts too (safe_open reads every tensor with the same shape
-  and dtype): the library is the independent truth, and we may only be stricter than it.
-Bounded: a few hundred examples, each well under a second, so it runs in CI in seconds.
+- our reader either returns tensors or raises HeaderError (a ValueError naming the file, one line): no other
+  exception, within the deadline, and a bounded traced peak (tracemalloc) on the structured cases;
+- whatever it accepts, the format's own library accepts too: safe_open reads every tensor with the same shape and
+  dtype, torch.load every tensor with the same shape. The libraries are the independent truth; we may only be
+  stricter than them.
+Two kinds of generation: random damage (bytes, lengths, whole JSON values), and real files (written by
+safetensors.torch.save_file and torch.save) mutated exhaustively: a cut at every structure boundary, every
+length/count field at 0, -1, 2^31, 2^63, 2^64, every field of every wrong JSON (or pickled) type. A handful of
+mutations also run through `count-params`: exit 0, or exit 1 with one stderr line naming the file; nothing written.
+LLAMA_TOOLS_FUZZ_EXAMPLES sets the number of random examples (default 150; a benchmark runs more).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import pickle
+import pickletools
 import struct
 import tempfile
+import tracemalloc
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
 from llama_tools import dtypes
 from llama_tools.checkpoints import torch_load
+from llama_tools.cli import cli
 from llama_tools.header_readers import HeaderError, read_safetensors_header, read_torch_header
+from test_hostile import assert_one_line
+from test_hostile_inputs import library_refuses
 
 CODES = [d.safetensors for d in dtypes.DTYPES.values() if d.safetensors]
-FUZZ = settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+EXAMPLES = int(os.environ.get("LLAMA_TOOLS_FUZZ_EXAMPLES", "150"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=2000, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+CLI_FUZZ = settings(FUZZ, max_examples=max(5, EXAMPLES // 15), deadline=10000)
 
 # JSON values of every kind, including the ones a header must not hold (floats, bools, nesting, huge ints).
 json_values = st.recursive(
@@ -202,3 +219,329 @@ def test_fuzzed_data_pkl_is_refused_in_our_words(pkl):
             read_torch_header(path)
         except HeaderError:
             pass
+
+
+# --- Real files, every structure boundary and every length field ------------------------------------------------
+#
+# The bases are written by the formats' own writers (safetensors.torch.save_file, torch.save); each mutation below
+# is applied to them one at a time, exhaustively: a cut at every boundary of the file's structure, every length or
+# count field set to each of ODD_FIELD (or to what its width holds), every field given each wrong JSON type.
+
+ODD_FIELD = [0, -1, 2**31, 2**63, 2**64 - 1, 2**64]
+WRONG_JSON = [None, True, 1.5, "x", [], {}, [[1]], {"a": 1}, [-1], [2**63], [1.5]]
+MEMORY = 8 * 2**20  # a reader's peak (tracemalloc) on these few-kB files, far above what any of them needs
+
+
+def bounded(read, path: Path):
+    """read(path), with its peak traced allocation: (result or the HeaderError raised, peak bytes)."""
+    tracemalloc.start()
+    try:
+        try:
+            out = read(path)
+        except HeaderError as e:
+            out = e
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def _refused_in_our_words(e: HeaderError, path: Path) -> None:
+    assert str(e).startswith(str(path)) and "\n" not in str(e), str(e)
+
+
+@pytest.fixture(scope="module")
+def real_st(tmp_path_factory) -> bytes:
+    """A safetensors file written by the library: three dtypes, a matrix, a scalar and an empty tensor."""
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("st") / "model.safetensors"
+    save_file({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16),
+               "s": torch.tensor(7, dtype=torch.int64), "e": torch.zeros(0, 4)}, str(path), metadata={"format": "pt"})
+    return path.read_bytes()
+
+
+def _st_parts(blob: bytes) -> tuple[int, dict]:
+    n = struct.unpack("<Q", blob[:8])[0]
+    return n, json.loads(blob[8:8 + n])
+
+
+def _st_blob(header: dict, data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def st_cuts(blob: bytes) -> list[int]:
+    """Every boundary of the file's structure: in and after the length, each JSON token, each tensor's data."""
+    n, header = _st_parts(blob)
+    cuts = set(range(9)) | {8 + n - 1, 8 + n}
+    cuts |= {8 + i + d for i, c in enumerate(blob[8:8 + n]) if c in b'{}[],:"' for d in (0, 1)}
+    cuts |= {8 + n + o for k, v in header.items() if k != "__metadata__" for o in v["data_offsets"] if type(o) is int}
+    return sorted(c for c in cuts if c < len(blob))
+
+
+def st_field_mutations(blob: bytes) -> list[tuple[str, bytes]]:
+    """(what, file) for every length/count field set to each ODD_FIELD, and every field of each wrong JSON type."""
+    n, header = _st_parts(blob)
+    data = blob[8 + n:]
+    out = [(f"length prefix {v}", struct.pack("<Q", v % 2**64) + blob[8:]) for v in ODD_FIELD]
+    names = [k for k in header if k != "__metadata__"]
+    for name in names:
+        for field in ("shape", "data_offsets"):
+            for i in range(len(header[name][field])):
+                for v in ODD_FIELD:
+                    h = json.loads(json.dumps(header))
+                    h[name][field][i] = v
+                    out.append((f"{name}.{field}[{i}] = {v}", _st_blob(h, data)))
+        for field in ("dtype", "shape", "data_offsets", None):
+            for v in WRONG_JSON:
+                h = json.loads(json.dumps(header))
+                if field is None:
+                    h[name] = v
+                else:
+                    h[name][field] = v
+                out.append((f"{name}.{field} = {v!r}", _st_blob(h, data)))
+    for v in WRONG_JSON:
+        out.append((f"__metadata__ = {v!r}", _st_blob({**header, "__metadata__": v}, data)))
+    return out
+
+
+def test_a_safetensors_file_cut_at_any_boundary_is_refused_by_us_and_the_library(real_st, tmp_path):
+    path = tmp_path / "model.safetensors"
+    cuts = st_cuts(real_st)
+    assert len(cuts) > 60  # the structure really was walked
+    for cut in cuts:
+        path.write_bytes(real_st[:cut])
+        out, peak = bounded(read_safetensors_header, path)
+        assert isinstance(out, HeaderError), f"a cut at byte {cut} was read: {out}"
+        _refused_in_our_words(out, path)
+        assert peak < MEMORY, f"cut at {cut}: {peak:,} bytes"
+        assert library_refuses(path), f"the library reads the file cut at {cut}: not a truncation"
+
+
+def test_every_length_field_and_json_type_of_a_real_header_is_refused_or_read_as_the_library_reads_it(real_st, tmp_path):
+    path = tmp_path / "model.safetensors"
+    refused = 0
+    for what, blob in st_field_mutations(real_st):
+        path.write_bytes(blob)
+        out, peak = bounded(read_safetensors_header, path)
+        assert peak < MEMORY, f"{what}: {peak:,} bytes"
+        if isinstance(out, HeaderError):
+            _refused_in_our_words(out, path)
+            refused += 1
+            continue
+        assert {t.name: (t.shape, t.dtype) for t in out} == _library_reads(path), what
+    assert refused > 100
+
+
+def test_negative_the_intact_real_file_is_read_as_the_library_reads_it(real_st, tmp_path):
+    """The mutations above are what is refused: the untouched file reads, and agrees with the library."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(real_st)
+    infos = read_safetensors_header(path)
+    assert {t.name: (t.shape, t.dtype) for t in infos} == _library_reads(path) == {
+        "w": ((2, 3), "float32"), "b": ((3,), "bfloat16"), "s": ((), "int64"), "e": ((0, 4), "float32")}
+
+
+@FUZZ
+@given(st.data())
+def test_several_mutations_of_a_real_header_at_once(real_st, data):
+    """Up to three field mutations and a cut together: still refused in our words or read as the library reads it."""
+    blob = real_st
+    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+        muts = st_field_mutations(blob) if len(blob) >= 8 and _parses(blob) else []
+        kind = data.draw(st.sampled_from(["field", "field", "cut"] if muts else ["cut"]), label="kind")
+        if kind == "field":
+            blob = data.draw(st.sampled_from(muts), label="mutation")[1]
+        else:
+            cuts = st_cuts(blob) if _parses(blob) else list(range(len(blob)))
+            blob = blob[:data.draw(st.sampled_from(cuts or [0]), label="cut")]
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "model.safetensors"
+        path.write_bytes(blob)
+        out, peak = bounded(read_safetensors_header, path)
+        assert peak < MEMORY
+        if isinstance(out, HeaderError):
+            _refused_in_our_words(out, path)
+        else:
+            assert {t.name: (t.shape, t.dtype) for t in out} == _library_reads(path)
+
+
+def _parses(blob: bytes) -> bool:
+    try:
+        n, header = _st_parts(blob)
+    except (ValueError, struct.error):
+        return False
+    lists = lambda v: isinstance(v, list) and all(type(x) is int for x in v)  # noqa: E731
+    return isinstance(header, dict) and all(isinstance(v, dict) and lists(v.get("shape")) and lists(v.get("data_offsets"))
+                                            for k, v in header.items() if k != "__metadata__")
+
+
+# --- Real torch zips: every integer of data.pkl, every opcode boundary, every zip field -----------------------
+
+@pytest.fixture(scope="module")
+def real_pth() -> bytes:
+    """torch.save of a module's state dict (BUILD of its _metadata) and of views: transposed, expanded (stride 0),
+    offset into a shared storage, a parameter, bf16 and int64."""
+    m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.LayerNorm(2))
+    sd = m.state_dict()
+    base = torch.arange(12, dtype=torch.float32)
+    sd.update({"t": base.reshape(3, 4).t(), "x": torch.ones(1).expand(5), "o": base[4:10].reshape(2, 3),
+               "p": torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)), "i": torch.tensor([1, 2], dtype=torch.int64)})
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    return buf.getvalue()
+
+
+def _pkl_name(blob: bytes) -> str:
+    return next(n for n in zipfile.ZipFile(io.BytesIO(blob)).namelist() if n.endswith("data.pkl"))
+
+
+def with_pkl(blob: bytes, pkl: bytes) -> bytes:
+    """The zip with data.pkl replaced, every other record as it was (stored, as torch.save writes them)."""
+    zin, out = zipfile.ZipFile(io.BytesIO(blob)), io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zout:
+        for info in zin.infolist():
+            zout.writestr(info, pkl if info.filename.endswith("data.pkl") else zin.read(info))
+    return out.getvalue()
+
+
+def _enc_int(v: int) -> bytes:
+    if -2**31 <= v < 2**31:
+        return b"J" + struct.pack("<i", v)
+    raw = pickle.encode_long(v)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+# Opcodes a wrong type is written with: None, True, a string, (), {}, a float (not an opcode torch.save writes).
+WRONG_PICKLED = [b"N", b"\x88", b"X\x01\x00\x00\x00x", b")", b"}", b"G" + struct.pack(">d", 1.5)]
+
+
+def pkl_mutations(pkl: bytes) -> list[tuple[str, bytes]]:
+    """(what, data.pkl) for every integer set to each ODD_FIELD or a wrong type, and a cut at every opcode."""
+    ops = list(pickletools.genops(pkl))
+    ends = [pos for _, _, pos in ops[1:]] + [len(pkl)]
+    out = [(f"cut at op {i}", pkl[:pos]) for i, (_, _, pos) in enumerate(ops)]
+    for (op, arg, pos), end in zip(ops, ends):
+        if op.name in ("BININT", "BININT1", "BININT2", "LONG1", "LONG4", "INT", "LONG"):
+            out += [(f"int {arg} at {pos} = {v}", pkl[:pos] + _enc_int(v) + pkl[end:]) for v in ODD_FIELD]
+            out += [(f"int {arg} at {pos} = {w!r}", pkl[:pos] + w + pkl[end:]) for w in WRONG_PICKLED]
+    return out
+
+
+def check_torch_file(path: Path) -> str:
+    """read_torch_header's answer is a HeaderError in our words, or shapes that torch.load itself reads."""
+    out, peak = bounded(read_torch_header, path)
+    assert peak < MEMORY, f"{peak:,} bytes"
+    if isinstance(out, HeaderError):
+        _refused_in_our_words(out, path)
+        return "refused"
+    try:
+        loaded = torch_load(path)
+    except ValueError as e:  # storage bytes damaged: torch.load's to find, one line naming the file
+        assert str(e).startswith(str(path)) and "\n" not in str(e), str(e)
+        return "data"
+    assert {t.name: t.shape for t in out} == {k: tuple(v.shape) for k, v in loaded.items()}
+    return "read"
+
+
+def test_every_integer_and_opcode_boundary_of_a_real_data_pkl(real_pth, tmp_path):
+    """Shapes, strides, offsets and storage sizes at 0, -1, 2^31, 2^63, 2^64 or of a wrong type, data.pkl cut at
+    every opcode: refused in our words, or read exactly as torch.load reads it (never accepted and then refused)."""
+    path = tmp_path / "consolidated.00.pth"
+    pkl = zipfile.ZipFile(io.BytesIO(real_pth)).read(_pkl_name(real_pth))
+    seen: dict[str, int] = {}
+    for what, mutated in pkl_mutations(pkl):
+        path.write_bytes(with_pkl(real_pth, mutated))
+        result = check_torch_file(path)
+        assert result != "data", f"{what}: accepted from its header, refused by torch.load"
+        seen[result] = seen.get(result, 0) + 1
+    assert seen["refused"] > 300 and seen.get("read", 0) > 10, seen  # both answers really happen
+
+
+def zip_fields(blob: bytes) -> list[tuple[str, int, str]]:
+    """(name, offset, struct format) of every length, count and offset field of the zip's records."""
+    zf = zipfile.ZipFile(io.BytesIO(blob))
+    fields = []
+    for info in zf.infolist():
+        at = info.header_offset
+        fields += [(f"{info.filename} local {n}", at + o, f) for n, o, f in
+                   (("compressed size", 18, "<I"), ("size", 22, "<I"), ("name length", 26, "<H"),
+                    ("extra length", 28, "<H"))]
+    cd = zf.start_dir
+    while blob[cd:cd + 4] == b"PK\x01\x02":
+        fields += [(f"central@{cd} {n}", cd + o, f) for n, o, f in
+                   (("compressed size", 20, "<I"), ("size", 24, "<I"), ("name length", 28, "<H"),
+                    ("extra length", 30, "<H"), ("comment length", 32, "<H"), ("offset", 42, "<I"))]
+        cd += 46 + sum(struct.unpack_from("<HHH", blob, cd + 28))
+    end = blob.rfind(b"PK\x05\x06")
+    fields += [(f"end {n}", end + o, f) for n, o, f in (("disk entries", 8, "<H"), ("entries", 10, "<H"),
+                                                         ("directory size", 12, "<I"),
+                                                         ("directory offset", 16, "<I"))]
+    return fields
+
+
+def zip_cuts(blob: bytes) -> list[int]:
+    """Every record boundary of the zip: each local header, its data's start and end, each directory record."""
+    zf = zipfile.ZipFile(io.BytesIO(blob))
+    cuts = {zf.start_dir, blob.rfind(b"PK\x05\x06")}
+    for info in zf.infolist():
+        start = info.header_offset + 30 + sum(struct.unpack_from("<HH", blob, info.header_offset + 26))
+        cuts |= {info.header_offset, info.header_offset + 30, start, start + info.compress_size}
+    cuts |= {i for i in range(zf.start_dir, len(blob)) if blob[i:i + 4] in (b"PK\x01\x02", b"PK\x06\x06",
+                                                                         b"PK\x06\x07")}
+    return sorted(c for c in cuts if 0 <= c < len(blob))
+
+
+def test_every_zip_field_and_record_boundary_of_a_real_pth(real_pth, tmp_path):
+    """Sizes, name lengths, offsets and counts of the zip's records at 0, 2^31 and all ones, the file cut at every
+    record: refused in our words, or read as torch.load reads it (or its data found damaged, in one line)."""
+    path = tmp_path / "consolidated.00.pth"
+    fields = zip_fields(real_pth)
+    assert len(fields) > 60
+    seen: dict[str, int] = {}
+    for name, at, fmt in fields:
+        for v in (0, 2**31, 2**(8 * struct.calcsize(fmt)) - 1):
+            if fmt == "<H" and v == 2**31:
+                continue
+            blob = bytearray(real_pth)
+            struct.pack_into(fmt, blob, at, v)
+            path.write_bytes(bytes(blob))
+            r = check_torch_file(path)
+            seen[r] = seen.get(r, 0) + 1
+    for cut in zip_cuts(real_pth):
+        path.write_bytes(real_pth[:cut])
+        assert check_torch_file(path) == "refused", f"cut at {cut}"
+    assert seen.get("refused", 0) > 50, seen
+
+
+def test_negative_the_real_pth_with_its_views_is_read_as_torch_reads_it(real_pth, tmp_path):
+    """The untouched file (a transposed view, a stride-0 expansion, an offset into a shared storage) is accepted
+    with torch's own shapes: the span checks above refuse damage, not real layouts."""
+    path = tmp_path / "consolidated.00.pth"
+    path.write_bytes(real_pth)
+    assert check_torch_file(path) == "read"
+    shapes = {t.name: t.shape for t in read_torch_header(path)}
+    assert shapes["t"] == (4, 3) and shapes["x"] == (5,) and shapes["o"] == (2, 3)
+
+
+# --- The CLI on a few of them: one line, exit 1, nothing written --------------------------------------------------
+
+@CLI_FUZZ
+@given(st.data())
+def test_count_params_on_mutated_weight_files_is_a_count_or_one_line(real_st, real_pth, data):
+    kind = data.draw(st.sampled_from(["safetensors", "pth"]), label="kind")
+    if kind == "safetensors":
+        name, blob = "model.safetensors", data.draw(st.sampled_from(st_field_mutations(real_st)), label="mutation")[1]
+    else:
+        pkl = zipfile.ZipFile(io.BytesIO(real_pth)).read(_pkl_name(real_pth))
+        name = "consolidated.00.pth"
+        blob = with_pkl(real_pth, data.draw(st.sampled_from(pkl_mutations(pkl)), label="mutation")[1])
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / name
+        path.write_bytes(blob)
+        before = sorted(p.name for p in Path(d).iterdir())
+        r = CliRunner().invoke(cli, ["count-params", str(path)])
+        if r.exit_code != 0:
+            assert_one_line(r, name)
+        assert sorted(p.name for p in Path(d).iterdir()) == before  # nothing written beside the input
+        assert Path(path).read_bytes() == blob
