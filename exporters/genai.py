@@ -32,9 +32,10 @@ from typing import Any
 from llama_tools import files
 from llama_tools.config import ModelConfig
 from llama_tools.config_files import config_to_hf
-from llama_tools.source_files import (SAMPLING_KEYS, TOP_K_WHEN_SAMPLING, SourceFiles, agreeing_ids,
-                                      checked_tokenizer_config, read_source_files, template_of_config,
-                                      tokenizer_files)
+from llama_tools.header_readers import open_regular
+from llama_tools.source_files import (MAX_TOKENIZER_FILE_BYTES, SAMPLING_KEYS, TOP_K_WHEN_SAMPLING, SourceFiles,
+                                      agreeing_ids, checked_tokenizer_config, json_object, read_bounded,
+                                      read_source_files, template_of_config, tokenizer_files)
 from llama_tools.tokenizer import JsonTokenizer, find_tokenizer, kind_of
 from llama_tools.tokenizer_files import sentencepiece_files
 
@@ -142,38 +143,67 @@ def sentencepiece_to_tokenizer_json(path: str | Path) -> tuple[dict[str, Any], d
 # --- Writing ---------------------------------------------------------------------------------------------
 
 MANIFEST = ".llama-tools-client-files.json"  # name -> sha256 of what we wrote: those files are ours to replace
+MAX_MANIFEST_BYTES = 1 << 20  # a real one names a dozen files
 
 
-class _OwnedWriter:
-    """Writes client files into a directory, never replacing a file that is not ours.
+@dataclass(frozen=True)
+class ClientPlan:
+    """The client files for a graph, planned and not yet written: what they will be, and each one's bytes."""
+
+    files: ClientFiles
+    data: dict[str, bytes]  # file name -> bytes, in the order they are renamed into place (the manifest last)
+
+
+def _digest(path: Path) -> str | None:
+    """sha256 of a regular file's bytes (a symlink's target's), read a block at a time; None for anything else."""
+    if not path.is_file():
+        return None
+    h = hashlib.sha256()
+    with open_regular(path) as f:  # a FIFO swapped in after the check never blocks
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class _OwnedPlan:
+    """Plans client files for a directory, never replacing a file that is not ours; nothing is written here.
 
     A file is ours when the manifest records its current bytes (we wrote it, nobody changed it since); a
-    foreign file is kept and reported, unless it already holds exactly what we would write.
+    foreign file is kept and reported, unless it already holds exactly what we would write. A symlink, and the
+    graph's own names, are never ours.
     """
 
-    def __init__(self, out: Path):
-        self.out, self.written, self.kept = out, [], []
+    def __init__(self, out: Path, reserved: tuple[str, ...] = ()):
+        self.out, self.reserved = out, reserved
+        self.written: list[Path] = []
+        self.kept: list[Path] = []
+        self.data: dict[str, bytes] = {}
         try:
-            self.manifest = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            self.manifest = {}
+            manifest = json_object(read_bounded(out / MANIFEST, MAX_MANIFEST_BYTES), out / MANIFEST)
+        except (OSError, ValueError):  # none yet, or not one of ours: nothing there is ours then
+            manifest = {}
+        self.manifest = {k: v for k, v in manifest.items() if isinstance(v, str)}
 
     def bytes(self, name: str, data: bytes) -> Path | None:
         path, digest = self.out / name, hashlib.sha256(data).hexdigest()
+        if name in self.reserved or path.is_symlink():  # a link is the user's, even to a file holding DATA
+            if name not in self.reserved and _digest(path) == digest:
+                return None
+            self.kept.append(path)
+            return None
         if path.exists():
-            current = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-            if current != digest and self.manifest.get(name) != current:
+            current = _digest(path)
+            if current != digest and (current is None or self.manifest.get(name) != current):
                 self.kept.append(path)
                 return None
-        files.write_bytes(path, data)
+        self.data[name] = data
         self.manifest[name] = digest
         self.written.append(path)
         return path
 
     def once(self, name: str, data: bytes) -> Path | None:
         """bytes(), unless the file there already holds DATA: never rewrite a file we read (same directory)."""
-        there = self.out / name
-        if there.is_file() and there.read_bytes() == data:
+        if _digest(self.out / name) == hashlib.sha256(data).hexdigest():
             return None
         return self.bytes(name, data)
 
@@ -181,7 +211,7 @@ class _OwnedWriter:
         return self.bytes(name, (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
 
     def close(self) -> None:
-        files.write_text(self.out / MANIFEST, json.dumps(self.manifest, indent=2, sort_keys=True))
+        self.data[MANIFEST] = (json.dumps(self.manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
 def _static_kv(onnx_path: Path) -> int | None:
@@ -199,9 +229,14 @@ def _tokenizer_of(path: Path) -> Path | None:
     return found if found is not None and (path.is_dir() or found == path) else None
 
 
-def _write_tokenizer(found: Path, w: _OwnedWriter, cfg: ModelConfig, warnings: list[str]) -> str:
-    """The tokenizer files its kind makes (tokenizer.KINDS) and the source's others byte for byte; ids checked."""
+def tokenizer_client_files(found: Path, cfg: ModelConfig) -> tuple[dict[str, bytes], str, list[str]]:
+    """FOUND's files for clients (its kind makes them: tokenizer.KINDS), the source's other tokenizer files byte for
+    byte, how they were made, and what was left out (warnings); a made tokenizer's special ids checked against CFG.
+
+    Cheap to call twice (the made files are cached per file): `export` calls it in its checks, before any work.
+    """
     kind = kind_of(found)
+    warnings: list[str] = []
     made = kind.client_files(found)
     gguf = found.suffix.lower() == ".gguf"  # its folder's other files are not the model's
     if kind.cls is not JsonTokenizer:  # made here: its special ids must be the config's (a copy is the user's)
@@ -222,10 +257,9 @@ def _write_tokenizer(found: Path, w: _OwnedWriter, cfg: ModelConfig, warnings: l
     if not gguf:
         beside, why = tokenizer_files(found.parent)
         warnings += why
-        made.update({name: path.read_bytes() for name, path in beside.items() if name not in made})
-    for name, data in made.items():
-        w.once(name, data)
-    return kind.how
+        made.update({name: read_bounded(path, MAX_TOKENIZER_FILE_BYTES) for name, path in beside.items()
+                     if name not in made})
+    return made, kind.how, warnings
 
 
 def _source_folder(source: str) -> Path | None:
@@ -238,16 +272,16 @@ def _source_folder(source: str) -> Path | None:
     return path.parent if path.suffix.lower() == ".json" and path.is_file() else None
 
 
-def write_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
-                       tokenizer_dir: str | Path | None = None, share_buffer: bool | None = None,
-                       provider: str = "cpu") -> ClientFiles:
-    """Write config.json, generation_config.json, genai_config.json (+ tokenizer files) beside ONNX_PATH.
+def plan_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
+                      tokenizer_dir: str | Path | None = None, share_buffer: bool | None = None,
+                      provider: str = "cpu", dest: str | Path | None = None) -> ClientPlan:
+    """What write_client_files writes beside the graph at ONNX_PATH, planned; nothing is written.
 
-    cfg: None reads it from the graph's llama_tools.config metadata. tokenizer_dir: None looks in the graph's
-    source when that is a directory (a checkpoint). share_buffer: None follows the graph (True only for a
-    static-KV graph, whose past and present are one preallocated buffer); True on any other graph is refused.
+    dest: where the graph will be (its directory gets the files, its name goes into genai_config.json) when it is
+    still elsewhere (an export's scratch dir); None: ONNX_PATH itself.
     """
     onnx_path = Path(onnx_path)
+    dest = onnx_path if dest is None else Path(dest)
     if not onnx_path.is_file():
         raise ValueError(f"{onnx_path}: no such ONNX file; export it first (llama-tools export onnx)")
     from .onnx_export import read_metadata
@@ -266,13 +300,24 @@ def write_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
     said = read_source_files(side, cfg.vocab_size)
     warnings = list(said.warnings)
     ids, invented = client_ids(cfg, said)
-    gconfig = genai_config(cfg, filename=onnx_path.name, share_buffer=share_buffer, provider=provider, ids=ids,
+    gconfig = genai_config(cfg, filename=dest.name, share_buffer=share_buffer, provider=provider, ids=ids,
                            sampling=said.generation)
     if static is not None:  # genai allocates past/present at max_length: the graph's buffer length
         # context_length too: genai then refuses a longer max_length in one line ("cannot be greater than model
         # context_length") instead of failing inside GroupQueryAttention on a present one slot too long.
         gconfig["search"]["max_length"] = gconfig["model"]["context_length"] = static
-    w = _OwnedWriter(onnx_path.parent)
+    if tokenizer_dir is not None:
+        found = _tokenizer_of(Path(tokenizer_dir))
+        if found is None:
+            raise ValueError(f"{tokenizer_dir}: no tokenizer.json or tokenizer.model there; pass the checkpoint "
+                             f"directory that holds the tokenizer (or its GGUF file), or leave tokenizer_dir out")
+    else:
+        found = _tokenizer_of(Path(source)) if source else None
+    made, how = {}, "none: the source has no tokenizer (genai runs on ids)"
+    if found is not None:  # made first: a tokenizer that cannot be made refuses before anything is planned
+        made, how, why = tokenizer_client_files(found, cfg)
+        warnings += why
+    w = _OwnedPlan(dest.parent, reserved=(dest.name, dest.name + ".data"))
     w.json("config.json", hf_config(cfg, said))
     if said.generation_raw is not None:  # the source's own, byte for byte
         w.once("generation_config.json", said.generation_raw)
@@ -281,14 +326,26 @@ def write_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
         invented.append(f"generation_config.json: the source has none; written with the bos/eos/pad of "
                         f"genai_config.json, greedy (do_sample false), max_length {cfg.max_position_embeddings}")
     w.json("genai_config.json", gconfig)
-    if tokenizer_dir is not None:
-        found = _tokenizer_of(Path(tokenizer_dir))
-        if found is None:
-            raise ValueError(f"{tokenizer_dir}: no tokenizer.json or tokenizer.model there; pass the checkpoint "
-                             f"directory that holds the tokenizer (or its GGUF file), or leave tokenizer_dir out")
-    else:
-        found = _tokenizer_of(Path(source)) if source else None
-    how = (_write_tokenizer(found, w, cfg, warnings) if found is not None
-           else "none: the source has no tokenizer (genai runs on ids)")
+    for name, data in made.items():
+        w.once(name, data)
     w.close()
-    return ClientFiles(w.out, w.written, how, share_buffer, kept=w.kept, invented=invented, warnings=warnings)
+    clients = ClientFiles(w.out, w.written, how, share_buffer, kept=w.kept, invented=invented, warnings=warnings)
+    return ClientPlan(clients, w.data)
+
+
+def write_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
+                       tokenizer_dir: str | Path | None = None, share_buffer: bool | None = None,
+                       provider: str = "cpu") -> ClientFiles:
+    """Write config.json, generation_config.json, genai_config.json (+ tokenizer files) beside ONNX_PATH, all
+    together or (on any failure, or a signal) none of them.
+
+    cfg: None reads it from the graph's llama_tools.config metadata. tokenizer_dir: None looks in the graph's
+    source when that is a directory (a checkpoint). share_buffer: None follows the graph (True only for a
+    static-KV graph, whose past and present are one preallocated buffer); True on any other graph is refused.
+    """
+    plan = plan_client_files(onnx_path, cfg, tokenizer_dir=tokenizer_dir, share_buffer=share_buffer,
+                             provider=provider)
+    with files.atomic_files([plan.files.directory / name for name in plan.data]) as tmp:
+        for name, data in plan.data.items():
+            (tmp / name).write_bytes(data)
+    return plan.files

@@ -4,29 +4,35 @@
           └─--optimize: fused (fused.py) ── fallback: plain ─┼─ --quantize int4 (quantize.py) ─► OUT.onnx
                                                              └───────────────────────────────► + config.json,
                                                                genai_config.json, tokenizer files (genai.py)
+
+All of it is made in a scratch dir of ours beside OUT (the client files as bytes), then moved onto its names
+together (files.atomic_files): a failure at any stage (the graph, the quantizer, int4's quality check on
+onnxruntime, a client file) leaves nothing of ours and a previous export there as it was, as SIGTERM/SIGINT do.
+What can be judged before the work (OUT, the tokenizer) is, by check_output. A stream, device or FIFO is written
+through as the graph is made: there is nothing to stage, and no client files.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
-from llama_tools import dtypes, files
+from llama_tools import files
 from llama_tools.progress import Progress, release_freed_memory, silent
 from llama_tools.source import ModelSource
 
 from .fused import check_fusable, export_fused
-from .genai import ClientFiles, write_client_files
+from .genai import ClientFiles, plan_client_files
 from .onnx_export import ExportResult, export_onnx
 from .preflight import check_output
 from .quant_options import QUANTIZE
 from .quantize import QUALITY_TEXT, QuantizeResult, QuickQuality, quantize_int4, quick_quality
-
 
 
 @dataclass
@@ -40,6 +46,7 @@ class ExportReport:
     client_files: ClientFiles | None
     notes: list[str] = field(default_factory=list)
     quality: QuickQuality | None = None  # int4 against the full-precision graph, on real text when there is a tokenizer
+    target: Any = None  # int4_target.TargetResult: what a --max-kl target kept 8-bit and measured
 
     @property
     def bytes(self) -> int:
@@ -54,10 +61,11 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
     """Export SOURCE to OUTPUT: fused when asked and possible (else plain, said in a note), int4 when asked.
 
     int4: quantize_int4's keyword options (block_size, symmetric, accuracy_level, exclude); None: its defaults.
+    Everything appears at OUTPUT at the end, together, or (on any failure, or a signal) nothing does.
     """
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"--quantize {quantize!r}: choose one of {', '.join(QUANTIZE)}")
-    output = check_output(source, output, dtype=dtype, quantize=quantize)
+    output = check_output(source, output, dtype=dtype, quantize=quantize, client_files=client_files)
     optimize = optimize or quantize is not None or static_kv is not None
     notes: list[str] = []
     graph = "plain"
@@ -70,37 +78,67 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
                 raise
             notes.append(f"{e}: wrote the plain graph")
     kwargs = dict(dtype=dtype, rope_op=rope_op, seed=seed, progress=progress)
-    quality = None
-    with _long_name(output) as target:  # OUTPUT itself, or a short name of ours moved onto it at the end
+
+    def write_graph(path: Path) -> ExportResult:
+        return (export_fused(source, path, static_kv=static_kv or False, **kwargs) if graph == "fused"
+                else export_onnx(source, path, say=say, **kwargs))
+
+    chosen: list[Any] = []  # what a --max-kl target chose (int4_target.TargetResult)
+
+    def to_int4(full: Path, target: Path) -> QuantizeResult:
+        opts = dict(int4 or {})
+        max_kl = opts.pop("max_kl", None)
+        if max_kl is None:
+            say("quantizing to int4 (onnxruntime MatMulNBits)")
+            return quantize_int4(full, target, **opts)
+        from llama_tools.reference import reference_model
+        from llama_tools.source import load_tokenizer
+
+        from .int4_target import quantize_to_target
+
+        made, how = quantize_to_target(full, target, reference_model(source, seed=seed), load_tokenizer(source),
+                                       max_kl, opts, say=say, progress=progress)
+        chosen.append(how)
+        return made
+
+    if files.written_through(output):  # a stream, device or FIFO: no directory of ours, nothing to stage
+        quantized = None
         if quantize is None:
-            result = (export_fused(source, target, static_kv=static_kv or False, **kwargs) if graph == "fused"
-                      else export_onnx(source, target, say=say, **kwargs))
-            quantized = None
+            result = write_graph(output)
         else:
-            # The full-precision graph goes to a scratch dir of ours beside OUTPUT (removed at the end, or by
-            # the next run after a kill), then onnxruntime's quantizer writes OUTPUT from it. Beside a stream,
-            # device or FIFO there is no directory of ours: the system's temp directory then.
-            scratch = files.temp_dir("int4") if files.written_through(output) else files.scratch_dir(output)
-            with scratch as tmp:
-                full = tmp / "model.onnx"
-                result = (export_fused(source, full, static_kv=static_kv or False, **kwargs) if graph == "fused"
-                          else export_onnx(source, full, say=say, **kwargs))
-                say("quantizing to int4 (onnxruntime MatMulNBits)")
-                quantized = quantize_int4(full, target, **(int4 or {}))
-                release_freed_memory()  # the quantizer's garbage is not the quality check's floor
-                if not files.written_through(output):  # a stream cannot be read back
-                    say("measuring int4 against the full-precision model")
-                    quality = _quality(source, target, seed)
-    clients = None
-    if client_files:
-        if files.written_through(output):  # a stream, device or FIFO: there is no directory of ours
+            with files.temp_dir("int4") as tmp:  # the full-precision graph in the system's temp directory
+                result = write_graph(tmp / "model.onnx")
+                quantized = to_int4(tmp / "model.onnx", output)
+        if client_files:
             notes.append(f"no client files: {output} is not a regular file")
+        return ExportReport(output, graph, result, quantized, None, notes, target=chosen[0] if chosen else None)
+    quantized = quality = plan = None
+    with files.scratch_dir(output) as stage:  # removed at the end, on a failure or signal, or by the next run
+        staged = stage / _staged_name(output)
+        if quantize is None:
+            result = write_graph(staged)
         else:
+            full = stage / "full-precision" / "model.onnx"
+            result = write_graph(full)
+            quantized = to_int4(full, staged)
+            shutil.rmtree(full.parent)  # its disk, before the quality check
+            release_freed_memory()  # the quantizer's garbage is not the quality check's floor
+            say("measuring int4 against the full-precision model")
+            quality = _quality(source, staged, seed)
+        if client_files:
             # The source's tokenizer wherever it lives (a checkpoint's, or the one a preset ships as package data).
-            clients = write_client_files(output, tokenizer_dir=source.tokenizer.parent if source.tokenizer else None)
-            for path in clients.kept:
-                notes.append(f"kept {path}: it is not a file llama-tools wrote, so it was not replaced")
-    return ExportReport(output, graph, result, quantized, clients, notes, quality)
+            plan = plan_client_files(staged, tokenizer_dir=source.tokenizer.parent if source.tokenizer else None,
+                                     dest=output)
+        _commit(staged, output, plan.data if plan else {})
+    if quantized is None:
+        result = dataclasses.replace(result, path=output, external_data=_data_of(output) if result.external_data
+                                     else None)
+    else:
+        quantized = dataclasses.replace(quantized, path=output)
+    clients = plan.files if plan else None
+    for path in clients.kept if clients else []:
+        notes.append(f"kept {path}: it is not a file llama-tools wrote, so it was not replaced")
+    return ExportReport(output, graph, result, quantized, clients, notes, quality, chosen[0] if chosen else None)
 
 
 def _quality(source: ModelSource, int4: Path, seed: int) -> QuickQuality:
@@ -118,16 +156,35 @@ def _quality(source: ModelSource, int4: Path, seed: int) -> QuickQuality:
     return quick_quality(reference_model(source, seed=seed), int4, source.cfg, ids, on)
 
 
-# --- Before any work: where the export goes, and what is there ----------------------------------------------
+# --- Staged, then moved into place together -------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _long_name(output: Path) -> Iterator[Path]:
-    """A name too long for OUTPUT.data to exist (NAME_MAX) is exported under a short name in a scratch dir of
-    ours and moved onto OUTPUT (the graph holds its weights, so nothing refers to the name)."""
-    if files.written_through(output) or len((output.name + ".data").encode("utf-8", "surrogateescape")) \
-            <= files.NAME_MAX:
-        yield output
-        return
-    with files.scratch_dir(output) as tmp:
-        yield tmp / "model.onnx"
-        files.move_onto(tmp / "model.onnx", output)
+def _data_of(output: Path) -> Path:
+    """OUTPUT.data: where a graph's weights live beside it when they do not fit inside."""
+    return output.parent / (output.name + ".data")
+
+
+def _staged_name(output: Path) -> str:
+    """OUTPUT's own name in the scratch dir (its .data is named after it), or a short one when OUTPUT.data could not
+    exist (NAME_MAX): such a graph holds its weights (check_output), so nothing refers to the name."""
+    fits = len(_data_of(output).name.encode("utf-8", "surrogateescape")) <= files.NAME_MAX
+    return output.name if fits else "model.onnx"
+
+
+def _commit(staged: Path, output: Path, clients: dict[str, bytes]) -> None:
+    """The staged graph (its .data first) and the client files onto their names beside OUTPUT, all together."""
+    data = _data_of(staged)
+    moves = {}
+    if data.exists():
+        if staged.name != output.name:  # int4 of a big model: its weights outgrew one file
+            raise ValueError(f"{output}: the graph's weights need {output.name}.data beside it, a name longer than "
+                             f"{files.NAME_MAX} bytes; choose a shorter output name")
+        moves[data.name] = data
+    moves[output.name] = staged
+    with files.atomic_files([output.parent / name for name in [*moves, *clients]]) as tmp:
+        for name, path in moves.items():
+            os.replace(path, tmp / name)  # one filesystem: a rename
+        for name, content in clients.items():
+            (tmp / name).write_bytes(content)
+    stale = _data_of(output)
+    if data.name not in moves and os.path.isfile(stale):
+        stale.unlink()  # a previous export's weights (ours: check_output says so); the new graph holds its own

@@ -1,7 +1,8 @@
-"""`export onnx`'s checks of its arguments and OUTPUT, before any work: no torch, onnxruntime or weights.
+"""`export onnx`'s checks of its arguments, OUTPUT and the tokenizer, before any work: no torch, onnxruntime or weights.
 
 A refusal (a bad --rope-op/--opset pair, OUTPUT that is an input, a .data file not ours, a terminal, a full
-disk) comes in the time `count-params` takes, not after torch's import (issue 19). The exporters call these
+disk, a tokenizer that cannot be read, encodes no text or has ids past the model's vocab_size) comes in the time
+`count-params` takes, not after torch's import (issue 19), nor after the export's work. The exporters call these
 same functions again, so the library refuses the same things.
 """
 
@@ -36,12 +37,13 @@ def check_args(dtype: Any, rope_op: str, opset: int | None) -> tuple[dtypes.DTyp
 
 
 def check_output(source: ModelSource, output: str | Path, *, dtype: str = "float32",
-                 quantize: str | None = None) -> Path:
-    """OUTPUT resolved (a symlink's target) and checked before any work; one-line ValueErrors.
+                 quantize: str | None = None, client_files: bool = True) -> Path:
+    """OUTPUT resolved (a symlink's target) and checked before any work, with what goes beside it; one-line ValueErrors.
 
     Refused: an OUTPUT or OUTPUT.data that is one of the files the export reads; an OUTPUT.data there that
     no graph of ours refers to (someone else's file: never replaced or deleted); a terminal; a stream when
-    the weights need a .data file beside the graph; less free space than the weights take.
+    the weights need a .data file beside the graph; less free space than the weights take; a tokenizer the
+    export would use that is not usable (check_tokenizer).
     """
     given = Path(output)
     # "-" is standard output; the exporters want a path that stats (/dev/stdout, written through fd 1)
@@ -70,7 +72,23 @@ def check_output(source: ModelSource, output: str | Path, *, dtype: str = "float
         # weights too big to materialize are refused by load_model in their own words: not a disk's matter.
         if not (source.seeded and nbytes > MAX_RANDOM_INIT_BYTES):
             files.check_space(output, nbytes + (nbytes // 4 if quantize else 0))
+    check_tokenizer(source, client_files=client_files and not files.written_through(output), quantize=quantize)
     return output
+
+
+def check_tokenizer(source: ModelSource, *, client_files: bool = True, quantize: str | None = None) -> None:
+    """The tokenizer an export reads (int4's quality check encodes text with it) and writes beside the graph, checked
+    before any work: its library reads it, it encodes text, its ids fit the model's vocab_size, and its client files
+    can be made (ids as the config says); one-line ValueErrors naming the files. Nothing when none is used."""
+    if not client_files and quantize is None:
+        return
+    from llama_tools.source import load_tokenizer
+
+    tok = load_tokenizer(source)
+    if tok is not None and client_files:
+        from .genai import tokenizer_client_files
+
+        tokenizer_client_files(tok.path, source.cfg)  # what write_client_files makes again (cached) at the end
 
 
 def _weight_bytes(source: ModelSource, dtype: str) -> int:

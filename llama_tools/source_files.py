@@ -58,7 +58,8 @@ def read_bounded(path: Path, limit: int) -> bytes:
     return data
 
 
-def _json_object(data: bytes, path: Path) -> dict[str, Any]:
+def json_object(data: bytes, path: Path) -> dict[str, Any]:
+    """DATA (PATH's bytes) as a JSON object; a one-line ValueError naming PATH when it is not one."""
     try:
         value = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -134,7 +135,7 @@ def _field_templates(value: Any) -> list[Any]:
 def checked_tokenizer_config(data: bytes, path: Path) -> tuple[bytes, str | None]:
     """tokenizer_config.json's bytes as they are, or rewritten without a `chat_template` that does not parse (why)."""
     try:
-        config = _json_object(data, path)
+        config = json_object(data, path)
     except ValueError:
         return data, None  # not ours to judge here: the tokenizer kind that reads it refuses it in its own words
     if config.get("chat_template") is None:
@@ -150,7 +151,7 @@ def checked_tokenizer_config(data: bytes, path: Path) -> tuple[bytes, str | None
 def template_of_config(path: Path) -> str | None:
     """The valid chat template a tokenizer_config.json names in its `chat_template` field (a string), or None."""
     try:
-        config = _json_object(read_bounded(path, MAX_HEADER_BYTES), path)
+        config = json_object(read_bounded(path, MAX_HEADER_BYTES), path)
     except (OSError, ValueError):
         return None
     t = config.get("chat_template")
@@ -192,7 +193,7 @@ def read_source_files(folder: Path | None, vocab_size: int) -> SourceFiles:
     if config.is_file():
         word.has_config = True
         try:
-            data = _json_object(read_bounded(config, MAX_HEADER_BYTES), config)
+            data = json_object(read_bounded(config, MAX_HEADER_BYTES), config)
             word.config_ids = special_ids(data, config, vocab_size)
         except (OSError, ValueError) as e:  # the config was read once already: this is about its ids only
             word.warnings.append(f"{str(e).splitlines()[0]}; the model config's ids are used instead")
@@ -200,7 +201,7 @@ def read_source_files(folder: Path | None, vocab_size: int) -> SourceFiles:
     if gen.exists():
         try:
             raw = read_bounded(gen, MAX_GENERATION_CONFIG_BYTES)
-            data = _json_object(raw, gen)
+            data = json_object(raw, gen)
             ids = special_ids(data, gen, vocab_size)
             check_sampling(data, gen)
         except (OSError, ValueError) as e:

@@ -7,14 +7,23 @@
 - `sentencepiece_files`: the same SentencePiece layout from a `tokenizer.model`, for clients (onnxruntime-genai,
   Optimum) that only read tokenizer.json.
 - `loadable_tokenizer_config`: a copied tokenizer_config.json rewritten so transformers 4.x and 5.x both load it.
+
+What a file says is checked before the library builds from it (a token that is not a string, a merge that is not
+two pieces, an id outside the vocabulary), and whatever the library still raises (`library_errors`) comes back as
+one ValueError naming the file. Files are read bounded (source_files.MAX_TOKENIZER_FILE_BYTES).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
-from collections.abc import Callable, Mapping, Sequence
+import numbers
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from .source_files import MAX_TOKENIZER_FILE_BYTES, read_bounded
 
 SPACE = "\u2581"  # sentencepiece's "▁": a space, and the dummy prefix before the first word
 
@@ -72,6 +81,41 @@ PRE_TOKENIZERS: dict[str, Callable[[], Any]] = {
 }
 
 
+@contextlib.contextmanager
+def library_errors(where: str | Path, what: str) -> Iterator[None]:
+    """Whatever a tokenizer library raises in the block, as one ValueError "WHERE: WHAT (its first line)".
+
+    tokenizers raises a bare Exception, and a Rust panic as pyo3's PanicException (a BaseException); sentencepiece
+    RuntimeError, OSError or UnicodeDecodeError. A signal's exit and Ctrl-C go through untouched, and a ValueError
+    that names WHERE already is ours.
+    """
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001  (the libraries' own types, a panic included)
+        if isinstance(e, ValueError) and str(e).startswith(f"{where}: "):
+            raise
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"{where}: {what} ({why})") from None
+
+
+def _cached_by_file(make: Callable[[Path], dict[str, bytes]]) -> Callable[[str | Path], dict[str, bytes]]:
+    """MAKE(path), remembered for the file as it is now (path, size, mtime): an export makes a tokenizer's client files
+    in its checks and again when it writes them, and a GGUF vocabulary takes seconds to build."""
+    @functools.lru_cache(maxsize=2)
+    def cached(path: Path, size: int, mtime_ns: int) -> dict[str, bytes]:
+        return make(path)
+
+    @functools.wraps(make)
+    def made(path: str | Path) -> dict[str, bytes]:
+        real = Path(path).resolve()
+        st = real.stat()
+        return dict(cached(real, st.st_size, st.st_mtime_ns))  # a copy: callers add files to it
+
+    return made
+
+
 # --- GGUF fields ----------------------------------------------------------------------------------------------
 
 def gguf_tokenizer_fields(reader_or_fields: Any) -> dict[str, Any]:
@@ -85,48 +129,71 @@ def _token(fields: dict[str, Any], tokens: Sequence[str], key: str) -> str | Non
     i = fields.get(f"tokenizer.ggml.{key}_token_id")
     if i is None:
         return None
-    if not 0 <= int(i) < len(tokens):
-        raise ValueError(f"tokenizer.ggml.{key}_token_id is {i}, outside the vocabulary of {len(tokens)} tokens")
+    if not (isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < len(tokens)):
+        shown = i if isinstance(i, numbers.Integral) else repr(i)[:40]
+        raise ValueError(f"tokenizer.ggml.{key}_token_id is {shown}, outside the vocabulary of {len(tokens)} tokens")
     return tokens[int(i)]
+
+
+def _list_of(f: dict[str, Any], key: str, kind: Any, what: str) -> list[Any] | None:
+    """Field KEY as a list whose every item is a KIND (a bool is no number); None when absent; else a ValueError."""
+    value = f.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{key} must be a list of {what}, got {str(value)[:40]!r}")
+    exact = {str: (str,), numbers.Integral: (int,), numbers.Real: (int, float)}[kind]
+    if not all(type(x) in exact for x in value):  # the plain types in C speed (a vocabulary has 10^5 items)
+        bad = next((x for x in value if not isinstance(x, kind) or isinstance(x, bool)), None)
+        if bad is not None:
+            raise ValueError(f"{key} must be a list of {what}; it holds {str(bad)[:40]!r}")
+    return list(value)
 
 
 def tokenizer_json_from_gguf(reader_or_fields: Any) -> dict[str, str]:
     """File name -> text: tokenizer.json, tokenizer_config.json, special_tokens_map.json from a GGUF vocabulary."""
     f = gguf_tokenizer_fields(reader_or_fields)
     kind = f.get("tokenizer.ggml.model")
-    tokens = f.get("tokenizer.ggml.tokens")
+    tokens = _list_of(f, "tokenizer.ggml.tokens", str, "strings")
     if kind is None or not tokens:
         raise ValueError("the GGUF file holds no vocabulary (tokenizer.ggml.model / tokenizer.ggml.tokens)")
-    tokens = list(tokens)
-    types = list(f.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    types = _list_of(f, "tokenizer.ggml.token_type", numbers.Integral, "integers") or [NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     special = {key: _token(f, tokens, key) for key in ("bos", "eos", "unknown", "padding")}
+    template = f.get("tokenizer.chat_template")
+    build: Callable[[], Any]
     if kind == "gpt2":
         pre = f.get("tokenizer.ggml.pre", "default")
-        if pre not in PRE_TOKENIZERS:
-            raise ValueError(f"tokenizer.ggml.pre {pre!r}: no tokenizer.json pre-tokenizer known for it here "
-                             f"(known: {', '.join(sorted(PRE_TOKENIZERS))})")
-        merges = [tuple(m.split(" ", 1)) for m in f.get("tokenizer.ggml.merges") or []]
+        if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
+            raise ValueError(f"tokenizer.ggml.pre {str(pre)[:40]!r}: no tokenizer.json pre-tokenizer known for it "
+                             f"here (known: {', '.join(sorted(PRE_TOKENIZERS))})")
+        merges = [tuple(m.split(" ", 1)) for m in _list_of(f, "tokenizer.ggml.merges", str, "strings") or []]
+        bad = next((i for i, m in enumerate(merges) if len(m) != 2 or not all(m)), None)
+        if bad is not None:
+            raise ValueError(f"tokenizer.ggml.merges entry {bad} is {' '.join(merges[bad])[:40]!r}, not two pieces "
+                             f"joined by a space")
         add_bos = bool(f.get("tokenizer.ggml.add_bos_token", False))
         add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False))
-        tok = _byte_level_bpe(tokens, merges, PRE_TOKENIZERS[pre](), types)
+        build = lambda: _byte_level_bpe(tokens, merges, PRE_TOKENIZERS[pre](), types)  # noqa: E731
         cls = "GPT2Tokenizer"
     elif kind == "llama":
-        scores = f.get("tokenizer.ggml.scores")
+        scores = _list_of(f, "tokenizer.ggml.scores", numbers.Real, "numbers")
         if scores is None or len(scores) != len(tokens):
             raise ValueError("a 'llama' GGUF vocabulary needs tokenizer.ggml.scores, one per token")
         add_bos = bool(f.get("tokenizer.ggml.add_bos_token", True))  # llama.cpp's default for SentencePiece
         add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False))
-        tok = _sentencepiece_bpe(tokens, [float(s) for s in scores], types, unk=special["unknown"],
-                                 add_dummy_prefix=bool(f.get("tokenizer.ggml.add_space_prefix", True)),
-                                 byte_fallback=BYTE in types)
+        build = lambda: _sentencepiece_bpe(  # noqa: E731
+            tokens, [float(s) for s in scores], types, unk=special["unknown"],
+            add_dummy_prefix=bool(f.get("tokenizer.ggml.add_space_prefix", True)), byte_fallback=BYTE in types)
         cls = "LlamaTokenizer"
     else:
-        raise ValueError(f"tokenizer.ggml.model {kind!r}: only 'gpt2' (byte-level BPE) and 'llama' (SentencePiece) "
-                         f"vocabularies convert to tokenizer.json here")
-    _post_process(tok, special["bos"], special["eos"], add_bos, add_eos, byte_level=kind == "gpt2")
-    config = _config(cls, special, add_bos, add_eos, f.get("tokenizer.chat_template"))
+        raise ValueError(f"tokenizer.ggml.model {str(kind)[:40]!r}: only 'gpt2' (byte-level BPE) and 'llama' "
+                         f"(SentencePiece) vocabularies convert to tokenizer.json here")
+    with library_errors("the GGUF vocabulary", "the tokenizers library cannot build a tokenizer.json from it"):
+        tok = build()
+        _post_process(tok, special["bos"], special["eos"], add_bos, add_eos, byte_level=kind == "gpt2")
+    config = _config(cls, special, add_bos, add_eos, template if isinstance(template, str) else None)
     return _texts(tok, config)
 
 
@@ -223,8 +290,9 @@ def sentencepiece_files(path: str | Path) -> dict[str, str]:
 
     path = Path(path)
     proto = pb.ModelProto()
+    data = read_bounded(path, MAX_TOKENIZER_FILE_BYTES)
     try:
-        proto.ParseFromString(path.read_bytes())
+        proto.ParseFromString(data)
     except Exception as e:  # protobuf's DecodeError  # noqa: BLE001
         raise ValueError(f"{path}: not a sentencepiece model ({type(e).__name__})") from None
     if not proto.pieces:
@@ -244,11 +312,12 @@ def sentencepiece_files(path: str | Path) -> dict[str, str]:
 
     special = {"bos": piece(trainer.bos_id), "eos": piece(trainer.eos_id), "unknown": piece(trainer.unk_id),
                "padding": piece(trainer.pad_id)}
-    tok = _sentencepiece_bpe(tokens, [p.score for p in proto.pieces], [p.type for p in proto.pieces],
-                             unk=special["unknown"], add_dummy_prefix=norm.add_dummy_prefix,
-                             byte_fallback=trainer.byte_fallback)
     add_bos = special["bos"] is not None
-    _post_process(tok, special["bos"], special["eos"], add_bos, False, byte_level=False)
+    with library_errors(path, "the tokenizers library cannot build a tokenizer.json from it"):
+        tok = _sentencepiece_bpe(tokens, [p.score for p in proto.pieces], [p.type for p in proto.pieces],
+                                 unk=special["unknown"], add_dummy_prefix=norm.add_dummy_prefix,
+                                 byte_fallback=trainer.byte_fallback)
+        _post_process(tok, special["bos"], special["eos"], add_bos, False, byte_level=False)
     return _texts(tok, _config("LlamaTokenizer", special, add_bos, False, None))
 
 
@@ -268,8 +337,8 @@ def copied_json_files(path: str | Path) -> dict[str, bytes]:
     if not (folder / "tokenizer_config.json").is_file():
         raise ValueError(f"{folder}: has tokenizer.json but no tokenizer_config.json, which onnxruntime-genai also "
                          f"opens; add it (transformers' save_pretrained writes both)")
-    out = {n: (folder / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                                                   "tokenizer.model") if (folder / n).is_file()}
+    out = {n: read_bounded(folder / n, MAX_TOKENIZER_FILE_BYTES) for n in (
+        "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model") if (folder / n).is_file()}
     try:
         config = json.loads(out["tokenizer_config.json"])
     except ValueError as e:
@@ -280,14 +349,20 @@ def copied_json_files(path: str | Path) -> dict[str, bytes]:
     return out
 
 
-def converted_sentencepiece_files(path: str | Path) -> dict[str, bytes]:
+@_cached_by_file
+def converted_sentencepiece_files(path: Path) -> dict[str, bytes]:
     """tokenizer.json etc. from a tokenizer.model, which comes along for transformers' slow tokenizer."""
     made = {n: t.encode("utf-8") for n, t in sentencepiece_files(path).items()}
-    return {**made, "tokenizer.model": Path(path).read_bytes()}
+    return {**made, "tokenizer.model": read_bounded(path, MAX_TOKENIZER_FILE_BYTES)}
 
 
-def gguf_files(path: str | Path) -> dict[str, bytes]:
+@_cached_by_file
+def gguf_files(path: Path) -> dict[str, bytes]:
     """tokenizer.json etc. from the vocabulary in a GGUF file."""
     from .gguf_files import open_gguf  # the one (cached) parse of the file that resolving MODEL made
 
-    return {n: t.encode("utf-8") for n, t in tokenizer_json_from_gguf(open_gguf(path)).items()}
+    try:
+        texts = tokenizer_json_from_gguf(open_gguf(path))
+    except ValueError as e:
+        raise ValueError(e if str(e).startswith(f"{path}: ") else f"{path}: {e}") from None
+    return {n: t.encode("utf-8") for n, t in texts.items()}
