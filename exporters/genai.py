@@ -284,7 +284,7 @@ def plan_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
     dest = onnx_path if dest is None else Path(dest)
     if not onnx_path.is_file():
         raise ValueError(f"{onnx_path}: no such ONNX file; export it first (llama-tools export onnx)")
-    from .onnx_export import read_metadata
+    from .graph_meta import read_metadata
 
     meta = read_metadata(onnx_path)
     cfg = cfg or meta.config

@@ -408,6 +408,9 @@ class OnnxLM:
                                          f"{attention_mask.shape[1]} tokens")
             if oom is not None:
                 raise oom from None
+            if "Non-zero status code" in str(e):  # a kernel that refuses to run this graph: one line, named
+                raise ValueError(f"{self.session.path or 'the ONNX model'}: onnxruntime cannot run it: "
+                                 f"{re.sub(r'^.*?Status Message: ', '', _first_line(e))}") from None
             raise
 
     def _run_numpy(self, feed: dict[str, np.ndarray], past: Cache) -> StepOutput:
@@ -441,7 +444,7 @@ class OnnxLM:
                     binding.bind_ortvalue_output(self.present_name(i, what), bound_past[i, what])
                 else:
                     binding.bind_output(self.present_name(i, what), self.device, self.device_id)  # stays where written
-        run_bound(self.sess, binding, getattr(self.sess, "path", "the graph"))
+        self.sess.run_with_iobinding(binding)  # onnxruntime's errors are worded by __call__ (batch and tokens)
         outs = dict(zip(bound, binding.get_outputs()))
         # A static buffer is handed back as the value that was bound (it keeps a numpy-backed buffer alive;
         # get_outputs' view of the same memory would not).
