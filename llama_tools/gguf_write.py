@@ -33,7 +33,7 @@ from .config import ModelConfig
 from .families import FAMILIES, FULL, SLIDING
 from .formats import checkpoint_tensors
 from .gguf_files import ARCHITECTURES, GGUF, KIND, GgufArchitecture
-from .source_files import MAX_TOKENIZER_FILE_BYTES, read_bounded, template_problem
+from .source_files import MAX_TOKENIZER_FILE_BYTES, json_object, read_bounded, template_problem
 from .tokenizer_files import CONTROL, NORMAL, PRE_TOKENIZERS, UNUSED, USER_DEFINED
 
 if TYPE_CHECKING:
@@ -173,15 +173,8 @@ def source_vocabulary(source: ModelSource, cfg: ModelConfig) -> tuple[Vocabulary
 def _tokenizer_json(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
-    try:
-        data = json.loads(read_bounded(path, MAX_TOKENIZER_FILE_BYTES).decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except RecursionError:
-        raise ValueError(f"{path}: JSON nested too deeply") from None
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+    data = json_object(read_bounded(path, MAX_TOKENIZER_FILE_BYTES), path)
+    if not isinstance(data.get("model"), dict):
         raise ValueError(f"{path}: not a tokenizer.json (no 'model' object)")
     return data
 

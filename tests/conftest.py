@@ -81,3 +81,27 @@ def _real_model_fixture(name: str, doc: str) -> Any:
 
 for _name, _doc in REAL_MODELS.items():
     globals()[_name] = _real_model_fixture(_name, _doc)
+
+
+def _converted_tiny(tmp_path_factory: pytest.TempPathFactory, layout: str) -> Path:
+    """tiny's seeded weights written by our own `convert --to LAYOUT` (its tokenizer.model beside them)."""
+    from click.testing import CliRunner
+
+    from llama_tools.cli import cli
+
+    root = tmp_path_factory.mktemp(f"tiny-{layout}")
+    r = CliRunner().invoke(cli, ["convert", "tiny", str(root / "tiny"), "--to", layout])
+    assert r.exit_code == 0, r.output
+    return root / "tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny as an HF checkpoint (config.json, model.safetensors, tokenizer.model); shared: copy it to change it."""
+    return _converted_tiny(tmp_path_factory, "hf")
+
+
+@pytest.fixture(scope="session")
+def tiny_meta(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny as a Meta checkpoint (params.json, consolidated.00.pth by torch.save); shared: copy it to change it."""
+    return _converted_tiny(tmp_path_factory, "meta")

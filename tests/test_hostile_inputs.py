@@ -72,12 +72,8 @@ def library_refuses(path: Path) -> bool:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    """A real tiny HF checkpoint (config.json + model.safetensors), written by our convert."""
-    root = tmp_path_factory.mktemp("ck")
-    r = run(["convert", "tiny", str(root / "tiny"), "--to", "hf"], root, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return root / "tiny"
+def ckpt(tiny_hf) -> Path:
+    return tiny_hf
 
 
 @pytest.fixture

@@ -53,24 +53,6 @@ def cli_refuses(argv: list[str], cwd: Path, *names: str) -> str:
     return line
 
 
-@pytest.fixture(scope="module")
-def hf_ckpt(tmp_path_factory) -> Path:
-    """tiny as an HF checkpoint (config.json + model.safetensors), written by our convert."""
-    root = tmp_path_factory.mktemp("hf")
-    r = CliRunner().invoke(cli, ["convert", "tiny", str(root / "tiny"), "--to", "hf"])
-    assert r.exit_code == 0, r.output
-    return root / "tiny"
-
-
-@pytest.fixture(scope="module")
-def meta_ckpt(tmp_path_factory) -> Path:
-    """tiny as a Meta checkpoint (params.json + consolidated.00.pth, written by torch.save)."""
-    root = tmp_path_factory.mktemp("meta")
-    r = CliRunner().invoke(cli, ["convert", "tiny", str(root / "tiny"), "--to", "meta"])
-    assert r.exit_code == 0, r.output
-    return root / "tiny"
-
-
 def copy_without(src: Path, dst: Path, *drop: str) -> Path:
     dst.mkdir()
     for f in src.iterdir():
@@ -82,8 +64,8 @@ def copy_without(src: Path, dst: Path, *drop: str) -> Path:
 # --- symlink loops and dangling links as inputs ---------------------------------------------------------------
 
 @pytest.mark.parametrize("command", ["count-params", "report shapes", "generate", "convert"])
-def test_a_weight_file_linked_to_itself_is_one_line(command, hf_ckpt, tmp_path):
-    d = copy_without(hf_ckpt, tmp_path / "ck", "model.safetensors")
+def test_a_weight_file_linked_to_itself_is_one_line(command, tiny_hf, tmp_path):
+    d = copy_without(tiny_hf, tmp_path / "ck", "model.safetensors")
     (d / "model.safetensors").symlink_to("model.safetensors")
     argv = {"count-params": ["count-params", str(d)], "report shapes": ["report", "shapes", str(d)],
             "generate": ["generate", str(d), "--ids", "1 2"],
@@ -91,17 +73,17 @@ def test_a_weight_file_linked_to_itself_is_one_line(command, hf_ckpt, tmp_path):
     cli_refuses(argv, tmp_path, "model.safetensors", "symbolic link loop")
 
 
-def test_a_two_link_loop_is_one_line_in_a_real_process(hf_ckpt, tmp_path):
+def test_a_two_link_loop_is_one_line_in_a_real_process(tiny_hf, tmp_path):
     """x.safetensors -> y -> x.safetensors: no traceback from the installed entry point (Path.resolve raised one)."""
-    d = copy_without(hf_ckpt, tmp_path / "ck", "model.safetensors")
+    d = copy_without(tiny_hf, tmp_path / "ck", "model.safetensors")
     (d / "model-00001-of-00001.safetensors").symlink_to("y")
     (d / "y").symlink_to("model-00001-of-00001.safetensors")
     refused(["count-params", str(d)], tmp_path, "model-00001-of-00001.safetensors", "symbolic link loop", seconds=20)
 
 
 @pytest.mark.parametrize("what", ["config.json", "shard", "index"])
-def test_a_loop_or_dangling_link_anywhere_in_a_checkpoint_is_named(what, hf_ckpt, tmp_path):
-    d = copy_without(hf_ckpt, tmp_path / "ck", "config.json" if what == "config.json" else "")
+def test_a_loop_or_dangling_link_anywhere_in_a_checkpoint_is_named(what, tiny_hf, tmp_path):
+    d = copy_without(tiny_hf, tmp_path / "ck", "config.json" if what == "config.json" else "")
     if what == "config.json":
         (d / "config.json").symlink_to("config.json")
         cli_refuses(["count-params", str(d)], tmp_path, "config.json", "symbolic link loop")
@@ -114,22 +96,22 @@ def test_a_loop_or_dangling_link_anywhere_in_a_checkpoint_is_named(what, hf_ckpt
         cli_refuses(["count-params", str(d)], tmp_path, "model.safetensors.index.json", "symbolic link loop")
 
 
-def test_a_meta_shard_linked_to_itself_and_a_config_file_given_as_a_loop(meta_ckpt, tmp_path):
-    d = copy_without(meta_ckpt, tmp_path / "ck", "consolidated.00.pth")
+def test_a_meta_shard_linked_to_itself_and_a_config_file_given_as_a_loop(tiny_meta, tmp_path):
+    d = copy_without(tiny_meta, tmp_path / "ck", "consolidated.00.pth")
     (d / "consolidated.00.pth").symlink_to("consolidated.00.pth")
     cli_refuses(["count-params", str(d)], tmp_path, "consolidated.00.pth", "symbolic link loop")
     (tmp_path / "loop.json").symlink_to("loop.json")
     cli_refuses(["count-params", str(tmp_path / "loop.json")], tmp_path, "loop.json")
 
 
-def test_negative_a_real_link_still_counts(hf_ckpt, tmp_path):
+def test_negative_a_real_link_still_counts(tiny_hf, tmp_path):
     """A weight file that is a symlink to its blob (the hub cache's layout) counts: links are followed, loops not."""
     snap, blobs = tmp_path / "models--x" / "snapshots" / "abc", tmp_path / "models--x" / "blobs"
     snap.mkdir(parents=True)
     blobs.mkdir()
-    (blobs / "1234").write_bytes((hf_ckpt / "model.safetensors").read_bytes())
+    (blobs / "1234").write_bytes((tiny_hf / "model.safetensors").read_bytes())
     (snap / "model.safetensors").symlink_to("../../blobs/1234")
-    (snap / "config.json").write_bytes((hf_ckpt / "config.json").read_bytes())
+    (snap / "config.json").write_bytes((tiny_hf / "config.json").read_bytes())
     r = CliRunner().invoke(cli, ["count-params", str(snap), "--format", "json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)[0]["total"] == closed_form(TINY)
@@ -221,10 +203,10 @@ def test_negative_the_shared_tuple_is_really_exponential():
     assert str(t).count("()") == 2**16
 
 
-def meta_with_tok_embeddings(meta_ckpt: Path, dst: Path, offset: int | None = None, shape=None, stride=None) -> Path:
+def meta_with_tok_embeddings(tiny_meta: Path, dst: Path, offset: int | None = None, shape=None, stride=None) -> Path:
     """The Meta checkpoint with tok_embeddings.weight's offset, shape or stride (the first tensor's ints) replaced."""
-    d = copy_without(meta_ckpt, dst)
-    blob = (meta_ckpt / "consolidated.00.pth").read_bytes()
+    d = copy_without(tiny_meta, dst)
+    blob = (tiny_meta / "consolidated.00.pth").read_bytes()
     name = next(n for n in zipfile.ZipFile(io.BytesIO(blob)).namelist() if n.endswith("data.pkl"))
     pkl = zipfile.ZipFile(io.BytesIO(blob)).read(name)
     ops = list(pickletools.genops(pkl))
@@ -240,17 +222,17 @@ def meta_with_tok_embeddings(meta_ckpt: Path, dst: Path, offset: int | None = No
     return d
 
 
-def test_strides_past_int64_are_refused_from_the_header_not_by_torch(meta_ckpt, tmp_path):
+def test_strides_past_int64_are_refused_from_the_header_not_by_torch(tiny_meta, tmp_path):
     """Before: count-params said 'matches config' and convert died in torch.load with a TypeError traceback."""
-    d = meta_with_tok_embeddings(meta_ckpt, tmp_path / "ck", stride=(2**63, 1))
+    d = meta_with_tok_embeddings(tiny_meta, tmp_path / "ck", stride=(2**63, 1))
     cli_refuses(["count-params", str(d)], tmp_path, "consolidated.00.pth", "strides")
     cli_refuses(["convert", str(d), str(tmp_path / "out"), "--to", "hf"], tmp_path, "consolidated.00.pth", "strides")
 
 
-def test_negative_a_stride_0_expansion_is_what_torch_reads(meta_ckpt, tmp_path):
+def test_negative_a_stride_0_expansion_is_what_torch_reads(tiny_meta, tmp_path):
     """Strides are checked against the storage's span, not assumed contiguous: tok_embeddings as 512 copies of one
     row (stride 0) is read, and converts to the same tensor torch.load makes."""
-    d = meta_with_tok_embeddings(meta_ckpt, tmp_path / "ck", stride=(0, 1))
+    d = meta_with_tok_embeddings(tiny_meta, tmp_path / "ck", stride=(0, 1))
     r = CliRunner().invoke(cli, ["convert", str(d), str(tmp_path / "out"), "--to", "hf"])
     assert r.exit_code == 0, r.output
     from safetensors.torch import load_file
@@ -260,9 +242,9 @@ def test_negative_a_stride_0_expansion_is_what_torch_reads(meta_ckpt, tmp_path):
     assert torch.equal(got, want) and torch.equal(got[0], got[511])
 
 
-def test_a_vocabulary_read_from_a_hostile_embedding_is_bounded(meta_ckpt, tmp_path):
+def test_a_vocabulary_read_from_a_hostile_embedding_is_bounded(tiny_meta, tmp_path):
     """params.json's vocab_size -1 takes the embedding's rows: 2^62 of them (times 0 columns) is refused, naming it."""
-    d = meta_with_tok_embeddings(meta_ckpt, tmp_path / "ck", shape=(2**62, 0))
+    d = meta_with_tok_embeddings(tiny_meta, tmp_path / "ck", shape=(2**62, 0))
     params = json.loads((d / "params.json").read_text())
     (d / "params.json").write_text(json.dumps({**params, "vocab_size": -1}))
     cli_refuses(["count-params", str(d)], tmp_path, "params.json", "vocab_size", "4,611,686,018,427,387,904")
@@ -273,8 +255,8 @@ def test_a_vocabulary_read_from_a_hostile_embedding_is_bounded(meta_ckpt, tmp_pa
     (["consolidated.00.pth", "consolidated.0000000000000000000000001.pth"], ["unexpected shard name"]),
     (["consolidated.00.pth", "consolidated.0.pth"], ["two files are model-parallel shard 0"]),
 ])
-def test_meta_shard_numbers_are_compared_never_looped_to(names, words, meta_ckpt, tmp_path):
-    d = copy_without(meta_ckpt, tmp_path / "ck")
+def test_meta_shard_numbers_are_compared_never_looped_to(names, words, tiny_meta, tmp_path):
+    d = copy_without(tiny_meta, tmp_path / "ck")
     for n in names[1:]:
         (d / n).write_bytes((d / "consolidated.00.pth").read_bytes())
     start = time.perf_counter()
@@ -467,10 +449,10 @@ def test_a_safetensors_dimension_past_int64_is_refused(tmp_path):
     assert os.path.getsize(path) == 8 + len(raw)
 
 
-def test_a_checkpoint_config_predicting_far_more_tensors_than_its_files_is_one_line(hf_ckpt, tmp_path):
+def test_a_checkpoint_config_predicting_far_more_tensors_than_its_files_is_one_line(tiny_hf, tmp_path):
     """60,000 experts per decoder over files holding 21 tensors: refused from the analytic count, before 360,017
     expected names are built and listed as missing."""
-    d = copy_without(hf_ckpt, tmp_path / "ck")
+    d = copy_without(tiny_hf, tmp_path / "ck")
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=60_000,
                num_experts_per_tok=2)

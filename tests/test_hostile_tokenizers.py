@@ -28,7 +28,7 @@ from llama_tools.tokenizer import PROBE_TEXT, Tokenizer
 from llama_tools.tokenizer_files import sentencepiece_files
 from test_fast_refusals import probe
 from test_hostile import TEXTS, assert_one_line, invoke, tree
-from test_hostile_inputs import refused, run
+from test_hostile_inputs import refused
 
 OUT = "out/model.onnx"  # every export writes here, under the test's working directory
 
@@ -40,12 +40,9 @@ def sha(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
+def ckpt(tiny_hf) -> Path:
     """tiny's seeded weights as an HF checkpoint (vocab_size 512) with its sentencepiece tokenizer.model."""
-    root = tmp_path_factory.mktemp("tok-ck")
-    r = run(["convert", "tiny", str(root / "tiny"), "--to", "hf"], root, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return root / "tiny"
+    return tiny_hf
 
 
 @pytest.fixture(scope="module")
