@@ -37,14 +37,19 @@ def modules() -> dict[str, set[str]]:
     """Module name -> what it imports, for every module of the installed package."""
     out = {}
     for package, folder in PACKAGES.items():
-        for path in folder.glob("*.py"):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
-            out[name] = imported_modules(path, package)
+        for path in folder.rglob("*.py"):
+            rel = path.parent.relative_to(folder).parts
+            if any(other != folder and other.is_relative_to(folder) and path.is_relative_to(other)
+                   for other in PACKAGES.values()):
+                continue  # a folder that installs as a package of its own
+            pkg = ".".join((package, *rel))
+            name = pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"
+            out[name] = imported_modules(path, pkg)
     return out
 
 
 def layer(name: str) -> str:
-    if name == CLI:
+    if name == CLI or name.startswith(CLI + "."):
         return "cli"
     if name.startswith(("llama_tools.exporters", "llama_tools.reports")):
         return name.split(".")[1]

@@ -23,7 +23,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from llama_tools.cli import cli, size_words, usage_line
+from llama_tools.cli import cli
+from llama_tools.cli.params import size_words, usage_line
 from llama_tools.exporters.graph_meta import has_our_metadata, is_int4, names
 from llama_tools.exporters.parity_options import WHOLE_GRAPH_BYTES
 from llama_tools.exporters.preflight import SINGLE_FILE_MAX_BYTES

@@ -14,7 +14,7 @@ from llama_tools.config_files import config_to_hf
 from llama_tools.presets import get_preset
 from llama_tools.convert import save_checkpoint
 from helpers import write_sparse_safetensors
-from llama_tools.cli import checkpoint_rows as render_rows
+from llama_tools.cli.model_cmds import checkpoint_rows as render_rows
 from llama_tools.header_readers import read_safetensors_header, read_torch_header
 from llama_tools.inspection import inspect_checkpoint
 from llama_tools.model import build_model
