@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from onnx_ir.tensor_adapters import TorchTensor
 
-from llama_tools import dtypes, files
+from llama_tools import dtypes, paths
 from llama_tools.config import ModelConfig
 from llama_tools.model import layer_tables, rope_tables_of
 from llama_tools.progress import Progress, peak_rss_bytes, silent
@@ -396,7 +396,7 @@ def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rop
         raise ValueError(f"rope_op {rope_op!r} is not available in the fused graph; choose one of "
                          f"{', '.join(FUSED_ROPE_OPS)}")
     dt, opset = check_args(dtype, rope_op, None)
-    files.check_output_path(output)
+    paths.check_output_path(output)
     torch_dtype = dtypes.to_torch(dt.name)
     if isinstance(source, (str, Path)):
         source = resolve(source)

@@ -29,7 +29,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import llama_tools
-from llama_tools import dtypes, files
+from llama_tools import dtypes, files, paths
 from llama_tools.config import ModelConfig
 from llama_tools.loading import load_model
 from llama_tools.model import Llama, rope_tables_of, tie_weights
@@ -623,8 +623,8 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     t0 = time.perf_counter()
     output = Path(output)
     dt, opset = check_args(dtype, rope_op, opset)
-    files.check_output_path(output)
-    files.check_output_path(output.parent / (output.name + ".data"))
+    paths.check_output_path(output)
+    paths.check_output_path(output.parent / (output.name + ".data"))
     if isinstance(source, (str, Path)):
         source = resolve(source)
     torch_dtype = dtypes.to_torch(dt.name)

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from llama_tools import files
+from llama_tools import files, paths
 from llama_tools.progress import Progress, release_freed_memory, silent
 from llama_tools.source import ModelSource
 
@@ -101,7 +101,7 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
         chosen.append(how)
         return made
 
-    if files.written_through(output):  # a stream, device or FIFO: no directory of ours, nothing to stage
+    if paths.written_through(output):  # a stream, device or FIFO: no directory of ours, nothing to stage
         quantized = None
         if quantize is None:
             result = write_graph(output)
@@ -166,7 +166,7 @@ def _data_of(output: Path) -> Path:
 def _staged_name(output: Path) -> str:
     """OUTPUT's own name in the scratch dir (its .data is named after it), or a short one when OUTPUT.data could not
     exist (NAME_MAX): such a graph holds its weights (check_output), so nothing refers to the name."""
-    fits = len(_data_of(output).name.encode("utf-8", "surrogateescape")) <= files.NAME_MAX
+    fits = len(_data_of(output).name.encode("utf-8", "surrogateescape")) <= paths.NAME_MAX
     return output.name if fits else "model.onnx"
 
 
@@ -177,7 +177,7 @@ def _commit(staged: Path, output: Path, clients: dict[str, bytes]) -> None:
     if data.exists():
         if staged.name != output.name:  # int4 of a big model: its weights outgrew one file
             raise ValueError(f"{output}: the graph's weights need {output.name}.data beside it, a name longer than "
-                             f"{files.NAME_MAX} bytes; choose a shorter output name")
+                             f"{paths.NAME_MAX} bytes; choose a shorter output name")
         moves[data.name] = data
     moves[output.name] = staged
     with files.atomic_files([output.parent / name for name in [*moves, *clients]]) as tmp:

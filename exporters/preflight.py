@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llama_tools import dtypes, files
+from llama_tools import dtypes, paths
 from llama_tools.source import MAX_RANDOM_INIT_BYTES, ModelSource
 
 from . import rope_ops
@@ -47,32 +47,32 @@ def check_output(source: ModelSource, output: str | Path, *, dtype: str = "float
     """
     given = Path(output)
     # "-" is standard output; the exporters want a path that stats (/dev/stdout, written through fd 1)
-    output = Path("/dev/stdout") if str(given) == "-" else files.resolve_output(given)
-    files.check_name(output)
+    output = Path("/dev/stdout") if str(given) == "-" else paths.resolve_output(given)
+    paths.check_name(output)
     data = output.parent / (output.name + ".data")
-    if not files.written_through(output):  # a stream, device or FIFO has no .data beside it
-        files.check_output_path(data)
-    files.check_writes([given, data], source.files)  # named as typed; symlinks followed there
+    if not paths.written_through(output):  # a stream, device or FIFO has no .data beside it
+        paths.check_output_path(data)
+    paths.check_writes([given, data], source.files)  # named as typed; symlinks followed there
     nbytes = _weight_bytes(source, dtype)
-    fd = files.stream_fd(output)
+    fd = paths.stream_fd(output)
     if fd is not None and os.isatty(fd):
         raise ValueError(f"{output}: a terminal; an ONNX graph is binary: redirect it (> model.onnx) or give a "
                          f"file path")
-    if files.written_through(output):
+    if paths.written_through(output):
         if nbytes > EXTERNAL_DATA_THRESHOLD_BYTES and quantize is None:
             raise ValueError(f"{output}: not a regular file, and the weights (~{nbytes:,} bytes) need an "
                              f"external-data file beside the graph; give a file path")
     else:
         _check_data_is_ours(output, data)
-        too_long = len(data.name.encode("utf-8", "surrogateescape")) > files.NAME_MAX
+        too_long = len(data.name.encode("utf-8", "surrogateescape")) > paths.NAME_MAX
         if too_long and nbytes > EXTERNAL_DATA_THRESHOLD_BYTES and quantize is None:
             raise ValueError(f"{output}: the weights (~{nbytes:,} bytes) need {output.name}.data beside it, a name "
-                             f"longer than {files.NAME_MAX} bytes; choose a shorter output name")
+                             f"longer than {paths.NAME_MAX} bytes; choose a shorter output name")
         # int4: the full-precision graph in a scratch dir beside OUTPUT, then the int4 one (~1/6 of it). Random
         # weights too big to materialize are refused by load_model in their own words: not a disk's matter.
         if not (source.seeded and nbytes > MAX_RANDOM_INIT_BYTES):
-            files.check_space(output, nbytes + (nbytes // 4 if quantize else 0))
-    check_tokenizer(source, client_files=client_files and not files.written_through(output), quantize=quantize)
+            paths.check_space(output, nbytes + (nbytes // 4 if quantize else 0))
+    check_tokenizer(source, client_files=client_files and not paths.written_through(output), quantize=quantize)
     return output
 
 

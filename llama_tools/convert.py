@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import dtypes, files
+from . import dtypes, files, paths
 from .accounting import nbytes, param_total, tensor_total
 from .config import ModelConfig
 from .config_files import config_to_hf, ffn_hidden_size
@@ -249,10 +249,10 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
             assert source.path is not None, "a GGUF source has a path"
             dtype = gguf_write.stored_float(source.path)  # F16/BF16 matrices stay so (read exactly in fp32)
     else:
-        files.check_output_path(dst, directory=True)
+        paths.check_output_path(dst, directory=True)
     need = _output_bytes(source, dtype)
     if source.weights is not None or need <= MAX_RANDOM_INIT_BYTES:  # too big to seed: load_model says so below
-        files.check_space(dst, need)  # before any weight is read: a full disk is one line
+        paths.check_space(dst, need)  # before any weight is read: a full disk is one line
     texts: dict[str, str] = {}
     if source.weights is not None:
         assert source.path is not None, "a checkpoint source has a path"

@@ -28,7 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from . import dtypes, files
+from . import dtypes, files, paths
 from .config import ModelConfig
 from .families import FAMILIES, FULL, SLIDING
 from .formats import checkpoint_tensors
@@ -129,8 +129,8 @@ def check_config(cfg: ModelConfig) -> None:
 
 def check_destination(dst: str | Path) -> Path:
     """Cheap checks of DST before any work: a new file (or a stream, device or FIFO to write through)."""
-    path = files.check_output_path(dst)
-    if not files.written_through(path) and os.path.lexists(files.resolve_output(path)):
+    path = paths.check_output_path(dst)
+    if not paths.written_through(path) and os.path.lexists(paths.resolve_output(path)):
         raise ValueError(f"{dst}: already exists; choose a new destination")
     return path
 
@@ -475,7 +475,7 @@ def _target(dst: str | Path) -> Iterator[Path]:
     """The path GGUFWriter writes: a temp renamed onto DST (files.atomic_file); for a FIFO, a temp file whose bytes
     are then sent through it (GGUFWriter asks the file its position between tensors, which a FIFO cannot say)."""
     try:
-        fifo = stat.S_ISFIFO(os.stat(dst).st_mode) and files.stream_fd(dst) is None
+        fifo = stat.S_ISFIFO(os.stat(dst).st_mode) and paths.stream_fd(dst) is None
     except OSError:
         fifo = False
     if not fifo:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llama_tools import files
+from llama_tools import files, paths
 
 EXTRA = "plot"
 PANELS = (("hidden", "hidden state $Z^{j+1}$\n(channels in RMS units)"), ("key", "present K"), ("value", "present V"))
@@ -28,7 +28,7 @@ def check_plot_path(path: str | Path) -> Path:
     p = Path(path)
     if p.suffix.lower() not in SUFFIXES:
         raise ValueError(f"--plot {path}: write a .png file (the name decides the format)")
-    files.check_output_path(p)
+    paths.check_output_path(p)
     matplotlib()
     return p
 

@@ -16,7 +16,8 @@ import sysconfig
 from pathlib import Path
 
 from llama_tools import dtypes
-from llama_tools.files import atomic_files, check_output_path
+from llama_tools.files import atomic_files
+from llama_tools.paths import check_output_path
 from llama_tools.output import render
 from llama_tools.presets import PAPER_MODELS, get_preset
 

@@ -501,7 +501,8 @@ def render_report(report: ShapeReport, fmt: str) -> str:
 
 def write_report(report: ShapeReport, path: str | Path, fmt: str) -> None:
     """Write atomically (a reader never sees half a report); a device or FIFO is written through."""
-    from llama_tools.files import check_output_path, write_chunks
+    from llama_tools.files import write_chunks
+    from llama_tools.paths import check_output_path
 
     check_output_path(path)  # a directory or /proc path is refused before rendering
     write_chunks(path, [render_report(report, fmt)])

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from llama_tools import files
+from llama_tools import files, paths
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def ours(directory: Path) -> list[str]:
     """Our temp names in `directory`."""
-    return sorted(p.name for p in directory.iterdir() if p.name.startswith(files.TEMP_PREFIX))
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(paths.TEMP_PREFIX))
 
 
 # --- atomic writes -----------------------------------------------------------------------------------------
@@ -41,10 +41,10 @@ def test_temp_names_are_ours_and_name_the_destination(tmp_path):
         seen = ours(tmp_path)
         assert tmp.parent == tmp_path
     assert seen == [tmp.name]
-    prefix, rest = tmp.name[:len(files.TEMP_PREFIX) + len("model.onnx.")], tmp.name[len(files.TEMP_PREFIX) + 11:]
+    prefix, rest = tmp.name[:len(paths.TEMP_PREFIX) + len("model.onnx.")], tmp.name[len(paths.TEMP_PREFIX) + 11:]
     assert prefix == ".llama-tools-tmp.model.onnx."
     pid, ns, hex_ = rest.split(".")
-    assert int(pid) == os.getpid() and ns == files.namespace_tag() and len(hex_) == 8
+    assert int(pid) == os.getpid() and ns == paths.namespace_tag() and len(hex_) == 8
 
 
 def test_a_failed_write_leaves_the_old_file_and_removes_directories_it_made(tmp_path):
@@ -193,7 +193,7 @@ def test_refusals_are_one_line_naming_the_path_before_any_work(tmp_path):
         ]
         for path, kw, message in cases:
             with pytest.raises(ValueError) as e:
-                files.check_output_path(path, **kw)
+                paths.check_output_path(path, **kw)
             assert message in str(e.value) and "\n" not in str(e.value), (path, str(e.value))
         called = []
         with pytest.raises(ValueError, match="is a directory"):
@@ -205,8 +205,8 @@ def test_refusals_are_one_line_naming_the_path_before_any_work(tmp_path):
         sock.close()
     # Negative: fine paths pass, a missing parent chain included, and nothing is created.
     for ok in (tmp_path / "new" / "deeper" / "out.csv", tmp_path / "afile", "/dev/null"):
-        assert files.check_output_path(ok) == Path(ok)
-    assert files.check_output_path(tmp_path / "newdir", directory=True)
+        assert paths.check_output_path(ok) == Path(ok)
+    assert paths.check_output_path(tmp_path / "newdir", directory=True)
     assert not (tmp_path / "new").exists()
 
 
@@ -215,7 +215,7 @@ def test_an_unwritable_directory_is_refused(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o500)
     with pytest.raises(ValueError, match=f"{ro}: directory .* is not writable|directory {ro} is not writable"):
-        files.check_output_path(ro / "x" / "out.csv")
+        paths.check_output_path(ro / "x" / "out.csv")
 
 
 # --- signals in this process ---------------------------------------------------------------------------------
@@ -334,9 +334,9 @@ def test_after_a_sigkill_the_next_write_removes_the_stale_temp_and_says_so(tmp_p
     stale = ours(tmp_path)
     assert len(stale) == 1 and f".{p.pid}." in stale[0]  # SIGKILL cannot be caught: debris, as expected
     # Another process's temp for a different destination, and one of a live process, must survive.
-    other = tmp_path / f"{files.TEMP_PREFIX}other.onnx.{p.pid}.{files.namespace_tag()}.0123abcd"
+    other = tmp_path / f"{paths.TEMP_PREFIX}other.onnx.{p.pid}.{paths.namespace_tag()}.0123abcd"
     other.mkdir()
-    live = tmp_path / f"{files.TEMP_PREFIX}model.onnx.{os.getppid()}.{files.namespace_tag()}.89abcdef"
+    live = tmp_path / f"{paths.TEMP_PREFIX}model.onnx.{os.getppid()}.{paths.namespace_tag()}.89abcdef"
     live.mkdir()
     notes: list[str] = []
     files.write_text(dest, "graph", report=notes.append)
@@ -348,10 +348,10 @@ def test_after_a_sigkill_the_next_write_removes_the_stale_temp_and_says_so(tmp_p
 def test_the_stale_note_goes_to_stderr_by_default(tmp_path, capsys):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(dead.stdout)
-    (tmp_path / f"{files.TEMP_PREFIX}r.csv.{pid}.{files.namespace_tag()}.00000000").write_text("half")
+    (tmp_path / f"{paths.TEMP_PREFIX}r.csv.{pid}.{paths.namespace_tag()}.00000000").write_text("half")
     files.write_text(tmp_path / "r.csv", "x")
     err = capsys.readouterr().err
-    assert f"{files.TEMP_PREFIX}r.csv.{pid}.{files.namespace_tag()}.00000000" in err and err.startswith("note: removed")
+    assert f"{paths.TEMP_PREFIX}r.csv.{pid}.{paths.namespace_tag()}.00000000" in err and err.startswith("note: removed")
     assert ours(tmp_path) == []
 
 

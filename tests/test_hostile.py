@@ -28,7 +28,7 @@ import torch
 from click.testing import CliRunner, Result
 
 from helpers import train_tiny_tokenizer
-from llama_tools import files
+from llama_tools import files, paths
 from llama_tools.cli import cli
 from llama_tools.config_files import config_to_hf
 from llama_tools.convert import convert, save_checkpoint
@@ -302,7 +302,7 @@ def test_refused_in_one_line_before_any_work(argv, names, inputs, cwd, tripwires
     names = [n.format(**inputs) for n in names]
     before, shared = tree(cwd), tree(inputs["root"])
     line = assert_one_line(invoke(argv), *names)
-    assert files.TEMP_PREFIX not in line and "device=" not in line, line
+    assert paths.TEMP_PREFIX not in line and "device=" not in line, line
     assert tree(cwd) == before and tree(inputs["root"]) == shared
 
 
@@ -539,7 +539,7 @@ def test_export_to_dev_null_writes_through_and_leaves_it_a_device(cwd, guard_dev
     assert_ok(r)
     assert stat.S_ISCHR(after.st_mode) and (after.st_ino, after.st_rdev) == (before.st_ino, before.st_rdev)
     assert not os.path.exists("/dev/null.data")
-    assert not [n for n in os.listdir("/dev") if n.startswith(f"{files.TEMP_PREFIX}null.{os.getpid()}.")]
+    assert not [n for n in os.listdir("/dev") if n.startswith(f"{paths.TEMP_PREFIX}null.{os.getpid()}.")]
     assert tree(cwd) == []
 
 
@@ -605,7 +605,7 @@ def export_and_signal(workdir: Path, sig: int) -> dict[str, Any]:
     seen: list[str] = []
     deadline = time.monotonic() + 400
     while proc.poll() is None and time.monotonic() < deadline:
-        seen = [n for n in os.listdir(workdir) if n.startswith(files.TEMP_PREFIX + "model.onnx.")]
+        seen = [n for n in os.listdir(workdir) if n.startswith(paths.TEMP_PREFIX + "model.onnx.")]
         if seen:
             proc.send_signal(sig)
             break
@@ -658,14 +658,14 @@ def test_after_a_sigkill_the_next_export_removes_the_stale_temp_and_says_so(afte
     d, res, r = after_sigkill["dir"], after_sigkill["killed"], after_sigkill["result"]
     assert res["seen"], f"the export finished before its temp was seen:\n{res['stderr']}"
     assert res["rc"] == -signal.SIGKILL
-    stale = [n for n in res["tree"] if "/" not in n and n.startswith(files.TEMP_PREFIX)]
+    stale = [n for n in res["tree"] if "/" not in n and n.startswith(paths.TEMP_PREFIX)]
     assert stale == res["seen"] and f".{res['pid']}." in stale[0], res["tree"]  # ours, named after OUT and the pid
     assert_ok(r)
     notes = r.stderr.splitlines()  # one note for the stale temp (others, such as a kept file, may follow)
     removal = [n for n in notes if n.startswith("note: removed ")]
     assert len(removal) == 1 and stale[0] in removal[0] and f"process {res['pid']} " in removal[0], notes
     assert all(n.startswith("note: ") for n in notes) and "Traceback" not in r.stderr, notes
-    assert not [n for n in after_sigkill["tree"] if files.TEMP_PREFIX in n], after_sigkill["tree"]
+    assert not [n for n in after_sigkill["tree"] if paths.TEMP_PREFIX in n], after_sigkill["tree"]
     assert "model.onnx" in after_sigkill["tree"]
     assert stat.S_IMODE((d / "model.onnx").stat().st_mode) == 0o640  # 0666 & ~umask, not mkstemp's 0600
 

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from llama_tools import files
+from llama_tools import files, paths
 from llama_tools.convert import save_checkpoint
 from test_hostile import TINY, assert_ok, assert_one_line, cwd, invoke, tiny_state, tree, tripwires  # noqa: F401
 
@@ -101,9 +101,9 @@ def test_an_output_that_is_an_input_is_refused_before_any_work(argv, named, ckpt
 def test_the_check_can_fail_and_exporting_beside_the_checkpoint_is_allowed(ckpts, tmp_path):
     """Negative: check_writes passes a new name in the checkpoint's directory (only inputs are refused)."""
     reads = [ckpts["hf"] / "model.safetensors", ckpts["hf"] / "config.json"]
-    files.check_writes([ckpts["hf"] / "model.onnx", ckpts["hf"] / "model.onnx.data"], reads)
+    paths.check_writes([ckpts["hf"] / "model.onnx", ckpts["hf"] / "model.onnx.data"], reads)
     with pytest.raises(ValueError, match="lies inside"):
-        files.check_writes([ckpts["hf"] / "x"], [ckpts["hf"]])
+        paths.check_writes([ckpts["hf"] / "x"], [ckpts["hf"]])
     from llama_tools.source import resolve
 
     assert set(resolve(str(ckpts["hf"])).files) == {ckpts["hf"] / "model.safetensors", ckpts["hf"] / "config.json"}
@@ -297,8 +297,8 @@ def test_a_device_that_is_full_is_one_line_naming_it(redirect, tmp_path):
 def test_temp_names_fit_name_max_and_are_still_swept(length, tmp_path):
     dest = tmp_path / ("é" * ((length - 4) // 2) + "x" * ((length - 4) % 2) + ".csv")
     assert len(dest.name.encode()) == length
-    t = files.temp_path(dest)
-    assert len(t.name.encode()) <= files.NAME_MAX and t.name.startswith(files.TEMP_PREFIX)
+    t = paths.temp_path(dest)
+    assert len(t.name.encode()) <= paths.NAME_MAX and t.name.startswith(paths.TEMP_PREFIX)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = t.parent / t.name.replace(f".{os.getpid()}.", f".{int(dead.stdout)}.", 1)
     stale.write_text("half")
@@ -321,9 +321,9 @@ def test_a_temp_of_another_namespace_is_kept_and_said_ours_removed(tmp_path):
     dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True).stdout)
     dest = tmp_path / "model.onnx"
-    stem = f"{files.TEMP_PREFIX}model.onnx.{dead}"
-    foreign = tmp_path / f"{stem}.{'0' * 8 if files.namespace_tag() != '0' * 8 else '1' * 8}.0123abcd"
-    ours = tmp_path / f"{stem}.{files.namespace_tag()}.89abcdef"
+    stem = f"{paths.TEMP_PREFIX}model.onnx.{dead}"
+    foreign = tmp_path / f"{stem}.{'0' * 8 if paths.namespace_tag() != '0' * 8 else '1' * 8}.0123abcd"
+    ours = tmp_path / f"{stem}.{paths.namespace_tag()}.89abcdef"
     foreign.mkdir()
     (foreign / "model.onnx").write_text("another container's live export")
     ours.mkdir()
@@ -341,15 +341,15 @@ def test_the_namespace_tag_differs_in_a_real_other_pid_namespace():
     if unshare is None or os.geteuid() != 0:
         pytest.skip("needs unshare and root")
     r = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-                        "from llama_tools import files; import os; print(files.namespace_tag(), os.getpid())"],
+                        "from llama_tools import paths; import os; print(paths.namespace_tag(), os.getpid())"],
                        capture_output=True, text=True, timeout=60)
     if r.returncode:
         pytest.skip(f"cannot make a PID namespace here: {r.stderr.strip()[:200]}")
     tag, pid = r.stdout.split()
-    assert int(pid) == 1 and tag != files.namespace_tag()  # pid 1 there is not our pid 1: the tag says so
-    same = subprocess.run([sys.executable, "-c", "from llama_tools import files; print(files.namespace_tag())"],
+    assert int(pid) == 1 and tag != paths.namespace_tag()  # pid 1 there is not our pid 1: the tag says so
+    same = subprocess.run([sys.executable, "-c", "from llama_tools import paths; print(paths.namespace_tag())"],
                           capture_output=True, text=True).stdout.strip()
-    assert same == files.namespace_tag()  # negative: another process of our namespace has our tag
+    assert same == paths.namespace_tag()  # negative: another process of our namespace has our tag
 
 
 # --- 6. signals and stdout ------------------------------------------------------------------------------------
@@ -380,7 +380,7 @@ def test_sigterm_and_sigint_during_an_int4_export_exit_128_plus_n_and_leave_noth
         d.mkdir()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = {sig: pool.submit(signal_when, ["export", "onnx", "tiny", "--quantize", "int4", "-o", "m.onnx"],
-                                    d, d, files.TEMP_PREFIX, sig) for sig, d in dirs.items()}
+                                    d, d, paths.TEMP_PREFIX, sig) for sig, d in dirs.items()}
         res = {sig: f.result() for sig, f in futures.items()}
     for sig, r in res.items():
         assert r["seen"], r["stderr"]
@@ -395,10 +395,10 @@ def test_a_sigkilled_verify_parity_temp_dir_is_removed_and_said_by_the_next_run(
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     env = {**os.environ, "TMPDIR": str(tmpdir)}
-    r = signal_when(["verify", "parity", "tiny", "--steps", "1"], tmp_path, tmpdir, files.TEMP_PREFIX,
+    r = signal_when(["verify", "parity", "tiny", "--steps", "1"], tmp_path, tmpdir, paths.TEMP_PREFIX,
                     signal.SIGKILL, env)
     assert r["seen"] and r["rc"] == -signal.SIGKILL, r["stderr"]
-    ours = lambda: sorted(n for n in os.listdir(tmpdir) if n.startswith(files.TEMP_PREFIX))  # noqa: E731
+    ours = lambda: sorted(n for n in os.listdir(tmpdir) if n.startswith(paths.TEMP_PREFIX))  # noqa: E731
     left = ours()
     assert left == r["seen"] and f".{r['pid']}." in left[0]  # SIGKILL cannot be caught: debris of ours
     import tempfile

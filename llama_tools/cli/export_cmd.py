@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from .. import dtypes
-from ..files import stream_fd
+from ..paths import stream_fd
 from ..output import render
 from ..exporters.preflight import SINGLE_FILE_MAX_BYTES
 from ..exporters.quant_options import ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, INT4_ALGORITHMS, QUANTIZE

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from .. import dtypes
-from ..files import check_output_path, check_writes, stream_fd
+from ..paths import check_output_path, check_writes, stream_fd
 from ..formats import BENIGN_SUFFIXES, WRITABLE
 from ..formats import FORMATS as CHECKPOINT_FORMATS
 from ..output import render
