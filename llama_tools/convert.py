@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import dtypes, files, paths
-from .accounting import nbytes, param_total, tensor_total
+from .memory import nbytes, param_total, tensor_total
 from .config import ModelConfig
 from .config_files import config_to_hf, ffn_hidden_size
 from .formats import FORMATS, WRITABLE, checkpoint_tensors, family_format

@@ -23,7 +23,7 @@ def load_model(source: ModelSource | ModelConfig | str, dtype: Any = "float32", 
     else:
         src = resolve(source)
         if src.weights is not None and str(device) != "meta":
-            from .accounting import check_memory, model_need
+            from .memory import check_memory, model_need
             from .checkpoints import load_checkpoint
 
             assert src.path is not None, "a checkpoint source has a path"
@@ -32,7 +32,7 @@ def load_model(source: ModelSource | ModelConfig | str, dtype: Any = "float32", 
             return load_checkpoint(src.path, dtype=torch_dtype, device=device, progress=progress)
         cfg = src.cfg
     if str(device) != "meta":
-        from .accounting import gib, check_memory, model_need, nbytes, param_total
+        from .memory import gib, check_memory, model_need, nbytes, param_total
 
         name = dtypes.get(torch_dtype).name
         weights = nbytes(param_total(cfg), name)  # constant time: n8 = 10^8 is refused at once, never looped

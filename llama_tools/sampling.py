@@ -40,6 +40,6 @@ def check_sampling(cfg: ModelConfig, prompt_ids: list[int], *, max_new_tokens: i
     if not 0 < top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
     if dtype is not None:
-        from .accounting import check_memory, generation_need
+        from .memory import check_memory, generation_need
 
         check_memory(generation_need(cfg, len(prompt_ids), max_new_tokens, dtype, weights=not weights_loaded), cfg)

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import dtypes
-from .accounting import Item, LayerGroup, gib, nbytes
+from .accounting import Item, LayerGroup
+from .memory import gib, nbytes
 from .source import ForeignConfig
 
 PIP = 'pip install "transformers>=4.45"'  # what the `hf` extra holds

@@ -252,7 +252,7 @@ def test_a_size_no_machine_holds_is_refused_at_once_with_the_figure(argv, change
 
 def test_the_issues_long_context_is_refused_against_the_memory_available(monkeypatch):
     """max_position_embeddings 10^9 (64 GB of RoPE tables): refused against 16 GiB available, before any tensor."""
-    from llama_tools.accounting import check_memory, generation_need, rope_table_bytes
+    from llama_tools.memory import check_memory, generation_need, rope_table_bytes
 
     cfg = TINY.replace(max_position_embeddings=10**9)
     need = generation_need(cfg, 2, 1, "float32")
