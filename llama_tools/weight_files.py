@@ -10,7 +10,8 @@ from pathlib import Path
 from .config import ModelConfig
 from .config_files import config_from_hf, config_from_meta, is_config_file, read_json
 from .formats import CheckpointFormat
-from .header_readers import HeaderError, TensorInfo, read_safetensors_header, read_torch_header, real_path
+from .header_readers import HeaderError, TensorInfo, read_safetensors_header, real_path
+from .torch_headers import read_torch_header
 
 # What a directory may hold, in the order looked for. HF's model*.safetensors before any *.safetensors:
 # Mistral repos also ship the same weights as consolidated.safetensors.

@@ -36,7 +36,8 @@ from safetensors import safe_open
 from llama_tools import dtypes
 from llama_tools.checkpoints import torch_load
 from llama_tools.cli import cli
-from llama_tools.header_readers import HeaderError, read_safetensors_header, read_torch_header
+from llama_tools.header_readers import HeaderError, read_safetensors_header
+from llama_tools.torch_headers import read_torch_header
 from test_hostile import assert_one_line
 from test_hostile_inputs import library_refuses
 

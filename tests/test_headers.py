@@ -15,7 +15,8 @@ from llama_tools.presets import get_preset
 from llama_tools.convert import save_checkpoint
 from helpers import write_sparse_safetensors
 from llama_tools.cli.model_cmds import checkpoint_rows as render_rows
-from llama_tools.header_readers import read_safetensors_header, read_torch_header
+from llama_tools.header_readers import read_safetensors_header
+from llama_tools.torch_headers import read_torch_header
 from llama_tools.inspection import inspect_checkpoint
 from llama_tools.model import build_model
 from llama_tools.weights import weight_specs

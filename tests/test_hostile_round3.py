@@ -34,7 +34,8 @@ from llama_tools.cli import cli
 from llama_tools.config import SIZE_LIMITS
 from llama_tools.config_files import config_to_hf, load_config
 from llama_tools.convert import meta_params
-from llama_tools.header_readers import HeaderError, read_torch_header
+from llama_tools.header_readers import HeaderError
+from llama_tools.torch_headers import read_torch_header
 from llama_tools.presets import get_preset
 from test_bounded import closed_form
 from test_fast_refusals import probe
