@@ -16,7 +16,10 @@ safetensors, made by transformers' GGUF loader).
    goal: from the GGUF, at most max(1 GB, 0.5x the fp32 weights), as bench_export_memory.py asks of the
    safetensors path, and near the safetensors path's own peak.
 3. --verify: `verify parity OUT --source SRC --checks layers --steps 2` on that export, from the GGUF and from the
-   HF checkpoint (peak RSS of the fresh process, RUSAGE_CHILDREN).
+   HF checkpoint (peak RSS of the fresh process, RUSAGE_CHILDREN). Then the weight reads alone, in process, as
+   verify parity makes them (each decoder layer's weights read three times in a row: in the graph's dtype,
+   reassociated, in float64): CPU seconds from the HF safetensors, from the GGUF with GgufReader's layer cache
+   (each tensor dequantized once) and without it (cache=False: dequantized at every read), best of --repeat.
 """
 
 from __future__ import annotations
@@ -54,11 +57,11 @@ def count_rows(name: str, path: Path, repeat: int) -> float:
     """In-process and fresh-process counting against the library's open; returns the in-process ratio."""
     import gguf
 
-    from llama_tools import gguf_files
+    from llama_tools.gguf import read as gguf_read
     from llama_tools.accounting import count_source
 
     def ours() -> None:
-        gguf_files._open.cache_clear()  # a fresh parse, as a new process makes
+        gguf_read._open.cache_clear()  # a fresh parse, as a new process makes
         assert count_source(str(path)).checkpoint.ok
 
     t_ours, t_lib = best(ours, repeat), best(lambda: gguf.GGUFReader(path), repeat)
@@ -110,6 +113,31 @@ def export_rows(name: str, gguf_path: Path, hf: Path, tmp: Path, verify: bool) -
     return g, h, weights
 
 
+def verify_reads(name: str, gguf_path: Path, hf: Path, repeat: int) -> None:
+    """CPU seconds of verify parity's weight reads (every layer three times in a row) per source."""
+    from llama_tools.gguf.tensors import GgufReader
+    from llama_tools.reference import CheckpointReader
+
+    def reads(reader) -> float:
+        layers = {}
+        for n in reader.where:
+            if n.startswith("model.layers."):
+                layers.setdefault(int(n.split(".")[2]), []).append(n)
+        t = time.process_time()
+        for names in layers.values():
+            for _ in range(3):
+                reader.read(names)
+        return time.process_time() - t
+
+    got = {label: min(reads(make()) for _ in range(repeat)) for label, make in (
+        ("HF safetensors", lambda: CheckpointReader(hf)), ("GGUF, dequantized at every read",
+                                                            lambda: GgufReader(gguf_path, cache=False)),
+        ("GGUF, layer cache", lambda: GgufReader(gguf_path)))}
+    h = got["HF safetensors"]
+    print(f"| {name} | " + " | ".join(f"{v:.2f} s ({v / h:.1f}x)" for v in got.values()) + " |",
+          flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
@@ -142,6 +170,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-gguf-") as t:
         for name, path, hf in models:
             export_rows(name, path, hf(), Path(t), args.verify)
+    if args.verify:
+        print("\nverify parity's weight reads (each layer's weights three times in a row), CPU seconds, best of "
+              f"{args.repeat}")
+        print("| model | HF safetensors | GGUF, dequantized at every read | GGUF, layer cache |")
+        print("|---|---|---|---|")
+        for name, path, hf in models:
+            verify_reads(name, path, hf(), args.repeat)
 
 
 if __name__ == "__main__":

@@ -142,7 +142,8 @@ def read_checkpoint(directory: str | Path, rope_layout: str | None = None,
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, device: Any = "cpu",
                     rope_layout: str | None = None, progress: Progress = silent) -> Any:
     """A checkpoint directory (or a GGUF file) -> an eval-mode Llama holding its weights."""
-    from .gguf_files import is_gguf, load_gguf_model
+    from .gguf.read import is_gguf
+    from .gguf.tensors import load_gguf_model
 
     if is_gguf(directory):  # one file holding config, weights and vocabulary
         return load_gguf_model(directory, dtype=dtype, device=device, rope_layout=rope_layout)

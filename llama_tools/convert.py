@@ -1,5 +1,5 @@
 """Write a checkpoint in HF (config.json + safetensors) or Meta (params.json + consolidated.NN.pth) layout, or as
-one GGUF file (llama.cpp's, gguf_write).
+one GGUF file (llama.cpp's, gguf.write).
 
 Conversions are exact: only row orders change (RoPE q/k rows, W_pack fusing) and no value is cast unless
 --dtype asks, so HF -> Meta -> HF gives back the same bytes. A GGUF file is dequantized (float32 unless
@@ -164,7 +164,7 @@ def save_checkpoint(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str |
     # ids: config.json's bos/eos/pad as the source writes them (an eos list), over cfg's.
     check_target(to, shards, len(state))
     if to == "gguf":
-        raise ValueError("a GGUF is one file, not a checkpoint directory: write it with gguf_write.write_gguf")
+        raise ValueError("a GGUF is one file, not a checkpoint directory: write it with gguf.write.write_gguf")
     with files.atomic_dir(dst) as tmp:  # all files appear at once, or none; a kill leaves nothing
         writer = _write_hf if to == "hf" else _write_meta
         layout, written = writer(cfg, state, tmp, shards, ids or {})
@@ -191,7 +191,7 @@ def check_target(to: str, shards: int, tensors: int, cfg: ModelConfig | None = N
     if to == "gguf" and shards != 1:
         raise ValueError(f"--shards {shards}: a GGUF is one file; --shards applies to --to hf and meta")
     if to == "gguf" and cfg is not None:
-        from .gguf_write import check_config
+        from .gguf.write import check_config
 
         check_config(cfg)  # the family's GGUF architecture, and what a GGUF can hold of the config
     if to == "meta" and shards > 1 and cfg is not None:
@@ -203,7 +203,7 @@ def check_target(to: str, shards: int, tensors: int, cfg: ModelConfig | None = N
 
 def _gguf_weights(path: Path, dtype: str | None) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, str]]:
     """A GGUF's weights dequantized to `dtype` (float32 by default), and its vocabulary as tokenizer files."""
-    from .gguf_files import read_gguf_checkpoint
+    from .gguf.tensors import read_gguf_checkpoint
     from .tokenizer_files import tokenizer_json_from_gguf
 
     ck = read_gguf_checkpoint(path, dtypes.to_torch(dtype or dtypes.FLOAT32.name))
@@ -241,7 +241,7 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
     check_target(to, shards, tensor_total(source.cfg), source.cfg)  # constant time: a 10^8-layer config is not listed
     read_dtype = dtype  # what the weights are read in (None: as stored; a GGUF dequantized to float32)
     if to == "gguf":
-        from . import gguf_write
+        from .gguf import write as gguf_write
 
         gguf_write.check_destination(dst)
         read_dtype = None  # the writer casts one matrix at a time (1-D tensors stay F32): no cast copy of the model
@@ -269,7 +269,9 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
     emb = state["model.embed_tokens.weight"]
     cfg = cfg.replace(torch_dtype=dtypes.get(emb.dtype).name)
     if to == "gguf":
-        vocabulary, said = gguf_write.source_vocabulary(source, cfg)
+        from .gguf.vocabulary import source_vocabulary
+
+        vocabulary, said = source_vocabulary(source, cfg)
         res = gguf_write.write_gguf(cfg, state, dst, dtype=dtype, vocabulary=vocabulary)
         return ConvertResult(source=source.label, destination=str(dst), to=to, layout="gguf", files=[Path(dst).name],
                              tensors=res.tensors, params=res.params, bytes=res.bytes, warnings=said + res.warnings)

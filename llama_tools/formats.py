@@ -48,6 +48,7 @@ class CheckpointFormat:
     meta_names: bool = False  # names from WeightSpec.meta_name instead of HF's
     file_kind: str | None = None  # a WeightFiles.kind whose files are always in this format
     sandwich_renames: tuple[tuple[str, str], ...] = ()  # applied first for Gemma 2/3's four norms a layer
+    stacked_experts: bool = False  # a layer's routed experts as one tensor a projection, named by expert 0's name
 
     def tensor_name(self, spec: WeightSpec, cfg: ModelConfig | None = None) -> str:
         """The stored name of an unfused weight (cfg: the model's, where its norms' names depend on it)."""
@@ -83,17 +84,24 @@ FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in [
                          ("self_attn.q_norm.", "attn_q_norm."), ("self_attn.k_norm.", "attn_k_norm."),
                          ("mlp.gate_proj.", "ffn_gate."), ("mlp.up_proj.", "ffn_up."), ("mlp.down_proj.", "ffn_down."),
                          ("input_layernorm.", "attn_norm."), ("post_attention_layernorm.", "ffn_norm."),
-                         ("model.norm.", "output_norm."), ("lm_head.", "output.")),
+                         ("model.norm.", "output_norm."), ("lm_head.", "output."),
+                         # Mixtral: the router, and each projection's experts stacked (expert 0's name renamed)
+                         ("block_sparse_moe.gate.", "ffn_gate_inp."),
+                         ("block_sparse_moe.experts.0.w1.", "ffn_gate_exps."),
+                         ("block_sparse_moe.experts.0.w3.", "ffn_up_exps."),
+                         ("block_sparse_moe.experts.0.w2.", "ffn_down_exps.")),
+                     stacked_experts=True,
                      # Gemma 2/3: the norm after attention is post_attention_norm, 6.3's norm is ffn_norm
                      sandwich_renames=(("post_attention_layernorm.", "post_attention_norm."),
                                        ("pre_feedforward_layernorm.", "ffn_norm."),
                                        ("post_feedforward_layernorm.", "post_ffw_norm."))),
 ]}
 HF, META = FORMATS["hf"], FORMATS["meta"]
-# What `convert --to` writes: the family's own HF-style format, Meta's, or one GGUF file (gguf_write).
+# What `convert --to` writes: the family's own HF-style format, Meta's, or one GGUF file (gguf.write).
 WRITABLE = ("hf", "meta", "gguf")
 # Buffers some exporters store that no config explains and loaders skip.
-BENIGN_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+BENIGN_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
+                   "rope_freqs.weight")  # llama.cpp's per-dimension RoPE divisors (Llama 3.1's, from the config)
 # Family -> the format its published checkpoints use (default: hf).
 _FAMILY_FORMAT = {"baichuan": "baichuan", "internlm2": "internlm2"}
 
@@ -127,6 +135,8 @@ def checkpoint_tensors(cfg: ModelConfig, fmt: CheckpointFormat | None = None) ->
     specs = weight_specs(cfg)
     if fmt.fused_qkv is None:
         try:
+            if fmt.stacked_experts and cfg.is_moe:
+                return _stacked(cfg, fmt, specs)
             return [CheckpointTensor(fmt.tensor_name(s, cfg), s.shape, (s.name,)) for s in specs]
         except ValueError as e:
             raise ValueError(f"config {cfg.name!r}: {e}") from None
@@ -142,6 +152,19 @@ def checkpoint_tensors(cfg: ModelConfig, fmt: CheckpointFormat | None = None) ->
             out.append(CheckpointTensor(prefix + fmt.fused_name, (rows, cfg.hidden_size), parts))
         else:
             out.append(CheckpointTensor(fmt.tensor_name(s, cfg), s.shape, (s.name,)))
+    return out
+
+
+def _stacked(cfg: ModelConfig, fmt: CheckpointFormat, specs: list[WeightSpec]) -> list[CheckpointTensor]:
+    """Unfused tensors, each layer's routed experts stacked on a new first axis: one tensor a projection, its parts
+    the experts in order (GGUF's ffn_gate_exps: [experts, rows, columns])."""
+    out = []
+    for s in specs:
+        if s.component != "moe.experts":
+            out.append(CheckpointTensor(fmt.tensor_name(s, cfg), s.shape, (s.name,)))
+        elif ".experts.0." in s.name:  # the others are parts of expert 0's tensor
+            parts = tuple(s.name.replace(".experts.0.", f".experts.{e}.") for e in range(cfg.num_experts))
+            out.append(CheckpointTensor(fmt.tensor_name(s, cfg), (cfg.num_experts, *s.shape), parts))
     return out
 
 

@@ -4,7 +4,7 @@ What `count-params` says of weight files no config here describes (a lone model.
 of another architecture, a directory without config.json) or of a partial download: tensors, parameters and
 bytes by dtype, per file (bytes present against bytes declared: a shortfall is said, naming the file) and per
 layer where the names show one (`model.layers.N.`, `blk.N.`, `h.N.`, `layers.N.`). The headers are read by the
-readers every command uses (header_readers, gguf_files); nothing here imports torch.
+readers every command uses (header_readers, gguf.tensors); nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .gguf_files import is_gguf, read_gguf_tensors
-from .header_readers import FileExtent, TensorInfo, read_safetensors_extent, read_torch_header
+from .gguf.read import is_gguf
+from .gguf.tensors import read_gguf_tensors
+from .header_readers import FileExtent, TensorInfo, read_safetensors_extent
+from .torch_headers import read_torch_header
 from .inspection import DtypeTotal, dtype_totals
 from .source import HeaderFiles
 from .weight_files import WeightFiles, check_index, find_weight_files, index_files

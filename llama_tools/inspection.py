@@ -81,7 +81,7 @@ def read_checkpoint_headers(path: str | Path) -> CheckpointHeaders:
     """Find the weight files, validate every header, read the config and recognize the format; no tensor data."""
     d = Path(path)
     if d.is_file():  # a single-file checkpoint: GGUF, its config in its own metadata
-        from .gguf_files import read_gguf_headers
+        from .gguf.tensors import read_gguf_headers
 
         return read_gguf_headers(d)
     if not d.is_dir():

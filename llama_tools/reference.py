@@ -273,7 +273,8 @@ class CheckpointReader:
 
 def open_reader(path: str | Path) -> Any:
     """The tensor reader for a checkpoint: a directory's files, or one GGUF file (dequantized per tensor)."""
-    from .gguf_files import GgufReader, is_gguf
+    from .gguf.read import is_gguf
+    from .gguf.tensors import GgufReader
 
     return GgufReader(path) if is_gguf(path) else CheckpointReader(path)
 

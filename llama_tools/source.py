@@ -10,7 +10,8 @@ from typing import Any, Literal, Union
 
 from .config import ModelConfig
 from .config_files import UnknownArchitecture, is_config_file, load_config, looks_like_path
-from .gguf_files import UnmodelledGguf, is_gguf, read_gguf_headers
+from .gguf.read import UnmodelledGguf, is_gguf
+from .gguf.tensors import read_gguf_headers
 from .header_readers import PartialFile, _kind as file_kind, read_safetensors_header
 from .presets import preset_tokenizer
 from .tokenizer import KINDS, Tokenizer, check_fits, check_vocab, find_tokenizer, parse_ids

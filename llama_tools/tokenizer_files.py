@@ -359,7 +359,7 @@ def converted_sentencepiece_files(path: Path) -> dict[str, bytes]:
 @_cached_by_file
 def gguf_files(path: Path) -> dict[str, bytes]:
     """tokenizer.json etc. from the vocabulary in a GGUF file."""
-    from .gguf_files import open_gguf  # the one (cached) parse of the file that resolving MODEL made
+    from .gguf.read import open_gguf  # the one (cached) parse of the file that resolving MODEL made
 
     try:
         texts = tokenizer_json_from_gguf(open_gguf(path))

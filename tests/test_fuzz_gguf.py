@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 
 gguf = pytest.importorskip("gguf")
 
-from llama_tools import gguf_files  # noqa: E402
+from llama_tools.gguf import read as gguf_read  # noqa: E402
 from llama_tools.cli import cli  # noqa: E402
-from llama_tools.gguf_files import GgufReader, read_gguf_headers, read_gguf_tensors  # noqa: E402
+from llama_tools.gguf.tensors import GgufReader, read_gguf_headers, read_gguf_tensors  # noqa: E402
 from llama_tools.header_readers import HeaderError  # noqa: E402
 from test_gguf import write_gguf  # noqa: E402
 from test_hostile import assert_one_line  # noqa: E402
@@ -94,7 +94,7 @@ def library_view(path: Path):
 
 def check(path: Path) -> str:
     """The properties of one file (see the module's docstring); what became of it."""
-    gguf_files._open.cache_clear()  # a fresh parse: a flipped byte keeps the size, and maybe the mtime
+    gguf_read._open.cache_clear()  # a fresh parse: a flipped byte keeps the size, and maybe the mtime
     try:
         got = read_gguf_tensors(path)
     except HeaderError as e:
@@ -110,7 +110,7 @@ def check(path: Path) -> str:
             break
     if got.extent.missing:
         return "partial: counted from the header"  # the library cannot slice its data (we count its header)
-    reader = gguf_files.open_gguf(path)
+    reader = gguf_read.open_gguf(path)
     fields, tensors = library_view(path)  # raises if the library refuses what we accepted
     assert list(reader.fields)[3:] == fields
     assert [(t.name, t.dtype, t.shape, t.nbytes) for t in got.tensors] == [(n, d, s, b) for n, d, s, _, b in tensors]
@@ -135,7 +135,7 @@ def test_count_params_on_mutated_ggufs_exits_0_or_says_one_line(bases, data, tmp
     blob, fields, header_end = bases["le"]
     path = tmp_path_factory.mktemp("cli") / "model.gguf"
     path.write_bytes(mutate(data, blob, fields, header_end))
-    gguf_files._open.cache_clear()
+    gguf_read._open.cache_clear()
     r = CliRunner().invoke(cli, ["count-params", str(path)])
     if r.exit_code and r.stdout:  # read, but differing from its own config (a name changed): the report, a line
         assert isinstance(r.exception, SystemExit) and r.exit_code == 1 and "Traceback" not in r.output  # per problem
@@ -158,7 +158,7 @@ def test_the_intact_bases_are_read_and_a_refusal_is_checked(bases, tmp_path):
         assert not read_gguf_tensors(path).extent.missing
         cut = tmp_path / f"{name}-cut.gguf"
         cut.write_bytes(blob[:header_end // 2])
-        gguf_files._open.cache_clear()
+        gguf_read._open.cache_clear()
         with pytest.raises(HeaderError, match="truncated") as e:
             read_gguf_tensors(cut)
         assert_named(e.value, cut)

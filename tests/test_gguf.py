@@ -25,7 +25,7 @@ from llama_tools.cli import cli  # noqa: E402
 from llama_tools.config import ModelConfig  # noqa: E402
 from llama_tools.convert import convert  # noqa: E402
 from llama_tools.formats import FORMATS, checkpoint_tensors  # noqa: E402
-from llama_tools.gguf_files import GgufReader  # noqa: E402
+from llama_tools.gguf.tensors import GgufReader  # noqa: E402
 from llama_tools.loading import load_model  # noqa: E402
 from llama_tools.source import resolve  # noqa: E402
 from llama_tools.weights import weight_specs  # noqa: E402
@@ -205,6 +205,31 @@ def test_reader_dequantizes_in_stored_rope_order(tiny_gguf):
     np.testing.assert_array_equal(rows, np.concatenate([emb[3:5], emb[60:64]]))
 
 
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_layer_read_again_is_dequantized_once(tiny_gguf, monkeypatch, cache):
+    """verify parity reads each layer three times (graph dtype, reassociated, float64): each tensor is dequantized
+    once, every read still a fresh array of the same values; without the cache (or past its bytes), every time."""
+    path, state = tiny_gguf
+    reader = GgufReader(path, cache=cache)
+    calls = []
+    real = reader._dequantized
+    monkeypatch.setattr(reader, "_dequantized", lambda stored, ranges=None: calls.append(stored) or real(stored, ranges))
+    layer = [n for n in reader.where if n.startswith("model.layers.1.")]
+    first = reader.read(layer)
+    for name, t in first.items():
+        t.fill_(7.0)  # the caller's own memory: the next read is not changed by it
+    for _ in range(2):
+        again = reader.read(layer)
+        for name in layer:
+            want = expected_weight(state, name)
+            if ".q_proj." in name or ".k_proj." in name:
+                want = llama_cpp_permute(want, 4 if ".q_proj." in name else 2)
+            np.testing.assert_array_equal(again[name].numpy(), want, err_msg=name)
+    assert sorted(calls) == sorted([reader.where[n] for n in layer] * (1 if cache else 3))
+    reader.read([n for n in reader.where if n.startswith("model.layers.0.")])  # the next layer: all of it new
+    assert len(calls) == len(layer) * (2 if cache else 4)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_convert_to_hf_equals_transformers_gguf_loader(tmp_path, tied):
     """convert FILE.gguf --to hf: q/k rows back in HF order; logits equal transformers' own GGUF loader's."""
@@ -260,7 +285,7 @@ def test_convert_dtype_and_meta(tmp_path):
 
 
 def test_load_gguf_model_in_either_row_order(tiny_gguf, tmp_path):
-    from llama_tools.gguf_files import load_gguf_model
+    from llama_tools.gguf.tensors import load_gguf_model
 
     path, _ = tiny_gguf
     convert(str(path), tmp_path / "hf", to="hf")

@@ -21,11 +21,11 @@ from click.testing import CliRunner
 
 gguf = pytest.importorskip("gguf")
 
-from llama_tools import gguf_files  # noqa: E402
+from llama_tools.gguf import read as gguf_read, tensors as gguf_tensors  # noqa: E402
 from llama_tools.accounting import count_source  # noqa: E402
 from llama_tools.cli import cli  # noqa: E402
 from llama_tools.config import ModelConfig  # noqa: E402
-from llama_tools.gguf_files import GgufReader  # noqa: E402
+from llama_tools.gguf.tensors import GgufReader  # noqa: E402
 from llama_tools.weights import weight_specs  # noqa: E402
 from helpers import add_llama_hparams, finish_gguf  # noqa: E402
 
@@ -260,7 +260,7 @@ def test_reader_equals_independent_decode(block_files, kind, monkeypatch):
         return library(data, qtype)
 
     monkeypatch.setattr(gguf.quants, "dequantize", counted)
-    monkeypatch.setattr(gguf_files, "CHUNK_BYTES", 3 * 4 * CFG.hidden_size)  # chunks of 3 rows (1 for n7-wide ones)
+    monkeypatch.setattr(gguf_tensors, "CHUNK_BYTES", 3 * 4 * CFG.hidden_size)  # chunks of 3 rows (1 for n7-wide ones)
     on_disk = {t.name: t for t in gguf.GGUFReader(path).tensors}
     reader = GgufReader(path)
     for module, (name, raw, shape) in stored.items():
@@ -303,7 +303,7 @@ def test_count_params_from_headers(block_files, kind, monkeypatch):
 
     monkeypatch.setattr(gguf.quants, "dequantize", refuse)
     monkeypatch.setattr(GgufReader, "_dequantized", refuse)
-    gguf_files._open.cache_clear()  # a parse of its own, under the patches
+    gguf_read._open.cache_clear()  # a parse of its own, under the patches
     count = count_source(str(path))
     insp = count.checkpoint
     assert insp is not None and insp.ok and insp.layout == "gguf"
@@ -356,8 +356,8 @@ def test_big_endian_file_is_one_line(tmp_path):
 def assert_fields_equal_library(path: Path, parts: bool = True) -> None:
     """Our reader's fields and tensor infos equal gguf.GGUFReader's: names, order, types, data, contents (and
     every part, the library's raw slices, where `parts`)."""
-    gguf_files._open.cache_clear()
-    ours, theirs = gguf_files.open_gguf(path), gguf.GGUFReader(path)
+    gguf_read._open.cache_clear()
+    ours, theirs = gguf_read.open_gguf(path), gguf.GGUFReader(path)
     assert list(ours.fields) == list(theirs.fields)
     for name, f in theirs.fields.items():
         g = ours.fields[name]
@@ -389,7 +389,7 @@ def test_header_parse_equals_library(tmp_path):
     finish_gguf(w)
     for p in (path, tmp_path / "more.gguf"):
         assert_fields_equal_library(p)
-    assert type(gguf_files.open_gguf(tmp_path / "more.gguf").fields["tokenizer.ggml.tokens"]).__name__ == "ArrayField"
+    assert type(gguf_read.open_gguf(tmp_path / "more.gguf").fields["tokenizer.ggml.tokens"]).__name__ == "ArrayField"
 
 
 def test_vocabulary_cut_short_is_one_line(tmp_path):
@@ -427,7 +427,7 @@ def _real_types_equal_decode(path: Path, expected: set[str]) -> None:
         shape = reader.info[large.name].shape
         if len(shape) == 2:  # rows at the start, across the reader's first chunk edge, at the end
             rows, row_bytes = shape[0], large.n_bytes // shape[0]
-            edge = max(1, gguf_files.CHUNK_BYTES // (4 * shape[1]))
+            edge = max(1, gguf_tensors.CHUNK_BYTES // (4 * shape[1]))
             ranges = [(0, 2), (min(edge - 1, rows - 2), min(edge + 1, rows)), (rows - 2, rows)]
             got = reader.rows(module[large.name], ranges)
             pick = np.concatenate([np.arange(a, b) for a, b in ranges])
@@ -455,7 +455,7 @@ def test_real_count_params_beats_library_open(fixture, request):
     def best(fn, runs: int) -> float:
         times = []
         for _ in range(runs):
-            gguf_files._open.cache_clear()
+            gguf_read._open.cache_clear()
             t = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t)

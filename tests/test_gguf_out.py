@@ -24,12 +24,13 @@ from hypothesis import strategies as st
 
 gguf = pytest.importorskip("gguf")
 
-from llama_tools import gguf_write  # noqa: E402
+from llama_tools.gguf import vocabulary as gguf_vocabulary, write as gguf_write  # noqa: E402
 from llama_tools.checkpoints import read_checkpoint  # noqa: E402
 from llama_tools.config import ModelConfig, RopeScaling  # noqa: E402
 from llama_tools.convert import convert, save_checkpoint  # noqa: E402
 from llama_tools.families import FAMILIES, FULL, SLIDING  # noqa: E402
-from llama_tools.gguf_files import field_value, open_gguf, read_gguf_checkpoint, read_gguf_headers  # noqa: E402
+from llama_tools.gguf.read import field_value, open_gguf  # noqa: E402
+from llama_tools.gguf.tensors import read_gguf_checkpoint, read_gguf_headers  # noqa: E402
 from llama_tools.layouts import permute_rope_rows  # noqa: E402
 from llama_tools.source import resolve  # noqa: E402
 from llama_tools.tokenizer import GgufTokenizer, Tokenizer  # noqa: E402
@@ -149,12 +150,12 @@ def test_bfloat16_round_trip_is_bit_identical(source, tmp_path):
 
 def test_negative_a_wrong_permutation_is_seen(tmp_path, monkeypatch):
     """Negative case: rows written in HF's order under 'llama' (no llama.cpp permutation) do not read back."""
-    from llama_tools import gguf_files
+    from llama_tools.gguf import architectures as gguf_architectures
 
     cfg = family_config("llama")
     state = seeded_state(cfg)
-    monkeypatch.setitem(gguf_files.ARCHITECTURES, "llama",
-                        dataclasses.replace(gguf_files.ARCHITECTURES["llama"], rope_layout="half"))
+    monkeypatch.setitem(gguf_architectures.ARCHITECTURES, "llama",
+                        dataclasses.replace(gguf_architectures.ARCHITECTURES["llama"], rope_layout="half"))
     gguf_write.write_gguf(cfg, state, tmp_path / "m.gguf")
     monkeypatch.undo()
     got = read_gguf_checkpoint(tmp_path / "m.gguf")
@@ -225,12 +226,12 @@ def test_transformers_gguf_loader_gives_the_sources_logits(case, tmp_path):
 def test_negative_transformers_sees_unpermuted_rows(tmp_path, monkeypatch):
     """Negative case: without llama.cpp's permutation, transformers' loader (which undoes it) gives other logits."""
     transformers = pytest.importorskip("transformers")
-    from llama_tools import gguf_files
+    from llama_tools.gguf import architectures as gguf_architectures
 
     cfg = family_config("llama")
     save_checkpoint(cfg, seeded_state(cfg), tmp_path / "hf")
-    monkeypatch.setitem(gguf_files.ARCHITECTURES, "llama",
-                        dataclasses.replace(gguf_files.ARCHITECTURES["llama"], rope_layout="half"))
+    monkeypatch.setitem(gguf_architectures.ARCHITECTURES, "llama",
+                        dataclasses.replace(gguf_architectures.ARCHITECTURES["llama"], rope_layout="half"))
     convert(tmp_path / "hf", tmp_path / "m.gguf", to="gguf")
     load = transformers.AutoModelForCausalLM.from_pretrained
     with torch.no_grad():
@@ -330,7 +331,7 @@ def test_negative_another_pre_tokenizer_name_encodes_otherwise(tmp_path):
     d = tiny_with({"tokenizer.json": byte_level_tokenizer_json(llama3_pre())}, tmp_path / "src", vocab_size=420,
                   bos_token_id=0, eos_token_id=1)
     cfg = resolve(d).cfg
-    vocab, _ = gguf_write.source_vocabulary(resolve(d), cfg)
+    vocab, _ = gguf_vocabulary.source_vocabulary(resolve(d), cfg)
     assert vocab is not None and vocab.pre == "llama-bpe"
     gguf_write.write_gguf(cfg, read_checkpoint(d).state, tmp_path / "m.gguf",
                           vocabulary=dataclasses.replace(vocab, pre="gpt2"))
@@ -414,8 +415,11 @@ def test_an_existing_destination_or_the_source_itself_is_refused(tmp_path):
 
 
 def test_what_a_gguf_cannot_hold_is_one_line(tmp_path):
-    """Llama 3.1's scaling (llama.cpp's rope_freqs.weight) and a gain a family's architecture fixes: refused."""
-    for changes, word in ((dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling 'llama3'"),
+    """Llama 3's scaling with band parameters no published model has (rope_freqs.weight could not be read back as
+    them) and a gain a family's architecture fixes: refused."""
+    odd = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+    for changes, word in ((dict(rope_scaling=odd), "rope_scaling 'llama3'"),
                           (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act 'gelu_tanh'")):
         from llama_tools.config_files import config_to_hf
 
@@ -488,6 +492,9 @@ def configs(draw) -> tuple[ModelConfig, str | None]:
                      final_logit_softcap=draw(st.sampled_from([None, 30.0])))
     if family == "llama":
         extra.update(o_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()))
+    if family == "mixtral":  # written as llama.cpp's 'llama' with experts: stacked ffn_*_exps, read back as Mixtral
+        experts = draw(st.integers(1, 4))
+        extra.update(num_experts=experts, num_experts_per_tok=draw(st.integers(1, experts)))
     cfg = ModelConfig(
         name="fuzz", family=family, vocab_size=draw(st.integers(8, 64)), hidden_size=16 * heads,
         intermediate_size=draw(st.integers(1, 48)), num_hidden_layers=layers, num_attention_heads=heads,

@@ -370,13 +370,13 @@ def test_the_original_failures_in_a_real_process(case, base, tmp_path):
 def test_without_its_hooks_the_librarys_own_reader_is_caught_at_our_boundary(base, tmp_path, monkeypatch):
     """Another gguf version without the private helpers FastReader hooks: the library's own reader parses, and
     whatever it raises on a hostile file is still one line naming the file."""
-    from llama_tools import gguf_files
+    from llama_tools.gguf import read as gguf_read
 
-    monkeypatch.setattr(gguf_files, "_HOOKS", ("_a_helper_no_version_has",))
-    gguf_files._open.cache_clear()
+    monkeypatch.setattr(gguf_read, "_HOOKS", ("_a_helper_no_version_has",))
+    gguf_read._open.cache_clear()
     try:
         intact = make_intact(base, tmp_path)
-        assert type(gguf_files.open_gguf(intact)) is gguf.GGUFReader
+        assert type(gguf_read.open_gguf(intact)) is gguf.GGUFReader
         assert CliRunner().invoke(cli, ["count-params", str(intact)]).exit_code == 0
         for i, case in enumerate(("tensor_count=4611686018427387904", "kv_count=4611686018427387904",
                                   "string length general.architecture=9223372036854775808",
@@ -384,4 +384,4 @@ def test_without_its_hooks_the_librarys_own_reader_is_caught_at_our_boundary(bas
             path = make(case, base, tmp_path / f"case{i}")
             assert_refused(["count-params", str(path)], path, ("not a readable GGUF file",))
     finally:
-        gguf_files._open.cache_clear()
+        gguf_read._open.cache_clear()
