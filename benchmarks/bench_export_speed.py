@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from llama_tools.config import ModelConfig
-from llama_tools.exporters.onnx_export import TRACE_CACHE_ENV
+from llama_tools.exporters.trace import TRACE_CACHE_ENV
 from llama_tools.presets import get_preset
 
 # The plain export of this 30-layer model when issue 19 was filed (every decoder traced by torch.onnx's dynamo

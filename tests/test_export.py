@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import helpers
-from llama_tools.exporters import onnx_export
 from helpers import sharp
 from llama_tools.exporters.graph_io import io_names
 from llama_tools.exporters.onnx_export import ExportResult, export_onnx, read_metadata
@@ -337,7 +336,7 @@ def test_a_failing_export_leaves_nothing(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(onnx_export.onnx.checker, "check_model", broken)  # fails after both files are written
+    monkeypatch.setattr(onnx.checker, "check_model", broken)  # fails after both files are written
     with pytest.raises(RuntimeError, match="disk full"):
         export_onnx(TINY, tmp_path / "out.onnx", external_data_threshold_bytes=0)  # a ModelConfig
     assert os.listdir(tmp_path) == []

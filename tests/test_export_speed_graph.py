@@ -20,8 +20,9 @@ import helpers
 from helpers import sharp
 from llama_tools.convert import save_checkpoint
 from llama_tools.exporters.graph_io import io_names
-from llama_tools.exporters import onnx_export
-from llama_tools.exporters.onnx_export import STAMP_FROM, TRACE_CACHE_ENV, export_onnx
+from llama_tools.exporters import trace
+from llama_tools.exporters.onnx_export import export_onnx
+from llama_tools.exporters.trace import STAMP_FROM, TRACE_CACHE_ENV
 from llama_tools.presets import get_preset
 
 TINY = get_preset("tiny").replace(max_position_embeddings=64)
@@ -159,16 +160,16 @@ def test_a_cached_trace_gives_the_same_file_without_tracing(tmp_path, monkeypatc
     model = sharp(cfg, seed=6)
     first = export_onnx(model, tmp_path / "a" / "model.onnx").path
     [entry] = (tmp_path / "traces").iterdir()
-    traced = onnx_export._trace
+    traced = trace._trace
 
     def refuse(*args, **kwargs):
         raise AssertionError("traced again")
-    monkeypatch.setattr(onnx_export, "_trace", refuse)
+    monkeypatch.setattr(trace, "_trace", refuse)
     calls: list[str] = []
     second = export_onnx(model, tmp_path / "b" / "model.onnx", progress=lambda d, t, w: calls.append(w)).path
     assert second.read_bytes() == first.read_bytes() and "2 layers traced (cached)" in calls
     with pytest.raises(AssertionError, match="traced again"):  # another dtype: another trace
         export_onnx(model, tmp_path / "c" / "model.onnx", dtype="float16")
     entry.write_bytes(entry.read_bytes()[:100])  # a half-written entry: traced afresh, not an error
-    monkeypatch.setattr(onnx_export, "_trace", traced)
+    monkeypatch.setattr(trace, "_trace", traced)
     assert export_onnx(model, tmp_path / "d" / "model.onnx").path.read_bytes() == first.read_bytes()
