@@ -66,6 +66,67 @@ def figures(got, ref, truth, mask, dtype: str) -> dict[str, tuple[float, float]]
     return out
 
 
+def fp16_over_fp32(path: str, steps: int = 4) -> dict[str, dict[str, list[float]]]:
+    """PyTorch fp16's noise / PyTorch fp32's noise (both RMS to float64, the larger of plain and reassociated), per
+    layer and tensor, on the model's built-in text: layer by layer (each fed float64's input, as --checks layers
+    does) and through the whole graph (prefill K/V, logits, decode logits). What the fp16 fallback (compare.py
+    FP16_PER_FP32) scales fp32's noise by where PyTorch fp16 overflows."""
+    from llama_tools.exporters.by_layer import LayerReference, per_channel
+    from llama_tools.exporters.prompts import default_inputs
+
+    src = resolve(path)
+    cfg = src.cfg
+    rows = default_inputs(src, cfg.vocab_size, 256).rows
+    ids, mask = left_pad(rows)
+    valid = mask.astype(bool)
+    ref = reference_model(src, batch=len(rows), seq=ids.shape[1], steps=steps, float64_pass=True)
+    dts = {"float32": torch.float32, "float16": torch.float16}
+    f64 = lambda t: t.to(torch.float64).numpy()  # noqa: E731
+    kv = lambda a: a.transpose(0, 2, 1, 3)  # noqa: E731
+
+    def noise(dt: str, refs, truth, v=valid) -> float:
+        return judge("n", refs[0], refs, truth, v, dt).noise
+
+    out: dict[str, dict[str, list[float]]] = {"by layer": {"hidden": [], "key": [], "value": []},
+                                              "whole graph": {"key": [], "value": [], "logits": [], "decode": []}}
+    truth_side = LayerReference(ref.reader, torch.float64)
+    sides = {d: (LayerReference(ref.reader, t), LayerReference(ref.reader, t, reassociated=True))
+             for d, t in dts.items()}
+    z = truth_side.embed(ids)
+    for j in range(cfg.num_hidden_layers):
+        t = [f64(x) for x in truth_side.layer(j, z, mask)]
+        got = {d: [[f64(x) for x in side.layer(j, z.to(dts[d]), mask)] for side in sides[d]] for d in dts}
+        ratio = {}
+        for i, what in enumerate(("hidden", "key", "value")):
+            n = {}
+            for d in dts:
+                if what == "hidden":
+                    scaled = per_channel(got[d][0][0], t[0], valid, got[d][1][0])
+                    n[d] = noise(d, scaled[:2], scaled[2])
+                else:
+                    n[d] = noise(d, [kv(g[i]) for g in got[d]], kv(t[i]))
+            ratio[what] = n["float16"] / n["float32"]
+            out["by layer"][what].append(ratio[what])
+        z = truth_side.layer(j, z, mask)[0]
+        print(f"  layer {j}: fp16/fp32 noise hidden {ratio['hidden']:.0f}, K {ratio['key']:.0f}, "
+              f"V {ratio['value']:.0f}", flush=True)
+    truth = run_trace(torch_step(ref.with_dtype(torch.float64)), ids, mask, steps, None)
+    traces = {d: [run_trace(torch_step(ref.with_dtype(t, reassociated=r)), ids, mask, steps, None, truth.tokens)
+                  for r in (False, True)] for d, t in dts.items()}
+    for layer in range(cfg.num_hidden_layers):
+        for i, what in enumerate(("key", "value")):
+            n = {d: noise(d, [kv(tr.presents[layer][i]) for tr in traces[d]], kv(truth.presents[layer][i]))
+                 for d in dts}
+            out["whole graph"][what].append(n["float16"] / n["float32"])
+    n = {d: noise(d, [tr.logits for tr in traces[d]], truth.logits) for d in dts}
+    out["whole graph"]["logits"].append(n["float16"] / n["float32"])
+    if steps:
+        dv = np.ones(truth.decode.shape[:2], bool)
+        n = {d: noise(d, [tr.decode for tr in traces[d]], truth.decode, dv) for d in dts}
+        out["whole graph"]["decode"].append(n["float16"] / n["float32"])
+    return out
+
+
 def stats(xs: list[float]) -> str:
     return f"{min(xs):.2f} / {float(np.median(xs)):.2f} / {max(xs):.2f}"
 
@@ -78,7 +139,24 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,float16,bfloat16", help="of those each model is measured in")
     ap.add_argument("--builder-dir", type=Path, help="onnxruntime-genai builder output for SmolLM2 (fp32)")
     ap.add_argument("--optimum-dir", type=Path, help="optimum-cli export onnx output for SmolLM2")
+    ap.add_argument("--fp16-ratio", action="store_true",
+                    help="only PyTorch fp16's noise / fp32's per layer (smollm2, qwen2, glublm in --only)")
     args = ap.parse_args()
+    if args.fp16_ratio:
+        import realmodels
+
+        for name in args.only.split(","):
+            make = {"smollm2": realmodels.smollm2_hf, "qwen2": realmodels.qwen2_hf, "glublm": realmodels.glublm_hf,
+                    "gemma3": realmodels.gemma3_hf}.get(name)
+            if make is None:
+                continue
+            print(f"{name}: PyTorch fp16 noise / PyTorch fp32 noise (2^13 = 8192 is the unit roundoffs' ratio)")
+            for mode, tensors in fp16_over_fp32(str(make()), args.steps).items():
+                for what, xs in tensors.items():
+                    fin = [x for x in xs if np.isfinite(x)]
+                    print(f"  {mode:<12} {what:<7} min / median / max {stats(fin) if fin else '-'}"
+                          f"{f'; {len(xs) - len(fin)} not finite' if len(fin) < len(xs) else ''}", flush=True)
+        return
     print(f"machine: {platform.machine()}, {platform.processor() or '?'}; torch {torch.__version__}; CPU provider")
     print("| model | layers | dtype | graph | tensor | RMS ratio min / median / max | max-abs ratio min / median / max |")
     print("|---|---|---|---|---|---|---|")

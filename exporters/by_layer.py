@@ -37,13 +37,13 @@ import numpy as np
 from llama_tools import dtypes, files
 from llama_tools.progress import Progress, release_freed_memory, silent
 
-from .compare import DTYPE_LABEL, Budget, BudgetCheck, judge
-from .graph_io import INPUT_IDS, LOGITS, past_name, present_name
+from .compare import DTYPE_LABEL, FP16_PER_FP32, Budget, BudgetCheck, judge
+from .graph_io import INPUT_IDS, LOGITS, present_name
 from .onnx_export import export_onnx, read_metadata
 from .prompts import default_prompts, left_pad, positions
 from .emulation import emulate_bf16, is_bf16_graph
-from .runtime import (EMULATED_BF16, bf16_bits_to_float32, cuda_unusable, float32_to_bf16_bits, numpy_to_ortvalue, onnxruntime,
-                      ortvalue_to_numpy, provider_list, run_bound)
+from .runtime import (EMULATED_BF16, bf16_bits_to_float32, cuda_unusable, float32_to_bf16_bits, numpy_to_ortvalue,
+                      onnxruntime, ortvalue_to_numpy, provider_list, run_bound, window_slots, windowed_pasts)
 
 LAYER_NODE = re.compile(r"/model/layers\.(\d+)/")
 EMBEDDING, HEAD = "embedding", "head"
@@ -212,6 +212,7 @@ class BlockRunner:
         self.blocks, self.provider, self.tf32, self.row_by_row = blocks, provider, tf32, row_by_row
         self.kv_heads, self.head_dim = kv_heads, head_dim  # the graph may leave them symbolic
         self.emulated = False  # whether a block ran bf16 emulated (the CPU has no bf16 kernels)
+        self.windows = windowed_pasts(blocks.nodes, str(blocks.path))  # sliding-window pasts: at least W slots
 
     def session(self, b: Block) -> Any:
         ort = onnxruntime()
@@ -285,8 +286,10 @@ class BlockRunner:
             if name in b.inputs:
                 assert z is not None, f"{b.name} takes a hidden state"
                 x = z if name == b.inputs[0] else np.zeros_like(z)  # Z + 0 + ... is exactly Z
-            else:  # an empty past (a static buffer: zeros of its length)
+            else:  # an empty past (a static buffer: zeros of its length; a sliding-window one: of the window)
                 slots = i.shape[2] if isinstance(i.shape[2], int) else 0
+                if name in self.windows:
+                    slots = window_slots(self.windows[name], ids.shape[1])
                 x = np.zeros((ids.shape[0], self.kv_heads, slots, self.head_dim), np.float32)  # [b, kv_heads, past, n6]
             x = x.astype(np.float32)
             if getattr(sess, "bf16_emulated", False):  # what a bf16 input would hold: the value rounded to bf16
@@ -516,13 +519,23 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
     laps: dict[str, float] = {"onnxruntime": 0.0, f"PyTorch {meta.dtype}": 0.0,
                               f"PyTorch {meta.dtype} reassociated": 0.0, "PyTorch float64": 0.0}
     alt_key = f"PyTorch {meta.dtype} reassociated"
+    # fp16 only: where PyTorch fp16 overflows in a block, its noise is estimated from fp32's (compare.judge)
+    wide_sides = ((LayerReference(ref.reader, torch.float32), LayerReference(ref.reader, torch.float32,
+                                                                            reassociated=True))
+                  if meta.dtype == dtypes.FLOAT16.name else ())
+    wide_key = "PyTorch float32 (where fp16 overflows)"
 
     def timed(key: str, fn: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()
         try:
             return fn()
         finally:
-            laps[key] += time.perf_counter() - t0
+            laps[key] = laps.get(key, 0.0) + time.perf_counter() - t0
+
+    def once(fn: Callable[[], Any]) -> Callable[[], Any]:
+        """fn, run at its first call only (a block's fp32 pass, shared by its checks)."""
+        memo: list[Any] = []
+        return lambda: memo[0] if memo else memo.append(fn()) or memo[0]
 
     results: list[BlockResult] = []
     n8 = cfg.num_hidden_layers
@@ -547,13 +560,18 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
         t_z, t_k, t_v = timed("PyTorch float64", lambda: truth_side.layer(j, z, mask))
         assert b.presents is not None, "a layer block outputs its K and V"
         gk, gv = got[b.presents[0]][..., k_order], got[b.presents[1]]
-        g_z, r_z64, a_z64, t_z64 = per_channel(hidden(got, b), f64(t_z), valid, f64(r_z), f64(a_z))
-        checks = [judge(f"layer {j} hidden Z^{j + 1}", g_z, (r_z64, a_z64), t_z64, valid, meta.dtype, budget)]
-        for what, g, r, a, t in (("key", gk, r_k, a_k, t_k), ("value", gv, r_v, a_v, t_v)):
+        t_z64_raw = f64(t_z)
+        g_z, r_z64, a_z64, t_z64 = per_channel(hidden(got, b), t_z64_raw, valid, f64(r_z), f64(a_z))
+        wide = once(lambda: [timed(wide_key, lambda: w.layer(j, z.to(torch.float32), mask)) for w in wide_sides])
+        fb = (lambda: [per_channel(f64(w[0]), t_z64_raw, valid)[0] for w in wide()]) if wide_sides else None
+        checks = [judge(f"layer {j} hidden Z^{j + 1}", g_z, (r_z64, a_z64), t_z64, valid, meta.dtype, budget,
+                        fallback=fb, peak=float(np.abs(t_z64_raw[valid]).max()) if valid.any() else 0.0)]
+        for i, (what, g, r, a, t) in enumerate((("key", gk, r_k, a_k, t_k), ("value", gv, r_v, a_v, t_v)), 1):
             # [batch, kv_heads, seq, n6] -> [batch, seq, kv_heads, n6]: positions on axis 1 for the mask
             kv = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+            fb = (lambda i=i: [kv(f64(w[i])) for w in wide()]) if wide_sides else None
             checks.append(judge(f"present.{j}.{what}", kv(g), (kv(f64(r)), kv(f64(a))), kv(f64(t)), valid,
-                                meta.dtype, budget))
+                                meta.dtype, budget, fallback=fb))
         results.append(BlockResult(b.name, j, checks))
         z = t_z
         progress(j + 1, n8, "layer by layer")
@@ -564,8 +582,10 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
     r_l = timed(f"PyTorch {meta.dtype}", lambda: noise_side.head(z_in))
     a_l = timed(alt_key, lambda: alt_side.head(z_in))
     t_l = timed("PyTorch float64", lambda: truth_side.head(z))
+    fb = (lambda: [graph_in(timed(wide_key, lambda: w.head(z.to(torch.float32)))) for w in wide_sides]
+          ) if wide_sides else None
     results.append(BlockResult(HEAD, None, [judge("logits (from Z^n8)", got[LOGITS], (graph_in(r_l), graph_in(a_l)),
-                                                  f64(t_l), valid, meta.dtype, budget, logits=True)]))
+                                                  f64(t_l), valid, meta.dtype, budget, logits=True, fallback=fb)]))
     label = DTYPE_LABEL.get(meta.dtype, meta.dtype)
     notes = [f"each block fed PyTorch float64's own input to it (in {label}); error = RMS |onnxruntime - float64|, "
              f"noise = the larger RMS |PyTorch {label} - float64| of two correct implementations (PyTorch's, and "
@@ -579,6 +599,11 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
         notes.append(tf32_note)
     if runner.emulated:
         notes.append(EMULATED_BF16)
+    estimated = [c.name for c in (c for r in results for c in r.checks) if c.estimate]
+    if estimated:
+        notes.append(f"PyTorch fp16 overflows (NaN/Inf where float64 is finite) in {len(estimated)} check(s) from "
+                     f"{estimated[0]} on: their noise is PyTorch fp32's x {FP16_PER_FP32:g} (the smallest fp16/fp32 "
+                     f"noise ratio measured where fp16 is finite)")
     graph = io.producer if io is not None else f"llama-tools {meta.graph}"
     return ByLayerReport(str(onnx_path), target.source.label, run_on, meta.dtype, graph, [len(p) for p in prompts],
                          budget, results, time.perf_counter() - start, notes, laps)

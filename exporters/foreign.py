@@ -14,7 +14,6 @@ one row at a time (`RowByRow`) and its cache put back in the padded layout the c
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -23,13 +23,12 @@ from typing import Any, Callable
 import numpy as np
 
 from llama_tools import dtypes, files
-from llama_tools.config import ModelConfig
 from llama_tools.progress import Progress, silent
 from llama_tools.rope_layouts import HALF, INTERLEAVED
 from llama_tools.source import ModelSource, resolve
 from llama_tools.tokenizer import check_vocab
 
-from .compare import BUDGET, DTYPE_LABEL, BudgetCheck, Budget, DecodeCheck, judge, margin
+from .compare import BUDGET, DTYPE_LABEL, FP16_PER_FP32, BudgetCheck, Budget, DecodeCheck, judge, margin
 from .foreign import GraphIO, check_matches, describe_graph, foreign_lm
 from .graph_meta import has_our_metadata, is_int4  # noqa: F401  (verdict, by_layer, quantize import them from here)
 from .onnx_export import ExportMetadata, export_onnx, read_metadata
@@ -278,20 +277,37 @@ def _verify(onnx_path: Path, target: ParityTarget, prompts: list[list[int]] | No
                     "onnxruntime")
     clock.lap("onnxruntime")
 
+    wide: list[Trace] = []  # fp16 only: PyTorch fp32, run where PyTorch fp16 overflows (compare.judge's fallback)
+
+    def widened() -> list[Trace]:
+        if not wide:
+            t0 = time.perf_counter()
+            for again in (False, True):
+                wide.append(run_trace(torch_step(ref_model.with_dtype(torch.float32, reassociated=again)), ids, mask,
+                                      steps, None, truth.tokens, progress, "PyTorch float32 (where fp16 overflows)"))
+            clock.laps["PyTorch float32 (where fp16 overflows)"] = time.perf_counter() - t0
+            clock.last = time.perf_counter()
+        return wide
+
+    def fallback(pick: Callable[[Trace], np.ndarray]) -> Callable[[], list[np.ndarray]] | None:
+        return (lambda: [pick(w) for w in widened()]) if meta.dtype == dtypes.FLOAT16.name else None
+
     checks = [judge("logits", got.logits, (ref.logits, alt.logits), truth.logits, valid, meta.dtype, budget,
-                    logits=True)]
+                    logits=True, fallback=fallback(lambda w: w.logits))]
     first_bad_layer = None
     kv = lambda a: a.transpose(0, 2, 1, 3)  # noqa: E731  [batch, kv_heads, seq, n6] -> [batch, seq, kv_heads, n6]
     for i, ((gk, gv), (rk, rv), (ak, av), (tk, tv)) in enumerate(zip(got.presents, ref.presents, alt.presents,
                                                                      truth.presents)):
-        for what, g, r, a, t in (("key", gk[..., k_order], rk, ak, tk), ("value", gv, rv, av, tv)):
-            c = judge(f"present.{i}.{what}", kv(g), (kv(r), kv(a)), kv(t), valid, meta.dtype, budget)
+        for w, (what, g, r, a, t) in enumerate((("key", gk[..., k_order], rk, ak, tk), ("value", gv, rv, av, tv))):
+            c = judge(f"present.{i}.{what}", kv(g), (kv(r), kv(a)), kv(t), valid, meta.dtype, budget,
+                      fallback=fallback(lambda tr, i=i, w=w: kv(tr.presents[i][w])))
             checks.append(c)
             if not c.passed and first_bad_layer is None:
                 first_bad_layer = i
     if steps:
         checks.append(judge("decode logits", got.decode, (ref.decode, alt.decode), truth.decode,
-                            np.ones(got.decode.shape[:2], bool), meta.dtype, budget, logits=True))
+                            np.ones(got.decode.shape[:2], bool), meta.dtype, budget, logits=True,
+                            fallback=fallback(lambda tr: tr.decode)))
     decode = _greedy(got, truth, checks[0].tie, checks[-1].tie)
     clock.lap("compare")
     label = DTYPE_LABEL.get(meta.dtype, meta.dtype)
@@ -301,6 +317,11 @@ def _verify(onnx_path: Path, target: ParityTarget, prompts: list[list[int]] | No
              f"{meta.dtype} at the tensor's RMS, cosine >= {budget.min_cosine}"]
     if tf32_note:
         notes.append(tf32_note)
+    estimated = [c.name for c in checks if c.estimate]
+    if estimated:
+        notes.append(f"PyTorch fp16 overflows (NaN/Inf where float64 is finite) in {len(estimated)} check(s) from "
+                     f"{estimated[0]} on: their noise is PyTorch fp32's x {FP16_PER_FP32:g} (the smallest fp16/fp32 "
+                     f"noise ratio measured where fp16 is finite)")
     if target.foreign is not None:
         io = target.foreign
         notes.append(f"a {io.producer} graph: inputs and outputs read from it (cache {io.past} -> {io.present}"

@@ -287,6 +287,52 @@ def create_session(path: str | Path, provider: str = "auto", *, tf32: bool = Fal
     return Session(sess, "cpu", f"CPU provider: {why}{_emulated(sess, path)}", _options(sess, "cpu"), path)
 
 
+# --- Sliding-window KV buffers ------------------------------------------------------------------------------
+
+# The largest local_window_size we allocate a buffer for (positions): real models slide 512 (Gemma 3) to 32768
+# (Qwen2); a file asking for more is refused before any buffer is made.
+MAX_WINDOW = 1 << 18
+
+
+def windowed_pasts(nodes: Any, where: str = "the graph") -> dict[str, int]:
+    """Past K/V inputs a GroupQueryAttention reads as a sliding-window cache -> its local_window_size.
+
+    onnxruntime-genai's builder marks a sliding layer's GQA `sliding_window_cache=1` with `local_window_size` W:
+    onnxruntime (1.32) then refuses a past buffer of fewer than W slots ("KV cache capacity (0) must be at least
+    local_window_size"). genai feeds it a static buffer (past_present_share_buffer) and seqlens_k /
+    total_sequence_length say how many slots hold keys; OnnxLM and by_layer feed such pasts the same way.
+    """
+    out: dict[str, int] = {}
+    for n in nodes:
+        if n.op_type != "GroupQueryAttention":
+            continue
+        attrs = {a.name: a.i for a in n.attribute if a.name in ("local_window_size", "sliding_window_cache")}
+        window = attrs.get("local_window_size", -1)
+        if window <= 0 or not attrs.get("sliding_window_cache", 0) or len(n.input) < 5:
+            continue
+        if window > MAX_WINDOW:
+            raise ValueError(f"{where}: {n.name or 'a GroupQueryAttention node'} has local_window_size {window}, "
+                             f"over the {MAX_WINDOW} positions verify parity allocates a window for; is the file "
+                             f"damaged?")
+        out.update({x: window for x in n.input[3:5] if x})
+    return out
+
+
+def window_slots(window: int, total: int) -> int:
+    """Slots of a sliding-window buffer for `total` positions: the window (onnxruntime's minimum), or all of
+    them, so that no key is evicted and every slot i holds position i, as the reference's cache does."""
+    return max(window, total)
+
+
+def _graph_windows(path: str) -> dict[str, int]:
+    """windowed_pasts of the graph at `path`, read without its weights; {} for a session not made from a file."""
+    if not path or not Path(path).is_file():
+        return {}
+    import onnx
+
+    return windowed_pasts(onnx.load(path, load_external_data=False).graph.node, path)
+
+
 # --- The LM step -------------------------------------------------------------------------------------------
 
 HostCache = list[tuple[np.ndarray, np.ndarray]]  # per layer (K, V): [batch, kv_heads, past, n6]
@@ -367,6 +413,9 @@ class OnnxLM:
         self.io = "device" if self.onnx_type == "tensor(bfloat16)" else io
         self.device = getattr(session, "device", "cpu") if self.io == "device" else "cpu"
         self.device_id = int(getattr(session, "options", {}).get("device_id", 0))
+        # Layers whose GQA reads a sliding-window buffer: layer -> window (fed max(window, positions) slots).
+        windows = _graph_windows(getattr(session, "path", ""))
+        self.windows = {i: windows[past(i, "key")] for i in range(num_layers) if past(i, "key") in windows}
 
     def empty_cache(self, batch: int) -> Cache:
         """Past length 0, for the prefill: numpy arrays, or OrtValues on the device (zero-filled static buffers)."""
@@ -397,8 +446,10 @@ class OnnxLM:
         small = {k: np.ascontiguousarray(v, dtype=_numpy(self.input_types[k]))
                  for k, v in small.items() if k in self.input_names}
         try:
+            if self.windows:
+                past = self._with_room(past, attention_mask.shape[1], attention_mask.shape[1] - input_ids.shape[1])
             out = self._run_numpy(small, past) if self.io == "numpy" else self._run_bound(small, past)
-            if self.static_length is not None:
+            if self.static_length is not None or self.windows:  # cut the buffers to the slots written
                 out.filled = attention_mask.shape[1]
             return out
         except DeviceOutOfMemory:
@@ -412,6 +463,26 @@ class OnnxLM:
                 raise ValueError(f"{self.session.path or 'the ONNX model'}: onnxruntime cannot run it: "
                                  f"{re.sub(r'^.*?Status Message: ', '', _first_line(e))}") from None
             raise
+
+    def _with_room(self, past: Cache, total: int, filled: int) -> Cache:
+        """`past` with each sliding-window layer's buffer at least window_slots(window, total) long: a zero buffer
+        holding the `filled` slots written so far where it is shorter (the empty cache, or a decode past the end)."""
+        device = isinstance(past, DeviceCache)
+        pairs = list(past.values if device else past)
+        for i, window in self.windows.items():
+            slots = window_slots(window, total)
+            grown = []
+            for t in pairs[i]:
+                have = t.shape()[2] if device else t.shape[2]
+                if have >= slots:
+                    grown.append(t)
+                    continue
+                host = ortvalue_to_numpy(t) if device else t  # [batch, kv_heads, have, n6]
+                buf = np.zeros((*host.shape[:2], slots, host.shape[3]), self.cache_dtype)
+                buf[:, :, :filled] = host[:, :, :filled]  # zeros after: unwritten slots are read (and masked)
+                grown.append(numpy_to_ortvalue(buf, self.onnx_type, self.device, self.device_id) if device else buf)
+            pairs[i] = (grown[0], grown[1])
+        return DeviceCache(pairs) if device else pairs
 
     def _run_numpy(self, feed: dict[str, np.ndarray], past: Cache) -> StepOutput:
         host = past.to_numpy() if isinstance(past, DeviceCache) else past

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from llama_tools.exporters.compare import BUDGET, EPS, Budget, judge
+from llama_tools.exporters.compare import BUDGET, EPS, FP16_PER_FP32, Budget, judge
 from llama_tools.model import RMSNorm, wide
 
 B = Budget(multiple=4.0, floor_ulps=1.0, min_cosine=0.9)
@@ -57,6 +57,52 @@ def test_a_reference_that_overflows_says_so():
     c = judge("x", got, ref, t, np.ones((1, 4), bool), "float16", B)
     assert not c.passed and "overflows" in c.verdict and "over budget" not in c.verdict, c.verdict
     assert judge("x", got, three(1e-4, 1e-4)[1], t, np.ones((1, 4), bool), "float16", B).passed
+
+
+def test_fp16_overflow_falls_back_to_fp32_noise_scaled():
+    """Where PyTorch fp16 overflows and float64 does not, the noise is PyTorch fp32's x FP16_PER_FP32 (asked for
+    only then) and the figures say so; a graph within that budget passes, one past it fails, one whose own output
+    overflows fails naming it, and fp32 overflowing too leaves the overflow's FAIL."""
+    valid = np.ones((1, 4), bool)
+    _, ref, t = three(0.0, 1e-4)
+    ref[0, 0, 0] = np.inf  # PyTorch fp16 overflowed here
+    wide32 = [t + 1e-7, t - 2e-7]  # PyTorch fp32, plain and reassociated: RMS noises 1e-7, 2e-7
+    asked = []
+
+    def fallback():
+        asked.append(1)
+        return wide32
+    noise = FP16_PER_FP32 * 2e-7  # the larger fp32 noise, scaled
+    c = judge("x", t + 0.5 * noise, ref, t, valid, "float16", B, fallback=fallback)
+    assert asked and c.passed and c.noise == pytest.approx(noise) and c.ratio == pytest.approx(0.5)
+    assert c.noises == pytest.approx((FP16_PER_FP32 * 1e-7, noise)) and c.estimate.startswith("PyTorch fp16 overflows")
+    shown = f"onnxruntime {0.5 * noise:.2g}, PyTorch fp16 overflows: fp32 x {FP16_PER_FP32:g} {noise:.2g} (0.5x"
+    assert c.figures().startswith(shown), c.figures()
+    far = judge("x", t + 10 * noise, ref, t, valid, "float16", B, fallback=fallback)  # past 4x + the floor
+    assert not far.passed and far.verdict == "FAIL: error over budget" and far.estimate
+    inf = t + 0.5 * noise
+    inf[0, 1, 2] = np.inf
+    own = judge("x", inf, ref, t, valid, "float16", B, fallback=fallback)
+    assert not own.passed and "1 NaN/Inf in the graph's output (it overflows)" in own.verdict
+    both = judge("x", t, ref, t, valid, "float16", B, fallback=lambda: [ref])  # fp32 overflowing too
+    assert not both.passed and "overflows (NaN/Inf) where float64 is finite" in both.verdict and not both.estimate
+    asked.clear()  # a finite fp16 reference is measured, never estimated: the fallback is not even run
+    c = judge("x", t, three(0.0, 1e-4)[1], t, valid, "float16", B, fallback=fallback)
+    assert not asked and not c.estimate and c.noise == pytest.approx(1e-4)
+
+
+def test_values_past_fp16s_range_fail_naming_it():
+    """float64 itself past 65504 (Gemma 3's residual stream at layer 8): no fp16 graph can hold it, the FAIL says so
+    and no fallback estimate is made; 60000 fits and is judged as usual."""
+    valid = np.ones((1, 4), bool)
+    t = np.full((1, 4, 8), 60000.0)
+    assert judge("x", t, t, t, valid, "float16", B).passed
+    t[0, 1, 3] = 68398.0
+    got, ref = t.copy(), t.copy()
+    ref[0, 1, 3] = got[0, 1, 3] = np.inf
+    c = judge("x", got, ref, t, valid, "float16", B, fallback=lambda: [t])
+    assert not c.passed and not c.estimate and "float64 reaches 68,398, past fp16's largest 65,504" in c.verdict
+    assert judge("x", t, t, t, valid, "float32", B).passed  # fp32 holds it
 
 
 def test_floor_for_exact_tensors():

@@ -7,6 +7,8 @@ built-in text through its tokenizer, the layer-local check, and the whole graph 
 0.5B model's 2.5 GB run by layers only). A fault is one matrix x1.001 in a middle layer, the RoPE base off by 1%,
 or two KV heads swapped: the verdict must FAIL and name that layer (the RoPE base, which every layer uses: layer 0).
 `benchmarks/bench_corpus.py` runs the full matrix (fused, fp16 and builder graphs, five seeds of random ids).
+Gemma 3 270M: onnxruntime-genai's builder graph (sliding-window KV buffers) gets a real verdict, and its fp16
+export FAILs where the model's own numbers leave fp16's range.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ _spec = importlib.util.spec_from_file_location("bench_faults", ROOT / "benchmark
 bf = importlib.util.module_from_spec(_spec)
 sys.modules["bench_faults"] = bf
 _spec.loader.exec_module(bf)
+_spec = importlib.util.spec_from_file_location("bench_corpus", ROOT / "benchmarks" / "bench_corpus.py")
+bc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bc)
 
 pytestmark = pytest.mark.slow
 MODELS = ["glublm_hf", "smollm2_hf", "qwen2_hf"]
@@ -136,3 +141,86 @@ def test_gemma3_gguf_default_verdict_and_a_fault_named(gemma3_gguf, tmp_path):
     finally:
         faulted.unlink()
     assert not v.passed and v.first_bad == "layer 9", v.first_bad
+
+
+@pytest.fixture(scope="module")
+def gemma3_builder(tmp_path_factory):
+    """(Gemma 3 270M's checkpoint, onnxruntime-genai's builder fp32 graph of it): sliding layers' GQA with
+    local_window_size 512 reading a sliding-window KV buffer (sliding_window_cache=1)."""
+    import realmodels
+    from conftest import _real_model
+
+    pytest.importorskip("onnxruntime_genai")
+    hf = Path(_real_model(realmodels.gemma3_hf))
+    root = tmp_path_factory.mktemp("gemma3-builder")
+    bf.builder(hf, root / "builder", root / "input")
+    return hf, root / "builder" / "model.onnx"
+
+
+def _short(graph: Path, source: Path, mode: str):
+    """The verdict on the first two built-in texts (prose, 40 and 32 tokens), 2 decode steps: the time stays low."""
+    from llama_tools.exporters.prompts import Inputs
+
+    target = resolve_target(str(graph), str(source))
+    inputs = parity_inputs(target, None, 2)
+    return verify(target, Inputs(inputs.rows[:2], inputs.what), mode=mode, provider="cpu", steps=2)
+
+
+def test_builder_gemma3_graph_gets_a_real_verdict(gemma3_builder):
+    """onnxruntime 1.32 refused the builder's sliding layers (a past of 0 slots under a window of 512); fed a zero
+    buffer of max(window, positions) slots as onnxruntime-genai feeds it, every layer and the logits pass, and the
+    embedding FAILs: the builder multiplies it by round(sqrt(640), 2) = 25.3, not sqrt(640) = 25.2982 (7.0e-5
+    relative, some 2,500 times fp32's rounding). With that one constant set to fp32 sqrt(640) the graph PASSes the
+    layer-local and whole-graph checks; a down_proj x1.001 planted in layer 9 of it FAILs there."""
+    hf, graph = gemma3_builder
+    scale = bc.embed_scale_of(graph)
+    assert scale == pytest.approx(25.3) and abs(scale / 640 ** 0.5 - 1) == pytest.approx(7.03e-5, rel=1e-2)
+    v = _short(graph, hf, "layers")
+    bad = [b for b in v.by_layer.blocks if not b.passed]
+    assert not v.passed and v.first_bad == "the embedding" and [b.name for b in bad] == ["embedding"], v.first_bad
+    emb = bad[0].checks[0]  # Z^0 = 25.3 x the row where float64 has sqrt(640) x it: error / RMS = the constants'
+    assert emb.error / emb.scale == pytest.approx(abs(scale / 640 ** 0.5 - 1), rel=0.02), emb.figures()
+
+    exact = bc.builder_exact_scale(graph, 640)
+    v = _short(exact, hf, "both")
+    assert v.passed, (v.first_bad, [c.figures() for r in (v.by_layer, v.whole) for c in r.checks if not c.passed])
+    assert v.whole.graph == "onnxruntime-genai builder" and v.whole.decode.agreed == 2
+    worst = max(c.ratio for r in (v.by_layer, v.whole) for c in r.checks if c.noise > 0)
+    assert worst < 4, worst  # correct kernels: within a few times rounding
+
+    cfg = resolve(str(hf)).cfg
+    faulted = bf.plant(exact, "scale", cfg, 9)
+    try:
+        v = _short(faulted, hf, "layers")
+    finally:
+        faulted.unlink()
+    assert not v.passed and v.first_bad == "layer 9", v.first_bad
+
+
+@pytest.fixture(scope="module")
+def gemma3_fp16(tmp_path_factory):
+    """(Gemma 3 270M's checkpoint, its fp16 plain export): PyTorch fp16 overflows from layer 7 on the built-in text
+    (its norms square a residual stream past 65504); onnxruntime's fp16 kernels accumulate in fp32 and do not."""
+    import realmodels
+    from conftest import _real_model
+
+    hf = Path(_real_model(realmodels.gemma3_hf))
+    out = tmp_path_factory.mktemp("gemma3-fp16") / "model.onnx"
+    export_onnx(str(hf), out, dtype="float16")
+    return hf, out
+
+
+def test_gemma3_fp16_fails_where_its_numbers_pass_fp16s_range(gemma3_fp16):
+    """Gemma 3's own residual stream (float64) reaches 68,398 at layer 8's input on the built-in text, past fp16's
+    65,504: no fp16 graph can hold layer 7's output, so the layer-local verdict FAILs there naming the range (not an
+    error budget, and no fp32-scaled noise estimate); the layers before it are judged by measured fp16 noise and
+    pass."""
+    hf, graph = gemma3_fp16
+    v = _short(graph, hf, "layers")
+    assert not v.passed and v.first_bad == "layer 7", v.first_bad
+    bad = next(b for b in v.by_layer.blocks if not b.passed)
+    hidden = bad.checks[0]
+    assert hidden.peak > 65504 and "past fp16's largest 65,504" in hidden.verdict and not hidden.estimate, \
+        hidden.verdict
+    early = [b for b in v.by_layer.blocks if b.layer is not None and b.layer < 7]
+    assert len(early) == 7 and all(b.passed and not any(c.estimate for c in b.checks) for b in early)

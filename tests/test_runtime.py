@@ -331,3 +331,101 @@ def test_onnxruntime_refusing_to_run_is_one_line():
                             "must be at least local_window_size (512).")
     with pytest.raises(DeviceOutOfMemory):
         run_bound(Refuses("Failed to allocate memory for requested buffer of size 1048576"), None, "g")
+
+
+# --- Sliding-window KV buffers (onnxruntime-genai's builder, Gemma 3) --------------------------------------
+
+SW = dict(vocab=40, width=24, heads=2, kv_heads=1, n6=16)  # a one-layer GQA toy
+
+
+def sliding_toy(path, window: int, sliding_cache: int = 1) -> dict[str, np.ndarray]:
+    """input_ids -> embedding -> Q, K, V -> GroupQueryAttention(local_window_size=window, sliding_window_cache)
+    -> logits, with the builder's I/O; returns its weights for the numpy truth."""
+    rng = np.random.default_rng(3)
+    w = {"emb": rng.standard_normal((SW["vocab"], SW["width"])), "wq": rng.standard_normal((SW["width"], 32)) * 0.4,
+         "wk": rng.standard_normal((SW["width"], 16)) * 0.4, "wv": rng.standard_normal((SW["width"], 16)),
+         "wo": rng.standard_normal((32, SW["vocab"]))}
+    w = {k: v.astype(np.float32) for k, v in w.items()}
+    f, i64, i32 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT32
+    inputs = [helper.make_tensor_value_info("input_ids", i64, ["b", "s"]),
+              helper.make_tensor_value_info("attention_mask", i64, ["b", "t"]),
+              *(helper.make_tensor_value_info(f"past_key_values.0.{kv}", f, ["b", 1, "past_sliding_length", 16])
+                for kv in ("key", "value"))]
+    outputs = [helper.make_tensor_value_info("logits", f, ["b", "s", SW["vocab"]]),
+               *(helper.make_tensor_value_info(f"present.0.{kv}", f, ["b", 1, "total_sliding_length", 16])
+                 for kv in ("key", "value"))]
+    n = helper.make_node
+    nodes = [n("Gather", ["emb", "input_ids"], ["x"]), n("MatMul", ["x", "wq"], ["q"]),
+             n("MatMul", ["x", "wk"], ["k"]), n("MatMul", ["x", "wv"], ["v"]),
+             # the lengths from the mask, as the builder computes them
+             n("ReduceSum", ["attention_mask", "one"], ["len"], keepdims=0), n("Sub", ["len", "one"], ["len1"]),
+             n("Cast", ["len1"], ["seqlens_k"], to=i32), n("Shape", ["attention_mask"], ["shape"]),
+             n("Gather", ["shape", "one_s"], ["total"]), n("Cast", ["total"], ["total_sequence_length"], to=i32),
+             n("GroupQueryAttention", ["q", "k", "v", "past_key_values.0.key", "past_key_values.0.value", "seqlens_k",
+                                       "total_sequence_length"], ["attn", "present.0.key", "present.0.value"],
+               domain="com.microsoft", num_heads=2, kv_num_heads=1, local_window_size=window,
+               sliding_window_cache=sliding_cache),
+             n("MatMul", ["attn", "wo"], ["logits"])]
+    inits = [helper.make_tensor(k, f, v.shape, v.flatten()) for k, v in w.items()]
+    inits += [helper.make_tensor("one", i64, [1], [1]), helper.make_tensor("one_s", i64, [], [1])]
+    model = helper.make_model(helper.make_graph(nodes, "sliding_toy", inputs, outputs, inits),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return w
+
+
+def sliding_truth(w: dict[str, np.ndarray], ids: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """float64 logits [batch, seq, vocab] and K [batch, 1, seq, 16]: position p attends to keys p - window < j <= p."""
+    x = w["emb"].astype(np.float64)[ids]  # [b, s, width]
+    q = (x @ w["wq"]).reshape(*ids.shape, 2, 16)
+    k, v = x @ w["wk"], x @ w["wv"]  # [b, s, 16]: one KV head for both query heads
+    s = ids.shape[1]
+    pos = np.arange(s)
+    allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # [query, key]
+    scores = np.einsum("bqhd,bkd->bhqk", q, k) / 4.0  # 1 / sqrt(16)
+    scores = np.where(allowed, scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("bhqk,bkd->bqhd", p, v).reshape(*ids.shape, 32)
+    return out @ w["wo"], k[:, None]
+
+
+@pytest.mark.parametrize("io", ["numpy", "device"])
+@pytest.mark.parametrize("prompt", [3, 7])  # within the window of 5, and past it (a buffer of 7 slots, not 5)
+def test_sliding_window_cache_graph_runs_and_matches_the_truth(tmp_path, io, prompt):
+    """A GQA node that reads its past as a sliding-window buffer gets max(window, positions) zero slots, and the
+    buffer grows (its written slots kept) as decode passes it: prefill and every step match the float64 truth."""
+    window = 5
+    w = sliding_toy(tmp_path / "toy.onnx", window)
+    toy = runtime.OnnxLM(runtime.create_session(tmp_path / "toy.onnx", "cpu"), 1, 1, 16, io=io)
+    assert toy.windows == {0: window}
+    ids = np.random.default_rng(0).integers(0, SW["vocab"], size=(2, prompt + 4))  # [2, prompt + 4 steps]
+    want, k = sliding_truth(w, ids, window)
+    out = toy(ids[:, :prompt], np.ones((2, prompt), np.int64), np.tile(np.arange(prompt), (2, 1)), toy.empty_cache(2))
+    got = [out.logits]
+    for t in range(prompt, ids.shape[1]):
+        out = toy(ids[:, t:t + 1], np.ones((2, t + 1), np.int64), np.full((2, 1), t), out.cache)
+        got.append(out.logits)
+    np.testing.assert_allclose(np.concatenate(got, axis=1), want, rtol=1e-4, atol=1e-4)
+    assert out.presents[0][0].shape == (2, 1, ids.shape[1], 16)  # cut to the slots written
+    np.testing.assert_allclose(out.presents[0][0], k, rtol=1e-5, atol=1e-5)
+    full = np.concatenate(got, axis=1)
+    causal, _ = sliding_truth(w, ids, 10 ** 6)  # the same toy with no window: the window really masks keys
+    assert prompt + 4 <= window or not np.allclose(full, causal, rtol=1e-3, atol=1e-3)
+
+
+def test_sliding_window_cache_refusals(tmp_path):
+    """Fed as before (a past of 0 slots) onnxruntime refuses the node; a file asking for a window over MAX_WINDOW
+    is refused before any buffer is made; a GQA without sliding_window_cache keeps its growing past."""
+    sliding_toy(tmp_path / "toy.onnx", 5)
+    sess = runtime.create_session(tmp_path / "toy.onnx", "cpu").session
+    empty = np.zeros((1, 1, 0, 16), np.float32)
+    with pytest.raises(Exception, match="capacity"):
+        sess.run(None, {"input_ids": np.zeros((1, 2), np.int64), "attention_mask": np.ones((1, 2), np.int64),
+                        "past_key_values.0.key": empty, "past_key_values.0.value": empty})
+    sliding_toy(tmp_path / "huge.onnx", runtime.MAX_WINDOW + 1)
+    with pytest.raises(ValueError, match=r"huge.onnx: .*local_window_size 262145, over the 262144 positions"):
+        runtime.OnnxLM(runtime.create_session(tmp_path / "huge.onnx", "cpu"), 1, 1, 16)
+    sliding_toy(tmp_path / "plain.onnx", 5, sliding_cache=0)
+    assert runtime.OnnxLM(runtime.create_session(tmp_path / "plain.onnx", "cpu"), 1, 1, 16).windows == {}
