@@ -1,168 +1,349 @@
-"""int4 variants of a real trained model: size, quality on real text, and whether it still says "Paris".
+"""Our default int4 against onnxruntime-genai's builder int4, on real trained models: size, decode speed, quality.
 
-Each variant is `llama-tools export onnx HF_DIR --quantize int4 [options]` (the fused graph, then onnxruntime's
-MatMulNBits quantizer), scored by the export's own quality line (KL and top-1 against the full-precision model on
-its built-in text) and by `verify int4 --text` on a second, held-out paragraph (perplexity vs PyTorch fp32).
+    python benchmarks/bench_int4.py [--only smollm2|qwen2.5-coder-0.5b|gemma3] [--rounds 7] [--threads 1]
+                                    [--hqq] [--variants] [--keep DIR]
 
-    python benchmarks/bench_int4.py [HF_DIR] [--builder]   # default: the tests' SmolLM2-135M-Instruct
-                                                            # (tests/realmodels.py); --builder adds its int4 row,
-                                                            # --builder-only runs that row alone
+For each model (tests/realmodels.py: SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct, Gemma 3 270M), three
+graphs, each made by its own command in a fresh process:
+
+    ours, default        llama-tools export onnx HF -o OUT --quantize int4          (the default quality target)
+    ours, all int4       llama-tools export onnx HF -o OUT --quantize int4 --max-kl none
+    builder int4         python -m onnxruntime_genai.models.builder -i HF -o OUT -p int4 -e cpu   (its defaults)
+
+and for each: the file's bytes; decode ms/token through onnxruntime-genai's own loop (64 prompt tokens, 64 greedy
+steps, the median step; the graphs run in alternating order, --rounds times, the median round; every
+genai_config.json gets the same intra_op_num_threads); mean KL(fp32 || int4) and top-1 over the held-out text
+below (in no calibration or quality text of ours), and its perplexity, against PyTorch fp32 of the same
+checkpoint; the built-in prompts' 16 greedy tokens against PyTorch fp32's; `verify int4` (its default sequence,
+and on the held-out text); the export's peak RSS (its own high-water mark, the command's JSON) against
+max(1 GB, 0.5x the fp32 weights). Ratios are to the builder's row. The goal column holds our default to:
+answers kept on every prompt, KL <= 0.5x the builder's, bytes <= 1.3x, decode <= 1.1x, verify FAITHFUL.
+--hqq adds `--int4-algorithm hqq` (every matrix HQQ); --variants the older block-size/asymmetric rows.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-TEXT = ("Paris is the capital and largest city of France. With an estimated population of over two million "
-        "residents, it is the centre of the Paris Region. The city is a major railway, highway, and air-transport "
-        "hub served by two international airports. The Louvre is the most-visited art museum in the world.")
-VARIANTS = {
-    "symmetric, block 32 (default)": [],
-    "asymmetric, block 32": ["--int4-asymmetric"],
-    "symmetric, block 16": ["--int4-block-size", "16"],
-    "symmetric, block 64": ["--int4-block-size", "64"],
-    "symmetric, block 32, lm_head kept fp32": ["--int4-keep", "/lm_head/MatMul"],
-    "HQQ, block 32": ["--int4-algorithm", "hqq"],
-    "HQQ, block 64": ["--int4-algorithm", "hqq", "--int4-block-size", "64"],
-}
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+# Held out: in none of exporters/prompts.PASSAGES (calibration) nor quantize.QUALITY_TEXT (the export's check).
+HELD_OUT = (
+    "The Amazon is the largest rainforest on Earth, covering much of northern Brazil and parts of eight other "
+    "countries. Its rivers carry about a fifth of all the fresh water that flows into the oceans, and scientists "
+    "estimate that it is home to one in ten known species. Deforestation, mostly for cattle ranching and soy, has "
+    "removed close to a fifth of the forest since 1970.\n\n"
+    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen. In plants it takes place in the "
+    "chloroplasts, whose green pigment, chlorophyll, absorbs red and blue light and reflects green.\n\n"
+    "import json\n\n\ndef load_settings(path):\n    with open(path, encoding=\"utf-8\") as f:\n"
+    "        settings = json.load(f)\n    return {key.lower(): value for key, value in settings.items()}\n")
+# Short factual prompts: fp32's greedy answer comes in the first few tokens; 16 are compared.
+PROMPTS = ("The capital of France is", "Water freezes at a temperature of", "The largest planet in the solar system is",
+           "William Shakespeare wrote the play", "def add(a, b):\n    return", "The chemical symbol for gold is")
+STEPS = 16
+MODELS = {"smollm2": "smollm2_hf", "qwen2.5-coder-0.5b": "qwen2_hf", "gemma3": "gemma3_hf"}
+VARIANTS = {"asymmetric, block 32": ["--int4-asymmetric", "--max-kl", "none"],
+            "symmetric, block 16": ["--int4-block-size", "16", "--max-kl", "none"],
+            "symmetric, block 64": ["--int4-block-size", "64", "--max-kl", "none"]}
+GOAL = {"size": 1.3, "kl": 0.5, "decode": 1.1}
 
 
-def run_size(path: Path) -> int:
-    data = path.parent / (path.name + ".data")
-    return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
+@dataclass
+class Row:
+    """One graph of one model, and what was measured on it."""
+
+    name: str
+    path: Path
+    bytes: int = 0
+    export: dict[str, Any] = field(default_factory=dict)  # the export command's JSON (ours)
+    decode_ms: list[float] = field(default_factory=list)  # one median step per round
+    kl: float = float("nan")
+    top1: float = float("nan")
+    ppl: tuple[float, float] = (float("nan"), float("nan"))
+    greedy: list[list[int]] = field(default_factory=list)  # per prompt, STEPS ids
+    verify: dict[str, Any] = field(default_factory=dict)  # "default" / "text" -> verify int4's JSON
 
 
-def run(*argv: str) -> dict:
-    done = subprocess.run(["llama-tools", *argv, "--format", "json"], capture_output=True, text=True)
-    if done.returncode not in (0, 1) or not done.stdout.strip():
-        sys.exit(f"{' '.join(argv)}: {done.stderr.strip()}")
-    return json.loads(done.stdout)
+def graph_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.parent.iterdir() if p.name in (path.name, path.name + ".data"))
 
 
-def decode_ms(path: Path, cfg) -> float:
-    """Median ms of one decode step at 64..96 tokens of context (onnxruntime CPU, batch 1)."""
-    import time
+def llama_tools(*argv: str) -> tuple[int, dict, str]:
+    """The CLI in a fresh process: (exit code, its JSON, stderr)."""
+    done = subprocess.run([sys.executable, "-m", "llama_tools.cli", *argv, "--format", "json"], capture_output=True,
+                          text=True, cwd=ROOT)
+    try:
+        return done.returncode, json.loads(done.stdout), done.stderr
+    except json.JSONDecodeError:
+        return done.returncode, {}, done.stderr
 
-    import numpy as np
 
+def export_ours(hf: Path, out: Path, extra: list[str]) -> Row | str:
+    """`export onnx --quantize int4 EXTRA` -> its row; a string when it failed (the command's last line). A graph
+    kept by an earlier run (--keep) is reused with the JSON its export wrote."""
+    saved = out.parent / "export.json"
+    if saved.is_file() and out.is_file():
+        return Row("", out, graph_bytes(out), json.loads(saved.read_text()))
+    t = time.time()
+    code, rep, err = llama_tools("export", "onnx", str(hf), "-o", str(out), "--quantize", "int4", "-q", *extra)
+    if code and extra == ["--max-kl", "none"] and "'none'" in err:  # a CLI without `--max-kl none` yet
+        code, rep, err = export_library(hf, out, {"max_kl": "none"})
+    if code != 0:
+        return (err.strip().splitlines() or ["no output"])[-1]
+    rep["bench_wall_s"] = time.time() - t
+    saved.write_text(json.dumps(rep))
+    return Row("", out, graph_bytes(out), rep)
+
+
+# The pipeline's own call in a fresh process, for what the CLI cannot ask yet: its bytes and peak RSS as JSON.
+_EXPORT = """
+import json, resource, sys
+from llama_tools.exporters.pipeline import export
+from llama_tools.source import resolve
+rep = export(resolve(sys.argv[1]), sys.argv[2], quantize="int4", int4=json.loads(sys.argv[3]), client_files=True)
+print(json.dumps({"bytes": rep.bytes, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "int4_target": None}))
+"""
+
+
+def export_library(hf: Path, out: Path, int4: dict[str, Any]) -> tuple[int, dict, str]:
+    done = subprocess.run([sys.executable, "-c", _EXPORT, str(hf), str(out), json.dumps(int4)], capture_output=True,
+                          text=True, cwd=ROOT)
+    return done.returncode, json.loads(done.stdout) if done.returncode == 0 else {}, done.stderr
+
+
+def export_builder(hf: Path, tmp: Path) -> Row:
+    import bench_faults
+
+    out = tmp / "builder"
+    bench_faults.builder(hf, out, tmp / "builder-in", precision="int4")
+    return Row("builder int4 (-p int4 -e cpu)", out / "model.onnx", graph_bytes(out / "model.onnx"))
+
+
+def time_decode(rows: list[Row], rounds: int, threads: int, vocab: int, window: int = 0) -> None:
+    """Each row's decode ms/token through onnxruntime-genai, the rows in alternating order each round."""
+    import onnxruntime_genai as og
+
+    models = {}
+    for r in rows:
+        config = r.path.parent / "genai_config.json"
+        data = json.loads(config.read_text())
+        data["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
+        config.write_text(json.dumps(data, indent=2))
+        models[r.name] = og.Model(str(r.path.parent))
+    prompt = np.random.default_rng(1).integers(1000, min(vocab, 30000), size=64).tolist()
+    for k in range(rounds):
+        for r in rows if k % 2 == 0 else rows[::-1]:
+            params = og.GeneratorParams(models[r.name])
+            # The builder's sliding-window attention (Gemma 3) wants a KV buffer of at least its window.
+            # min_length: an end-of-text token must not end a timed run early.
+            params.set_search_options(max_length=max(len(prompt) + 64, window + 1), min_length=len(prompt) + 64,
+                                      do_sample=False)
+            gen = og.Generator(models[r.name], params)
+            gen.append_tokens(prompt)
+            steps = []
+            while len(steps) < 64 and not gen.is_done():
+                t = time.perf_counter()
+                gen.generate_next_token()
+                steps.append(time.perf_counter() - t)
+            r.decode_ms.append(statistics.median(steps) * 1e3)
+            del gen
+
+
+def lm_of(path: Path, cfg: Any) -> Any:
+    """The graph's one-step runner: ours by our names, the builder's by its own (exporters/foreign.py)."""
+    from llama_tools.exporters.foreign import describe_graph, foreign_lm
+    from llama_tools.exporters.graph_meta import has_our_metadata
     from llama_tools.exporters.runtime import OnnxLM, create_session
 
-    lm = OnnxLM(create_session(path, "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-    ids = np.arange(100, 164)[None]
-    cache = lm(ids, np.ones_like(ids), np.arange(64)[None], lm.empty_cache(1)).cache
-    times = []
-    for s in range(64, 96):
-        t = time.perf_counter()
-        cache = lm(np.array([[5]]), np.ones((1, s + 1), np.int64), np.array([[s]]), cache).cache
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1000
+    session = create_session(path, "cpu")
+    if has_our_metadata(path):
+        return OnnxLM(session, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    return foreign_lm(session, describe_graph(path), cfg)
 
 
-def builder_row(hf: Path, tmp: Path, cfg, text: str) -> str:
-    """onnxruntime-genai's builder, `-p int4 -e cpu` (its defaults), scored as the rows above: against the same
-    streamed PyTorch fp32 model, read through the builder's own input and output names (exporters/foreign.py)."""
-    import importlib.util
-
-    import numpy as np
-    import torch
-    from tokenizers import Tokenizer
-
-    from llama_tools.exporters.foreign import describe_graph, foreign_lm
+def onnx_greedy(lm: Any, prompt: list[int], steps: int) -> list[int]:
     from llama_tools.exporters.prompts import positions
-    from llama_tools.exporters.quantize import QUALITY_TEXT, _kl_row, kl_and_ppl
-    from llama_tools.exporters.runtime import create_session
-    from llama_tools.reference import reference_model
-    from llama_tools.source import resolve
 
-    spec = importlib.util.spec_from_file_location("bench_faults", Path(__file__).with_name("bench_faults.py"))
-    bf = importlib.util.module_from_spec(spec)
-    sys.modules["bench_faults"] = bf
-    spec.loader.exec_module(bf)
-    out = tmp / "builder-int4"
-    bf.builder(hf, out, tmp / "builder-in", precision="int4")
-    path = out / "model.onnx"
-    size = sum(p.stat().st_size for p in out.iterdir() if p.name.startswith("model.onnx"))
-    lm = foreign_lm(create_session(path, "cpu"), describe_graph(path), cfg)
-    ref = reference_model(resolve(str(hf)))
-    tok = Tokenizer.from_file(str(hf / "tokenizer.json"))
+    ids, out, total = list(prompt), None, 0
+    cache, new = lm.empty_cache(1), []
+    feed = ids
+    for _ in range(steps):
+        total += len(feed)
+        arr = np.array([feed], np.int64)
+        mask = np.ones((1, total), np.int64)
+        out = lm(arr, mask, positions(mask, len(feed)), cache)
+        cache = out.cache
+        new.append(int(np.asarray(out.logits)[0, -1].argmax()))
+        feed = [new[-1]]
+    return new
 
-    def both(ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        arr = np.array([ids], np.int64)
-        mask = np.ones_like(arr)
-        got = np.asarray(lm(arr, mask, positions(mask, arr.shape[1]), lm.empty_cache(1)).logits, np.float64)[0]
+
+def torch_greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]))
+        new = [int(out.logits[0, -1].argmax())]
+        for _ in range(steps - 1):
+            out = model(torch.tensor([[new[-1]]]), past_key_values=out.past_key_values)
+            new.append(int(out.logits[0, -1].argmax()))
+    return new
+
+
+def score(row: Row, cfg: Any, held: list[int], want: np.ndarray, prompts: list[list[int]]) -> None:
+    """KL, top-1 and perplexity on the held-out ids, and the prompts' greedy tokens, through onnxruntime."""
+    from llama_tools.exporters.prompts import positions
+    from llama_tools.exporters.quantize import kl_and_ppl
+
+    lm = lm_of(row.path, cfg)
+    arr = np.array([held], np.int64)
+    mask = np.ones_like(arr)
+    got = np.asarray(lm(arr, mask, positions(mask, arr.shape[1]), lm.empty_cache(1)).logits, np.float64)[0]
+    kl, ppl_ref, ppl_got = kl_and_ppl(want, got, arr[0])
+    row.kl, row.top1, row.ppl = float(kl.mean()), float((want.argmax(-1) == got.argmax(-1)).mean()), (ppl_ref, ppl_got)
+    row.greedy = [onnx_greedy(lm, p, STEPS) for p in prompts]
+    del lm
+
+
+def verify(row: Row, hf: Path, held_file: Path) -> None:
+    for key, extra in (("default", []), ("text", ["--text", str(held_file), "--prompt", PROMPTS[0], "--steps", "16"])):
+        _, rep, err = llama_tools("verify", "int4", str(row.path), "--source", str(hf), *extra)
+        row.verify[key] = rep or {"faithful": False, "failures": [(err.strip().splitlines() or ["?"])[-1]]}
+
+
+def answer_len(ids: list[int], tok: Any) -> int:
+    """fp32's answer: its greedy tokens before the first that opens with a comma, full stop or the like, or holds a
+    newline (" Paris" of " Paris.", " Au" of " Au.\n\n", " a + b" of " a + b\n"), at least one token."""
+    for i in range(1, len(ids)):
+        piece = tok.decode([ids[i]])
+        if "\n" in piece or piece.lstrip(" ")[:1] in tuple(".,;:!?"):
+            return i
+    return len(ids)
+
+
+def bench_model(key: str, args: argparse.Namespace, out: list[str]) -> None:
+    import realmodels
+    import torch
+
+    from llama_tools.loading import load_model
+    from llama_tools.source import load_tokenizer, resolve
+
+    hf = Path(getattr(realmodels, MODELS[key])())
+    src = resolve(str(hf))
+    cfg = src.cfg
+    weights = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
+    bound = max(1e9, 0.5 * weights)
+    tmp = Path(args.keep) / key if args.keep else Path(tempfile.mkdtemp(prefix=f"bench-int4-{key}-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        rows: list[Row] = []
+        plan = [("ours, default", []), ("ours, all int4 (--max-kl none)", ["--max-kl", "none"])]
+        if args.hqq:
+            plan.append(("ours, HQQ all int4", ["--int4-algorithm", "hqq"]))
+        if args.variants:
+            plan += list(VARIANTS.items())
+        for name, extra in plan:
+            made = export_ours(hf, tmp / name.split(" (")[0].replace(" ", "_").replace(",", "") / "model.onnx", extra)
+            if isinstance(made, str):
+                print(f"{key}: {name} failed: {made}", flush=True)
+                continue
+            made.name = name
+            rows.append(made)
+            print(f"{key}: {name}: {made.bytes / 1e6:.1f} MB, export {made.export['bench_wall_s']:.0f} s, peak RSS "
+                  f"{made.export['peak_rss_bytes'] / 1e6:.0f} MB", flush=True)
+        rows.append(export_builder(hf, tmp))
+        builder = rows[-1]
+        time_decode(rows, args.rounds, args.threads, cfg.vocab_size, cfg.sliding_window or 0)
+        tok = load_tokenizer(src)
+        held = tok.encode(HELD_OUT)[:256]
+        model = load_model(src, dtype="float32").eval()
         with torch.no_grad():
-            want = ref(torch.from_numpy(arr)).logits.double().numpy()[0]
-        return want, got
-
-    want, got = both(tok.encode(QUALITY_TEXT).ids)
-    kl_builtin = float(np.mean([_kl_row(p, q) for p, q in zip(want, got)]))
-    top1 = float((want.argmax(-1) == got.argmax(-1)).mean())
-    ids = tok.encode(text).ids
-    want, got = both(ids)
-    kl, ppl_ref, ppl_got = kl_and_ppl(want, got, np.array(ids))
-    prompt = tok.encode("The capital of France is").ids
-    same, a, b = 0, list(prompt), list(prompt)
-    for _ in range(3):  # greedy, both sides re-run on their own text
-        wa, _ = both(a)
-        _, gb = both(b)
-        a.append(int(wa[-1].argmax()))
-        b.append(int(gb[-1].argmax()))
-        same += a == b
-    cache = lm(np.arange(100, 164)[None], np.ones((1, 64), np.int64), np.arange(64)[None], lm.empty_cache(1)).cache
-    import time
-
-    times = []
-    for s in range(64, 96):
-        t = time.perf_counter()
-        cache = lm(np.array([[5]]), np.ones((1, s + 1), np.int64), np.array([[s]]), cache).cache
-        times.append(time.perf_counter() - t)
-    return (f"| onnxruntime-genai builder int4 (its defaults) | {size / 1e6:.1f} | {kl_builtin:.3f} | {top1:.1%} "
-            f"| {float(kl.mean()):.3f} | {ppl_ref:.2f} -> {ppl_got:.2f} | {same}/3 | {float(np.median(times)) * 1000:.1f} |")
+            want = model(torch.tensor([held])).logits[0].double().numpy()
+        prompts = [tok.encode(p) for p in PROMPTS]
+        ref = [torch_greedy(model, p, STEPS) for p in prompts]
+        del model
+        held_file = tmp / "held-out.txt"
+        held_file.write_text(HELD_OUT, encoding="utf-8")
+        for r in rows:
+            score(r, cfg, held, want, prompts)
+            verify(r, hf, held_file)
+        spans = [answer_len(ids, tok) for ids in ref]
+        for i, p in enumerate(PROMPTS):
+            print(f"{key}: {p!r} -> fp32 {tok.decode(ref[i])!r} (answer: {spans[i]} tokens)", flush=True)
+            for r in rows:
+                if r.greedy[i] != ref[i]:
+                    print(f"    {r.name}: {tok.decode(r.greedy[i])!r}", flush=True)
+        for r in rows:
+            ms = statistics.median(r.decode_ms)
+            # x builder: the median of the rounds' own ratios (each round ran both within seconds: drift cancels)
+            x_ms = statistics.median(a / b for a, b in zip(r.decode_ms, builder.decode_ms))
+            kept = sum(g[:n] == w[:n] for g, w, n in zip(r.greedy, ref, spans))
+            equal = sum(g == w for g, w in zip(r.greedy, ref))
+            same = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), STEPS) for g, w in zip(r.greedy, ref)]
+            ver = "/".join("FAITHFUL" if r.verify[k].get("faithful") else "NOT" for k in ("default", "text"))
+            t = (r.export.get("int4_target") or {})
+            kept8 = f"{len(t['kept_8bit'])}/{len(t['sensitivity'])}" if t else ""
+            peak = r.export.get("peak_rss_bytes")
+            mem = f"{peak / 1e9:.2f} GB ({'ok' if peak <= bound else 'OVER'})" if peak else ""
+            checks = {"answers": kept == len(PROMPTS), "KL": r.kl <= GOAL["kl"] * builder.kl,
+                      "size": r.bytes <= GOAL["size"] * builder.bytes, "decode": x_ms <= GOAL["decode"],
+                      "verify": ver == "FAITHFUL/FAITHFUL"}
+            goal = "" if r is builder else ("met" if all(checks.values()) else
+                                            "missed: " + ", ".join(k for k, v in checks.items() if not v))
+            out.append(f"| {key} | {r.name} | {kept8} | {r.bytes / 1e6:.1f} | {r.bytes / builder.bytes:.2f}x | "
+                       f"{ms:.2f} | {x_ms:.2f}x | {r.kl:.3f} | {r.kl / builder.kl:.2f} | {r.top1:.1%} | "
+                       f"{r.ppl[0]:.2f} -> {r.ppl[1]:.2f} | {kept}/{len(PROMPTS)} | {equal}/{len(PROMPTS)} "
+                       f"(mean {statistics.mean(same):.1f}) | {ver} | {mem} | {goal} |")
+            print(out[-1], f"decode rounds {[round(x, 2) for x in r.decode_ms]}",
+                  f"verify {[r.verify[k].get('failures') for k in ('default', 'text')]}", flush=True)
+        print(f"{key}: fp32 weights {weights / 1e9:.2f} GB, export memory bound {bound / 1e9:.2f} GB; "
+              f"held-out text {len(held)} tokens", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:
-    with_builder = "--builder" in sys.argv[1:] or "--builder-only" in sys.argv[1:]
-    only_builder = "--builder-only" in sys.argv[1:]
-    argv = [a for a in sys.argv[1:] if not a.startswith("--builder")]
-    if argv:
-        hf = Path(argv[0])
-    else:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        import realmodels
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=list(MODELS), action="append", help="this model only (repeatable)")
+    ap.add_argument("--rounds", type=int, default=7, help="alternating decode rounds [7]")
+    ap.add_argument("--threads", type=int, default=1, help="onnxruntime-genai's intra_op_num_threads, every graph [1]")
+    ap.add_argument("--hqq", action="store_true", help="add an --int4-algorithm hqq row")
+    ap.add_argument("--variants", action="store_true", help="add the asymmetric and block 16/64 rows")
+    ap.add_argument("--keep", type=Path, help="keep the graphs in this directory")
+    args = ap.parse_args()
+    import onnxruntime
+    import onnxruntime_genai
 
-        hf = realmodels.smollm2_hf()
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; model {hf}")
-    print("| variant | MB | KL vs fp32 (built-in text) | top-1 | KL on held-out text | perplexity fp32 -> int4 "
-          "| first 3 greedy tokens equal fp32's | decode ms |")
-    print("|---|---|---|---|---|---|---|---|")
-    from llama_tools.source import resolve
-
-    cfg = resolve(str(hf)).cfg
-    with tempfile.TemporaryDirectory() as tmp:
-        text = Path(tmp) / "text.txt"
-        fp32 = Path(tmp) / "fp32" / "model.onnx"
-        if not only_builder:
-            run("export", "onnx", str(hf), "-o", str(fp32), "--optimize", "--no-client-files")
-            print(f"| fused fp32 (no int4) | {run_size(fp32) / 1e6:.1f} | | | | | | {decode_ms(fp32, cfg):.1f} |",
-                  flush=True)
-        text.write_text(TEXT, encoding="utf-8")
-        if with_builder:
-            print(builder_row(hf, Path(tmp), cfg, TEXT), flush=True)
-        for name, opts in ({} if only_builder else VARIANTS).items():
-            out = Path(tmp) / name.replace(" ", "_").replace(",", "") / "model.onnx"
-            exp = run("export", "onnx", str(hf), "-o", str(out), "--quantize", "int4", "--no-client-files", *opts)
-            q = exp["int4_quality"]
-            ver = run("verify", "int4", str(out), "--source", str(hf), "--text", str(text),
-                      "--prompt", "The capital of France is", "--steps", "3")
-            print(f"| {name} | {exp['bytes'] / 1e6:.1f} | {q['mean_kl']:.3f} | {q['top1']:.1%} | {ver['mean_kl']:.3f} "
-                  f"| {ver['ppl_reference']:.2f} -> {ver['ppl_int4']:.2f} | {ver['free_run_same']}/3 "
-                  f"| {decode_ms(out, cfg):.1f} |", flush=True)
+    print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs (load "
+          f"{os.getloadavg()[0]:.1f} at start), {platform.platform()}; onnxruntime {onnxruntime.__version__}, "
+          f"onnxruntime-genai {onnxruntime_genai.__version__}; decode on {args.threads} thread(s), {args.rounds} "
+          f"alternating rounds", flush=True)
+    out: list[str] = []
+    for key in args.only or list(MODELS):
+        bench_model(key, args, out)
+    print("| model | graph | 8-bit | MB | size x builder | decode ms/token | x builder | KL held-out | / builder KL "
+          "| top-1 | perplexity fp32 -> int4 | answers kept | 16 tokens equal (mean equal prefix) "
+          "| verify int4 (default/text) | export peak RSS | goal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(out))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,16 @@
     calibration text ──streamed fp32 reference, one half-layer at a time──► s_m for every MatMul m:
         s_m = |Z(W_m int4) - Z|² / |Z|²   the residual stream right after m's half-layer, m alone in int4
         s_head = KL(p || p with W^8 int4)  the lm_head's own KL, on the final normed states
-    rank by predicted KL (α s_m, α fitted to a measured all-int4 graph; s_head as is)
+    rank by predicted KL per extra byte (α s_m / the bytes 8-bit adds, α fitted to a measured all-int4 graph)
         ──keep the top ones 8-bit (MatMulNBits bits=8)──► quantize ──onnxruntime──► KL on calibration text
-        └── above the target: refit α on that measurement, keep more (a few rounds; at worst every matrix 8-bit)
+        └── above the target: refit α on that measurement, keep more (a few rounds; at worst every matrix 8-bit,
+            or as many as a size cap allows, the closest graph then the answer)
     the chosen graph ──► KL and top-1 on held-out text (QUALITY_TEXT): what the export reports
+
+The target is nats, or a fraction of the all-int4 graph's own measured KL (the first graph built); the default
+(quant_options.DEFAULT_TARGET) is half of it, the 8-bit matrices adding at most 0.3x the int4 matrices' bytes.
+Memory: one half-layer's weights, the perturbed streams a batch at a time, W^8 a chunk of rows at a time, and the
+graphs' logits a chunk of positions at a time (no [n3, n1] tensor: Gemma's vocabulary makes those 0.2 GB each).
 
 Why this shape: a 4-bit weight is off by up to half a step (~6% of a block's range), an 8-bit one by 1/16 of that,
 so one matrix kept 8-bit removes nearly all of its error; which ones matter is a property of the trained weights
@@ -60,26 +66,35 @@ def matrices(nodes: list[str]) -> list[Matrix]:
     return out
 
 
+FAKE_QUANT_ROWS_BYTES = 16 * 2**20  # float64 bytes of W rows per step: its few temporaries stay small
+
+
 def fake_quant(w: Any, bits: int = 4, block: int = 32) -> Any:
     """W [out, in] as onnxruntime's symmetric RTN MatMulNBits holds it: per row, blocks of `block` along `in`,
-    scale = (the block's value of largest magnitude) / -2^(bits-1), q = clamp(round(w / scale), -2^(b-1), 2^(b-1)-1)."""
+    scale = (the block's value of largest magnitude) / -2^(bits-1), q = clamp(round(w / scale), -2^(b-1), 2^(b-1)-1).
+    Rows are independent: done a few at a time (float64 temporaries of a whole 9728 x 896 matrix were 0.3 GB)."""
     import torch
 
     rows, cols = w.shape
     pad = (-cols) % block
-    x = torch.nn.functional.pad(w.double(), (0, pad)).reshape(rows, -1, block)  # [out, blocks, block]
-    pick = x.abs().argmax(-1, keepdim=True)
-    scale = (x.gather(-1, pick) / -(2 ** (bits - 1))).float().double()  # kept in fp32, as the graph stores it
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.clamp(torch.round(x / safe), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
-    return (q * scale).reshape(rows, -1)[:, :cols].to(w.dtype)
+    step = max(1, FAKE_QUANT_ROWS_BYTES // (8 * (cols + pad)))
+    out = torch.empty_like(w)
+    for a in range(0, rows, step):
+        x = torch.nn.functional.pad(w[a:a + step].double(), (0, pad)).reshape(-1, (cols + pad) // block, block)
+        pick = x.abs().argmax(-1, keepdim=True)  # [r, blocks, 1]
+        scale = (x.gather(-1, pick) / -(2 ** (bits - 1))).float().double()  # kept in fp32, as the graph stores it
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        q = torch.clamp(torch.round(x / safe), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+        out[a:a + step] = (q * scale).reshape(x.shape[0], -1)[:, :cols].to(w.dtype)
+    return out
 
 
 TOP_K = 128  # next-token candidates per position the KL estimate sums over (a trained model's mass is there)
 
 
 def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
-                  progress: Callable[[int, int, str], None] = lambda *a: None) -> dict[str, float]:
+                  progress: Callable[[int, int, str], None] = lambda *a: None,
+                  states: list[Any] | None = None) -> dict[str, float]:
     """KL_m: the mean next-token KL (nats) with matrix m alone in int4, for every matrix, in one streamed pass.
 
     Each matrix's perturbed residual stream is spawned where the matrix acts and carried through every later
@@ -110,6 +125,7 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
             scale = math.sqrt(cfg.hidden_size) if cfg.embed_scale else 1.0  # Gemma's sqrt(n2)
             streams = (fake_quant(rows, 4, block) * torch.tensor(scale, dtype=z.dtype))[None]  # [1, n3, n2]
         masks = layer_masks(cfg, n3, 0, torch.ones_like(x), z.dtype, z.device)
+        batch = stream_batch(cfg, n3)
         for j in range(cfg.num_hidden_layers):
             for attention, module in ((True, "self_attn"), (False, "mlp")):
                 half = ref._half(j, attention)
@@ -120,7 +136,7 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
                         return h.attend(zin, masks[h.sliding], pos, layer_tables(ref._tables, h.sliding), None)[0]
                     return h.feed_forward(zin)
                 clean = run(z)
-                moved = [run(streams)] if len(streams) else []
+                moved = [run(streams[a:a + batch]) for a in range(0, len(streams), batch)]  # a few at a time
                 owner = getattr(half, module)
                 for m in by_half.get((j, module), []):
                     saved = {p: getattr(owner, p).weight.data for p in m.parts}
@@ -134,10 +150,25 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
                 z = clean
                 del half
             progress(j + 1, cfg.num_hidden_layers, "int4 sensitivity (streamed)")
+        if states is not None:  # the clean final residual stream Z [1, n3, n2]: the reference's logits, later
+            states.append(z)
         out = dict(zip(names, _fisher_kl(ref, z, streams)))
         if head:
             out[HEAD] = _head_kl(ref, z, block) + out.pop(HEAD + " (embedding)", 0.0)
     return out
+
+
+# What one batch of perturbed streams may take through a half-layer: its intermediates (attention scores, the
+# feed-forward's hidden units), not all the streams at once (121 of SmolLM2's at once peaked at 1.3 GB).
+STREAM_BATCH_BYTES = 128 * 2**20
+
+
+def stream_batch(cfg: Any, n3: int) -> int:
+    """How many streams of n3 positions go through a half-layer together within STREAM_BATCH_BYTES: per stream,
+    fp32 scores, weights and their mask [n5, n3, n3] x 3, the feed-forward's gate, up and product [n3, n7] x 3,
+    and a few [n3, n2] states."""
+    per = 4 * n3 * (3 * cfg.num_attention_heads * n3 + 3 * cfg.intermediate_size + 6 * cfg.hidden_size)
+    return max(1, STREAM_BATCH_BYTES // per)
 
 
 def _final(ref: Any) -> Any:
@@ -155,23 +186,26 @@ def _head_rows(ref: Any) -> tuple[str, int]:
         max(1, (16 * 2**20) // (4 * cfg.hidden_size))
 
 
-def _head_logits(ref: Any, h: Any, quantized_block: int | None = None) -> Any:
-    """H = h W^{8T} (W^8 int4-emulated when quantized_block), W^8 read a row chunk at a time: [n3, n2] -> [n3, n1]."""
+def _head_chunks(ref: Any, h: Any, quantized_block: int | None = None) -> Any:
+    """(H, H') a row chunk of W^8 at a time: h W^{8T} on `step` vocabulary rows [n3, step], and the same with W^8
+    int4-emulated (None unless quantized_block); W^8 is read once per chunk and dropped."""
     import torch
 
     name, step = _head_rows(ref)
     cfg = ref.cfg
-    out = []
     for a in range(0, cfg.vocab_size, step):
         w = ref.reader.rows(name, [(a, min(a + step, cfg.vocab_size))]).float()  # [rows, n2]
         if cfg.norm_head:
             w = torch.nn.functional.normalize(w, dim=-1)
-        out.append(h @ (fake_quant(w, 4, quantized_block) if quantized_block else w).T)
-    return torch.cat(out, -1)
+        yield h @ w.T, (h @ fake_quant(w, 4, quantized_block).T if quantized_block else None)
 
 
 def _fisher_kl(ref: Any, z: Any, streams: Any) -> list[float]:
-    """Per stream [s, n3, n2] vs the clean final state z [1, n3, n2]: mean KL ≈ ½ Var_p(δh · w_v) over TOP_K."""
+    """Per stream [s, n3, n2] vs the clean final state z [1, n3, n2]: mean KL ≈ ½ Var_p(δh · w_v) over TOP_K.
+
+    The clean distribution is read a vocabulary chunk at a time (its log-normalizer and its TOP_K candidates kept
+    as they go): no [n3, n1] tensor is held, which for Gemma's 262,144 tokens would be 0.4 GB per copy.
+    """
     import torch
 
     from llama_tools.model import softcap
@@ -181,36 +215,52 @@ def _fisher_kl(ref: Any, z: Any, streams: Any) -> list[float]:
     cfg = ref.cfg
     final = _final(ref)
     h = final(z)[0]  # Zbar: [n3, n2]
-    raw = _head_logits(ref, h)  # [n3, n1]
-    logits = softcap(raw, cfg.final_logit_softcap)
-    p = torch.softmax(logits.double(), -1)
-    top_p, top = p.topk(min(TOP_K, cfg.vocab_size), -1)  # [n3, K]
+    cap = cfg.final_logit_softcap
+    k = min(TOP_K, cfg.vocab_size)
+    lse = torch.full((h.shape[0],), -math.inf, dtype=torch.float64)  # [n3]
+    top_raw = torch.empty(h.shape[0], 0)  # [n3, <= K] raw logits of the likeliest so far
+    top = torch.empty(h.shape[0], 0, dtype=torch.long)
+    a = 0
+    for raw, _ in _head_chunks(ref, h):
+        lse = torch.logaddexp(lse, torch.logsumexp(softcap(raw, cap).double(), -1))
+        both = torch.cat([top_raw, raw], -1)
+        ids = torch.cat([top, torch.arange(a, a + raw.shape[1]).expand(h.shape[0], -1)], -1)
+        top_raw, pick = both.topk(min(k, both.shape[1]), -1)  # softcap is monotonic: the same candidates
+        top = ids.gather(-1, pick)
+        a += raw.shape[1]
+    top_p = torch.exp(softcap(top_raw, cap).double() - lse[:, None])  # [n3, K]
     name, _ = _head_rows(ref)
     w = torch.stack([ref.reader.rows(name, [(int(v), int(v) + 1) for v in t]).float() for t in top])  # [n3, K, n2]
     if cfg.norm_head:
         w = torch.nn.functional.normalize(w, dim=-1)
-    cap = cfg.final_logit_softcap
-    slope = (1 - torch.tanh(raw.gather(-1, top) / cap) ** 2).double() if cap else 1.0  # d softcap / d logit
+    slope = (1 - torch.tanh(top_raw / cap) ** 2).double() if cap else 1.0  # d softcap / d logit
     out = []
     for zs in streams:
         d = (final(zs[None])[0] - h).double()  # δh: [n3, n2]
-        s = torch.einsum("tkd,td->tk", w.double(), d) * slope  # δ logit of each candidate: [n3, K]
+        s = torch.einsum("tkd,td->tk", w, d.float()).double() * slope  # δ logit of each candidate: [n3, K]
         mean = (top_p * s).sum(-1, keepdim=True)
         out.append(float((0.5 * (top_p * (s - mean) ** 2).sum(-1)).mean()))
     return out
 
 
 def _head_kl(ref: Any, z: Any, block: int) -> float:
-    """KL(p || p') of the lm_head alone in int4, exactly, on the final states z [1, n3, n2]."""
+    """KL(p || p') of the lm_head alone in int4, exactly, on the final states z [1, n3, n2]: two passes over W^8's
+    chunks (the two log-normalizers, then sum p (log p - log p')), so no [n3, n1] tensor is held."""
     import torch
 
     from llama_tools.model import softcap
 
     cap = ref.cfg.final_logit_softcap
     h = _final(ref)(z)[0]  # Zbar: [n3, n2]
-    p = torch.log_softmax(softcap(_head_logits(ref, h), cap).double(), -1)  # [n3, n1]
-    q = torch.log_softmax(softcap(_head_logits(ref, h, block), cap).double(), -1)
-    return float((p.exp() * (p - q)).sum(-1).mean())
+    lse = [torch.full((h.shape[0],), -math.inf, dtype=torch.float64) for _ in range(2)]
+    for x, q in _head_chunks(ref, h, block):
+        for i, y in enumerate((x, q)):
+            lse[i] = torch.logaddexp(lse[i], torch.logsumexp(softcap(y, cap).double(), -1))
+    kl = torch.zeros(h.shape[0], dtype=torch.float64)
+    for x, q in _head_chunks(ref, h, block):
+        lp = softcap(x, cap).double() - lse[0][:, None]
+        kl += (lp.exp() * (lp - (softcap(q, cap).double() - lse[1][:, None]))).sum(-1)
+    return float(kl.mean())
 
 
 @dataclass
@@ -235,51 +285,111 @@ class TargetResult:
     calibration_tokens: int = 0
     seconds: float = 0.0
     met: bool = False
+    fraction: float | None = None  # a relative target: max_kl is this times the all-int4 graph's KL
+    size_cap: float | None = None  # the result weighs at most this times the all-int4 graph
+    chosen: int = -1  # the round whose graph was written (the last, unless a capped loop's closest was earlier)
 
     @property
     def calibration_kl(self) -> float:
-        return self.rounds[-1].measured_kl
+        return self.rounds[self.chosen].measured_kl
+
+    @property
+    def all_int4_kl(self) -> float:
+        """The all-int4 graph's KL on the calibration text (the first graph built)."""
+        return self.rounds[0].measured_kl
 
 
-def plan(sens: dict[str, float], alpha: float, max_kl: float, margin: float = 0.7) -> list[str]:
-    """The fewest matrices to keep 8-bit so that the predicted KL of the rest, alpha * sum KL_m, is at most
-    margin * max_kl (8-bit leaves 1/256 of a matrix's int4 KL: neglected)."""
-    order = sorted(sens, key=sens.get, reverse=True)
+def plan(sens: dict[str, float], alpha: float, max_kl: float, margin: float = 0.7,
+         cost: dict[str, int] | None = None, budget: float = math.inf) -> list[str]:
+    """The matrices to keep 8-bit so that the predicted KL of the rest, alpha * sum KL_m, is at most margin * max_kl
+    (8-bit leaves 1/256 of a matrix's int4 KL: neglected): the most KL per extra byte first (cost: the bytes 8-bit
+    adds; None: every matrix alike, so the fewest matrices), skipping any that would take the kept ones' extra bytes
+    past `budget`."""
+    order = _order(sens, cost)
     rest = alpha * sum(sens.values())
     kept: list[str] = []
+    spent = 0
     for n in order:
         if rest <= margin * max_kl:
             break
+        extra = cost[n] if cost else 0
+        if spent + extra > budget:
+            continue
         kept.append(n)
+        spent += extra
         rest -= alpha * sens[n]
     return kept
 
 
-def choose(sens: dict[str, float], max_kl: float, build: Callable[[list[str]], tuple[float, int]]) -> TargetResult:
+def _order(sens: dict[str, float], cost: dict[str, int] | None) -> list[str]:
+    """Most KL removed per byte spent first (stable: ties keep the graph's order)."""
+    return sorted(sens, key=lambda n: sens[n] / (cost[n] if cost else 1), reverse=True)
+
+
+def choose(sens: dict[str, float], max_kl: float | None, build: Callable[[list[str]], tuple[float, int]], *,
+           fraction: float | None = None, cost: dict[str, int] | None = None,
+           size_cap: float | None = None, base: int | None = None) -> TargetResult:
     """The loop of the module docstring. build(kept) quantizes with `kept` 8-bit -> (KL on calibration, bytes).
 
     alpha: measured KL / the sum of the int4 matrices' own KL_m, at least 1 (errors compound, and onnxruntime's
     int8 activations add their own), refitted on each graph that misses the target.
+    fraction: the target is this times the all-int4 graph's measured KL (max_kl is then None).
+    cost, size_cap, base: the bytes keeping each matrix 8-bit adds, and the most they may add together: (size_cap - 1)
+    x base, the int4 matrices' own bytes (what a decode step reads; None: the all-int4 file's); when no graph within
+    the cap meets the target, the closest one built is the answer (not met).
     """
-    result = TargetResult(max_kl=max_kl, kept_8bit=[], sensitivity=sens, alpha=1.0)
+    result = TargetResult(max_kl=max_kl if max_kl is not None else math.nan, kept_8bit=[], sensitivity=sens,
+                          alpha=1.0, fraction=fraction, size_cap=size_cap)
     kept: list[str] = []
+    budget = math.inf
+    tried: list[list[str]] = []
     for _ in range(MAX_ROUNDS):
         kl, size = build(kept)
+        tried.append(kept)
         rest = sum(v for n, v in sens.items() if n not in kept)
+        if not result.rounds:  # the all-int4 graph: what a relative target and the cap are measured against
+            if fraction is not None:
+                result.max_kl = fraction * kl
+            if size_cap is not None:
+                budget = (size_cap - 1) * (base or size)
         result.rounds.append(Round(len(kept), result.alpha * rest, kl, size))
-        if kl <= max_kl:
+        if kl <= result.max_kl:
             result.kept_8bit, result.met = kept, True
             return result
         result.alpha = max(result.alpha, kl / max(rest, 1e-30))
-        more = plan(sens, result.alpha, max_kl)
-        if set(more) <= set(kept):  # predicted to meet it, measured not to: keep the next quarter anyway
-            order = sorted((n for n in sens if n not in kept), key=sens.get, reverse=True)
-            more = kept + order[: max(1, len(order) // 4)]
+        spent = sum(cost[n] for n in kept) if cost else 0
+        more = plan({n: v for n, v in sens.items() if n not in kept}, result.alpha, result.max_kl, cost=cost,
+                    budget=budget - spent) if rest else []
+        if not more:  # predicted to meet it, measured not to: keep the next quarter anyway (within the budget)
+            left = [n for n in _order(sens, cost) if n not in kept]
+            more = _within(left, cost, budget - spent)[: max(1, len(left) // 4)]
+        if not more:  # nothing more fits the cap: the closest graph built is the answer
+            return _closest(result, tried)
         kept = sorted(set(kept) | set(more), key=list(sens).index)
-    everything = list(sens)  # the last resort: every matrix 8-bit
-    kl, size = build(everything)
-    result.rounds.append(Round(len(everything), 0.0, kl, size))
-    result.kept_8bit, result.met = everything, kl <= max_kl
+    # The last resort: every matrix 8-bit, or the most KL per byte the cap allows.
+    last = sorted(_within(_order(sens, cost), cost, budget), key=list(sens).index)
+    if last != tried[-1]:
+        kl, size = build(last)
+        tried.append(last)
+        result.rounds.append(Round(len(last), 0.0, kl, size))
+    return _closest(result, tried)
+
+
+def _within(order: list[str], cost: dict[str, int] | None, budget: float) -> list[str]:
+    """The matrices of `order`, in order, skipping any that would take their extra bytes past `budget`."""
+    out, spent = [], 0
+    for n in order:
+        if spent + (cost[n] if cost else 0) <= budget:
+            out.append(n)
+            spent += cost[n] if cost else 0
+    return out
+
+
+def _closest(result: TargetResult, tried: list[list[str]]) -> TargetResult:
+    """The graph built with the lowest measured KL (ties: the fewest bytes) as the answer; met if it meets it."""
+    best = min(range(len(tried)), key=lambda i: (result.rounds[i].measured_kl, result.rounds[i].bytes, -i))
+    result.kept_8bit, result.met = tried[best], result.rounds[best].measured_kl <= result.max_kl
+    result.chosen = best
     return result
 
 
@@ -293,17 +403,57 @@ def calibration_ids(tokenizer: Any, vocab_size: int, limit: int = 192) -> tuple[
     return ids, f"{len(ids)} tokens of built-in prose (English, French, German) and Python code"
 
 
-def onnx_logits(path: str | Path, cfg: Any, ids: list[int]) -> np.ndarray:
-    """One prefill of ids through the graph on the CPU: logits [n, n1] in fp32."""
+PREFILL_CHUNK = 32  # positions per onnxruntime call: the logits held are [32, n1], not [n, n1]
+
+
+def _onnx_chunks(path: str | Path, cfg: Any, ids: list[int]) -> Any:
+    """The graph's logits on ids, PREFILL_CHUNK positions at a time through its own KV cache: [<= chunk, n1] fp32."""
     from .prompts import positions
     from .runtime import OnnxLM, create_session
 
-    arr = np.array([ids], np.int64)  # [1, n]
-    mask = np.ones_like(arr)
     lm = OnnxLM(create_session(Path(path), "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-    out = np.asarray(lm(arr, mask, positions(mask, arr.shape[1]), lm.empty_cache(1)).logits, np.float32)[0]
+    cache = lm.empty_cache(1)
+    for a in range(0, len(ids), PREFILL_CHUNK):
+        part = np.array([ids[a:a + PREFILL_CHUNK]], np.int64)  # [1, c]
+        mask = np.ones((1, a + part.shape[1]), np.int64)  # [1, past + c]
+        out = lm(part, mask, positions(mask, part.shape[1]), cache)
+        cache = out.cache
+        yield np.asarray(out.logits, np.float32)[0]
     del lm
-    return out
+
+
+def onnx_logits(path: str | Path, cfg: Any, ids: list[int]) -> np.ndarray:
+    """The graph's prefill of ids on the CPU (in chunks, as onnx_kl runs it): logits [n, n1] in fp32."""
+    return np.concatenate(list(_onnx_chunks(path, cfg, ids)))
+
+
+def onnx_kl(path: str | Path, cfg: Any, ids: list[int], p_logits: Any) -> float:
+    """mean_kl(p_logits, onnx_logits(...)) without holding the graph's [n, n1] logits. p_logits: [n, n1], or
+    p_logits(a, b) -> its rows a..b (the reference's, made a chunk at a time)."""
+    from .quantize import _kl_row
+
+    rows, a = [], 0
+    for q in _onnx_chunks(path, cfg, ids):
+        p = p_logits(a, a + len(q)) if callable(p_logits) else p_logits[a:a + len(q)]
+        rows += [_kl_row(x, y) for x, y in zip(p, q)]
+        a += len(q)
+    return float(np.mean(rows))
+
+
+def states_logits(ref: Any, z: Any) -> Callable[[int, int], np.ndarray]:
+    """(a, b) -> the reference's logits of positions a..b [b - a, n1] from its final residual stream z [1, n3, n2]:
+    the final norm, then W^8 a chunk at a time (for Gemma's 262,144 tokens, 192 positions' logits are 0.2 GB)."""
+    import torch
+
+    from llama_tools.model import softcap
+
+    h = _final(ref)(z)[0]  # Zbar: [n3, n2]
+
+    def rows(a: int, b: int) -> np.ndarray:
+        with torch.no_grad():
+            x = torch.cat([x for x, _ in _head_chunks(ref, h[a:b])], -1)
+            return softcap(x, ref.cfg.final_logit_softcap).float().numpy()
+    return rows
 
 
 def mean_kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
@@ -321,34 +471,98 @@ def reference_logits(ref: Any, ids: list[int]) -> np.ndarray:
     return ref(x, torch.ones_like(x)).logits[0].float().numpy()
 
 
-def quantize_to_target(full: Path, target: Path, ref: Any, tokenizer: Any, max_kl: float,
-                       int4: dict[str, Any], say: Callable[[str], None] = lambda m: None,
-                       progress: Callable[[int, int, str], None] = lambda *a: None) -> tuple[Any, TargetResult]:
-    """FULL (the fp32 graph) -> TARGET in int4 with the fewest matrices 8-bit that meet `max_kl` on calibration text.
-
-    Returns (the last quantize_int4 result, what the target chose). Every graph but the last is overwritten.
-    """
+def untargetable(full: Path, int4: dict[str, Any]) -> str | None:
+    """Why the graph at FULL cannot take a target (a MatMul that is no decoder projection), or None."""
     import onnx
 
+    from .quantize import _weights_of
+
+    exclude = set(int4.get("exclude") or ())
+    try:
+        matrices([n for n in _weights_of(onnx.load(str(full), load_external_data=False)) if n not in exclude])
+    except ValueError as e:
+        return str(e).removeprefix("--max-kl: ")
+    return None
+
+
+def extra_bytes(model: Any, nodes: list[str], block: int) -> dict[str, int]:
+    """node -> the bytes keeping its matrix 8-bit adds to the int4 graph: N rows of ceil(K / block) blocks, each
+    `block` bytes at 8 bits instead of block / 2 (the scales are the same)."""
+    from .quantize import _weights_of
+
+    inits = {t.name: t for t in model.graph.initializer}
+    weights = _weights_of(model)
+    out = {}
+    for n in nodes:
+        name, transposed = weights[n]
+        dims = [int(d) for d in inits[name].dims]
+        k, rows = (dims[1], dims[0]) if transposed else (dims[0], dims[1])  # stored [out, in] behind a Transpose
+        out[n] = rows * -(-k // block) * block // 2
+    return out
+
+
+def quantize_to_target(full: Path, target: Path, ref: Any, tokenizer: Any, goal: Any,
+                       int4: dict[str, Any], say: Callable[[str], None] = lambda m: None,
+                       progress: Callable[[int, int, str], None] = lambda *a: None,
+                       quantize: Callable[..., Any] | None = None) -> tuple[Any, TargetResult]:
+    """FULL (the fp32 graph) -> TARGET in int4 with the fewest bytes kept 8-bit that meet `goal` on calibration text.
+
+    goal: nats (an absolute mean KL) or a quant_options.Int4Target (absolute, or a fraction of the all-int4 graph's
+    KL, under a size cap). quantize: quantize_int4 (the pipeline passes its own name for it). Returns (the
+    quantize_int4 result of the graph written, what the target chose). Candidates are built at TARGET when it is a
+    file, else in a directory beside FULL (a stream cannot be read back), and the chosen one is written last.
+    """
+    import shutil
+
+    import onnx
+
+    from llama_tools import paths
+
+    from .graph_meta import read_metadata
+    from .quant_options import Int4Target
     from .quantize import _weights_of, quantize_int4
 
-    if not (math.isfinite(max_kl) and max_kl > 0):
-        raise ValueError(f"--max-kl must be a positive number of nats, got {max_kl}")
+    quantize = quantize or quantize_int4
+    goal = goal if isinstance(goal, Int4Target) else Int4Target(max_kl=float(goal))
+    for v, what in ((goal.max_kl, "nats"), (goal.fraction, "a fraction")):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"--max-kl must be a positive number ({what}), got {v}")
+    if goal.max_kl is None and goal.fraction is None:
+        raise ValueError("--max-kl: a target needs nats or a fraction of the all-int4 graph's KL")
     t0 = time.perf_counter()
+    full, target = Path(full), Path(target)
     cfg = ref.cfg
     exclude = tuple(int4.get("exclude") or ())
-    nodes = [n for n in _weights_of(onnx.load(str(full), load_external_data=False)) if n not in exclude]
+    model = onnx.load(str(full), load_external_data=False)
+    nodes = [n for n in _weights_of(model) if n not in exclude]
     mats = matrices(nodes)
+    block = int4.get("block_size", 32)
+    cost = extra_bytes(model, nodes, block)
+    del model
     ids, _ = calibration_ids(tokenizer, cfg.vocab_size)
+    room = read_metadata(full).static_kv or cfg.max_position_embeddings  # a static-KV graph holds that many
+    ids = ids[: min(len(ids), room)]
     say(f"measuring each of {len(mats)} matrices' int4 error on {len(ids)} calibration tokens")
-    sens = sensitivities(ref, ids, mats, int4.get("block_size", 32), progress)
-    p = reference_logits(ref, ids)
-    last: list[Any] = [None]
+    states: list[Any] = []
+    sens = sensitivities(ref, ids, mats, block, progress, states)
+    p = states_logits(ref, states[0])
+    through = paths.written_through(target)
+    work = full.parent / "int4-candidates"
+    where = work / "model.onnx" if through else target
+    last: list[Any] = [None, None]  # the last quantize_int4 result, and its kept set
 
     def build(kept: list[str]) -> tuple[float, int]:
         say(f"int4 with {len(kept)} of {len(mats)} matrices 8-bit")
-        last[0] = quantize_int4(full, target, **{**int4, "keep_8bit": tuple(kept)})
-        return mean_kl(p, onnx_logits(target, cfg, ids)), last[0].bytes_after
-    result = choose(sens, max_kl, build)
+        last[0], last[1] = quantize(full, where, **{**int4, "keep_8bit": tuple(kept)}), list(kept)
+        return onnx_kl(where, cfg, ids, p), last[0].bytes_after
+    try:
+        int4_bytes = sum(cost.values()) * (block + 8) // block  # the packed nibbles plus an fp32 scale per block
+        result = choose(sens, goal.max_kl, build, fraction=goal.fraction, cost=cost, size_cap=goal.size_cap,
+                        base=int4_bytes)
+        if through or last[1] != result.kept_8bit:  # the answer is not what is at TARGET now
+            say(f"writing int4 with {len(result.kept_8bit)} of {len(mats)} matrices 8-bit")
+            last[0] = quantize(full, target, **{**int4, "keep_8bit": tuple(result.kept_8bit)})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     result.calibration_tokens, result.seconds = len(ids), time.perf_counter() - t0
     return last[0], result

@@ -31,7 +31,7 @@ from .fused import check_fusable, export_fused
 from .genai import ClientFiles, plan_client_files
 from .onnx_export import ExportResult, export_onnx
 from .preflight import check_output
-from .quant_options import QUANTIZE
+from .quant_options import QUANTIZE, int4_target
 from .quantize import QUALITY_TEXT, QuantizeResult, QuickQuality, quantize_int4, quick_quality
 
 
@@ -60,11 +60,13 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
            say: Callable[[str], None] = lambda msg: None) -> ExportReport:
     """Export SOURCE to OUTPUT: fused when asked and possible (else plain, said in a note), int4 when asked.
 
-    int4: quantize_int4's keyword options (block_size, symmetric, accuracy_level, exclude); None: its defaults.
+    int4: quantize_int4's keyword options (block_size, symmetric, accuracy_level, exclude, algorithm) plus "max_kl"
+    (quant_options.parse_max_kl's input; absent: the default target, quant_options.int4_target); None: defaults.
     Everything appears at OUTPUT at the end, together, or (on any failure, or a signal) nothing does.
     """
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"--quantize {quantize!r}: choose one of {', '.join(QUANTIZE)}")
+    goal = int4_target(int4 or {}) if quantize else None  # a bad --max-kl is refused before any work
     output = check_output(source, output, dtype=dtype, quantize=quantize, client_files=client_files)
     optimize = optimize or quantize is not None or static_kv is not None
     notes: list[str] = []
@@ -87,17 +89,21 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
 
     def to_int4(full: Path, target: Path) -> QuantizeResult:
         opts = dict(int4 or {})
-        max_kl = opts.pop("max_kl", None)
-        if max_kl is None:
+        opts.pop("max_kl", None)
+        from .int4_target import quantize_to_target, untargetable
+
+        why = untargetable(full, opts) if goal is not None and "max_kl" not in (int4 or {}) else None
+        if why:  # the default target, on a graph it cannot place: every matrix int4, said
+            notes.append(f"int4 without the default quality target: {why}")
+        if goal is None or why:
             say("quantizing to int4 (onnxruntime MatMulNBits)")
             return quantize_int4(full, target, **opts)
         from llama_tools.reference import reference_model
         from llama_tools.source import load_tokenizer
 
-        from .int4_target import quantize_to_target
-
+        say(f"int4 to a quality target: {goal.describe()}")
         made, how = quantize_to_target(full, target, reference_model(source, seed=seed), load_tokenizer(source),
-                                       max_kl, opts, say=say, progress=progress)
+                                       goal, opts, say=say, progress=progress, quantize=quantize_int4)
         chosen.append(how)
         return made
 

@@ -1,5 +1,11 @@
 """What `export --quantize` offers, importable without numpy or onnxruntime: the CLI builds its choices here."""
 
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
 QUANTIZE = ("int4",)
 # algorithm -> what it is; both are onnxruntime's own (matmul_nbits_quantizer), run node by node.
 INT4_ALGORITHMS = {
@@ -14,3 +20,71 @@ ACCURACY_LEVEL = 4
 DEFAULT_ALGORITHM = "rtn"
 # `verify int4` without --prompt/--ids starts its greedy decode from this many seeded ids.
 PROMPT_IDS = 8
+
+
+# --- What int4 aims at (--max-kl) ------------------------------------------------------------------------------
+# Measured (benchmarks/bench_int4.py, held-out text): every matrix int4 is the builder's int4 to within noise
+# (SmolLM2-135M KL 0.371 vs 0.372 nats; it loses " Paris"). Keeping the matrices with the most KL per extra byte
+# 8-bit until the calibration KL is half the all-int4 graph's gave 0.142 nats (0.38x the builder's) at 1.25x its
+# bytes on SmolLM2, 1.12x on Gemma 3 270M, 1.11x on Qwen2.5-Coder-0.5B; the cap bounds what the default may spend.
+DEFAULT_FRACTION = 0.5  # of the all-int4 graph's own KL on the calibration text
+DEFAULT_SIZE_CAP = 1.3  # 8-bit may add at most 0.3x the int4 matrices' own bytes (what a decode step reads)
+MAX_NATS = 10.0  # an absolute target above this is no target (uniform over 22,000 tokens is 10 nats)
+NO_TARGET = "none"  # every matrix int4: the plain quantizer
+AUTO = "auto"  # the default below
+
+
+@dataclass(frozen=True)
+class Int4Target:
+    """What int4 aims at: a mean KL in nats, or a fraction of the all-int4 graph's own KL, under a size cap."""
+
+    max_kl: float | None = None  # nats, absolute
+    fraction: float | None = None  # of the all-int4 graph's KL, measured on the calibration text
+    size_cap: float | None = None  # the quantized matrices at most this times their all-int4 bytes (None: no cap)
+
+    def describe(self) -> str:
+        """One line: what the target is."""
+        what = f"mean KL <= {self.max_kl:g} nats" if self.max_kl is not None else \
+            f"mean KL <= {self.fraction:g}x the all-int4 graph's"
+        return what + (f", its matrices at most {self.size_cap:g}x their int4 bytes" if self.size_cap else "")
+
+
+DEFAULT_TARGET = Int4Target(fraction=DEFAULT_FRACTION, size_cap=DEFAULT_SIZE_CAP)
+
+
+def parse_max_kl(value: Any) -> Int4Target | None:
+    """--max-kl's value -> the target: "auto" the default, "none" every matrix int4 (None), NATS an absolute KL,
+    "Fx" (0 < F < 1) F times the all-int4 graph's KL; ValueError naming the option otherwise."""
+    if value is None or isinstance(value, Int4Target):
+        return value
+    text = str(value).strip().lower()
+    if text == AUTO:
+        return DEFAULT_TARGET
+    if text in (NO_TARGET, "off"):
+        return None
+    relative = text.endswith("x")
+    try:
+        number = float(text[:-1] if relative else text)
+    except ValueError:
+        number = math.nan
+    if relative:
+        if not 0 < number < 1:
+            raise ValueError(f"--max-kl {value!r}: a relative target is F x the all-int4 graph's KL with 0 < F < 1, "
+                             f"e.g. 0.5x")
+        return Int4Target(fraction=number)
+    if not 0 < number <= MAX_NATS:  # NaN fails too
+        raise ValueError(f"--max-kl {value!r}: give nats in (0, {MAX_NATS:g}], a fraction such as 0.5x, "
+                         f"{AUTO!r} (the default: {DEFAULT_TARGET.describe()}) or {NO_TARGET!r} (every matrix int4)")
+    return Int4Target(max_kl=number)
+
+
+def int4_target(options: dict[str, Any]) -> Int4Target | None:
+    """The target an int4 export runs to, from quantize_int4's options plus "max_kl" (absent: the default).
+
+    The default applies to symmetric RTN only (the default quantizer): the sensitivity pass emulates it, not HQQ's
+    fitted scales nor asymmetric zero points, so those without --max-kl are every matrix int4, as asked.
+    """
+    if "max_kl" not in options:
+        plain = options.get("algorithm", DEFAULT_ALGORITHM) == "rtn" and options.get("symmetric", True)
+        return DEFAULT_TARGET if plain else None
+    return parse_max_kl(options["max_kl"])

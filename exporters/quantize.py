@@ -255,7 +255,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
                                                   MatMulNBits(x, W_Q4, W_scales[, W_zero_points])
     """
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     t0 = time.perf_counter()
     source, output = Path(source), Path(output)
@@ -462,7 +462,7 @@ def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt
     from llama_tools.loading import load_model
     from llama_tools.model import Llama
 
-    from .onnx_export import read_metadata
+    from .graph_meta import read_metadata
     from .prompts import positions
     from .runtime import OnnxLM, create_session
 
@@ -592,7 +592,7 @@ def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str
     holds one decoder layer at a time: the export's own check needs no session over the whole fp32 graph).
     One side is run and dropped before the other starts.
     """
-    from .onnx_export import read_metadata
+    from .graph_meta import read_metadata
     from .prompts import positions
     from .runtime import OnnxLM, create_session
 

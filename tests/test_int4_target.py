@@ -104,8 +104,9 @@ def test_target_on_a_seeded_model(tmp_path):
     assert all(b == 4 for n, b in bits.items() if n not in r.kept_8bit)
     assert r.met and r.calibration_kl <= loose / 4
     ids = np.random.default_rng(1).integers(3, src.cfg.vocab_size, size=64).tolist()
+    # The loop's reference logits come from the sensitivity pass's final states, a position chunk at a time.
     assert r.calibration_kl == pytest.approx(mean_kl(reference_logits(ref, ids), onnx_logits(q.path, src.cfg, ids)),
-                                             rel=1e-6)
+                                             rel=1e-4)
     assert q.bytes_after > everything.rounds[0].bytes  # 8-bit costs bytes
     with pytest.raises(ValueError, match="--max-kl"):
         quantize_to_target(full, tmp_path / "bad" / "model.onnx", ref, None, float("nan"), {})
@@ -131,3 +132,232 @@ def test_cli_max_kl(tmp_path):
         r = CliRunner().invoke(cli, ["export", "onnx", "tiny", "-o", str(tmp_path / "b" / "model.onnx"), *bad])
         assert r.exit_code != 0 and why in r.output, r.output
         assert not (tmp_path / "b").exists()
+
+
+# --- The default target: half the all-int4 graph's KL, under 1.3x its bytes -------------------------------------
+
+def test_parse_max_kl():
+    from llama_tools.exporters.quant_options import DEFAULT_TARGET, Int4Target, int4_target, parse_max_kl
+
+    assert parse_max_kl("auto") == DEFAULT_TARGET == Int4Target(fraction=0.5, size_cap=1.3)
+    assert parse_max_kl("none") is None and parse_max_kl(" None ") is None
+    assert parse_max_kl("0.1") == Int4Target(max_kl=0.1) and parse_max_kl(0.25) == Int4Target(max_kl=0.25)
+    assert parse_max_kl("0.4x") == Int4Target(fraction=0.4)
+    for bad in ("0", "-1", "nan", "inf", "11", "1x", "0x", "abc", "x", ""):
+        with pytest.raises(ValueError, match="--max-kl"):
+            parse_max_kl(bad)
+    assert int4_target({}) == DEFAULT_TARGET and int4_target({"algorithm": "rtn"}) == DEFAULT_TARGET
+    assert int4_target({"algorithm": "hqq"}) is None  # HQQ's own scales: no default target
+    assert int4_target({"symmetric": False}) is None and int4_target({"symmetric": True}) == DEFAULT_TARGET
+    assert int4_target({"algorithm": "hqq", "max_kl": 0.2}) == Int4Target(max_kl=0.2)
+    assert int4_target({"max_kl": "none"}) is None and int4_target({"max_kl": None}) is None
+
+
+def test_plan_with_costs_takes_the_most_kl_per_byte():
+    sens = {"big": 0.03, "a": 0.02, "b": 0.01, "c": 0.001}
+    cost = {"big": 100, "a": 10, "b": 10, "c": 10}
+    # per byte: a .002, b .001, big .0003, c .0001; alpha 1, 0.7 * 0.03 = .021: a (.041 left), b (.031), big (.001)
+    assert plan(sens, 1.0, 0.03, cost=cost) == ["a", "b", "big"]
+    assert plan(sens, 1.0, 0.03, cost=cost, budget=50) == ["a", "b", "c"]  # big does not fit: skipped, c does
+    assert plan(sens, 1.0, 0.03) == ["big", "a"]  # no costs: the fewest matrices
+
+
+def test_choose_relative_target_under_a_size_cap():
+    """The target is a fraction of the first graph's measured KL; no graph may pass the cap; when none within it
+    meets the target, the closest one built is the answer, said not met."""
+    true = {"m0": 0.05, "m1": 0.02, "m2": 0.01, "m3": 0.001, HEAD: 0.04}
+    cost = {"m0": 10, "m1": 10, "m2": 10, "m3": 10, HEAD: 200}
+    base = 1000
+
+    def build(kept):
+        return sum(v for n, v in true.items() if n not in kept), base + sum(cost[n] for n in kept)
+    r = choose(true, None, build, fraction=0.5, cost=cost, size_cap=1.3)
+    assert r.max_kl == pytest.approx(0.5 * sum(true.values())) and r.rounds[0].kept == 0
+    assert r.met and r.calibration_kl <= r.max_kl and HEAD not in r.kept_8bit  # m0, m1 suffice, 20 bytes not 200
+    assert all(x.bytes <= 1.3 * base for x in r.rounds)
+    tight = choose(true, None, build, fraction=0.1, cost=cost, size_cap=1.03)  # 30 bytes: m0, m1, m2 at most
+    assert not tight.met and set(tight.kept_8bit) == {"m0", "m1", "m2"}
+    assert all(x.bytes <= 1.03 * base for x in tight.rounds)
+    assert tight.calibration_kl == min(x.measured_kl for x in tight.rounds) == pytest.approx(0.041)
+    free = choose(true, None, build, fraction=0.1, cost=cost)  # no cap: the head is kept
+    assert free.met and HEAD in free.kept_8bit
+
+
+def test_extra_bytes_are_what_8bit_adds(tmp_path):
+    """extra_bytes against the files: the graph with one matrix 8-bit weighs that much more than all-int4."""
+    import onnx
+
+    from llama_tools.exporters.fused import export_fused
+    from llama_tools.exporters.int4_target import extra_bytes
+    from llama_tools.exporters.quantize import _weights_of, quantize_int4
+
+    full = tmp_path / "full.onnx"
+    export_fused("tiny", full)
+    model = onnx.load(str(full), load_external_data=False)
+    nodes = list(_weights_of(model))
+    cost = extra_bytes(model, nodes, 32)
+    base = quantize_int4(full, tmp_path / "all.onnx").bytes_after
+    for node in ("/model/layers.0/mlp/down_proj/MatMul", HEAD):
+        grown = quantize_int4(full, tmp_path / "one.onnx", keep_8bit=(node,)).bytes_after - base
+        assert cost[node] > 0 and abs(grown - cost[node]) <= 64 + cost[node] // 100, (node, grown, cost[node])
+    assert cost[HEAD] != cost["/model/layers.0/mlp/down_proj/MatMul"]
+
+
+def _default_export(src, out, int4=None):
+    from llama_tools.exporters.pipeline import export
+
+    return export(src, out, quantize="int4", int4=int4, client_files=False)
+
+
+def test_the_default_on_a_seeded_model(tmp_path):
+    """No --max-kl: half the all-int4 graph's own KL, within 1.3x its bytes, met on the calibration text and on
+    the held-out quality text; `none` is every matrix int4, the very graph the default started from."""
+    import onnx
+
+    from llama_tools.source import resolve
+
+    src = resolve("tiny")
+    rep = _default_export(src, tmp_path / "d" / "model.onnx")
+    t = rep.target
+    assert t is not None and t.fraction == 0.5 and t.size_cap == 1.3
+    assert t.max_kl == pytest.approx(0.5 * t.all_int4_kl) and t.met and t.calibration_kl <= t.max_kl
+    assert rep.bytes <= 1.3 * t.rounds[0].bytes and t.kept_8bit == rep.quantized.kept_8bit
+    assert rep.quality.mean_kl <= t.max_kl  # held out: the quality line's text, in no calibration passage
+    nbits = {n.name: next(a.i for a in n.attribute if a.name == "bits")
+             for n in onnx.load(str(rep.path), load_external_data=False).graph.node if n.op_type == "MatMulNBits"}
+    assert sorted(n.rsplit("_Q", 1)[0] for n, b in nbits.items() if b == 8) == sorted(t.kept_8bit)
+    plain = _default_export(src, tmp_path / "p" / "model.onnx", {"max_kl": "none"})
+    assert plain.target is None and plain.quantized.kept_8bit == [] and plain.bytes == t.rounds[0].bytes
+    assert plain.quality.mean_kl > t.max_kl  # the check can fail: all int4 does not meet the default's target
+    hqq = _default_export(src, tmp_path / "h" / "model.onnx", {"algorithm": "hqq"})
+    assert hqq.target is None  # HQQ: every matrix int4 unless a target is asked for
+
+
+def test_a_bad_target_is_refused_before_the_work(tmp_path):
+    from llama_tools.exporters import pipeline
+    from llama_tools.source import resolve
+
+    calls = []
+    real = pipeline.export_fused
+    pipeline.export_fused = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        for bad in ("0.5y", "0", "2x"):
+            with pytest.raises(ValueError, match="--max-kl"):
+                _default_export(resolve("tiny"), tmp_path / "b" / "model.onnx", {"max_kl": bad})
+    finally:
+        pipeline.export_fused = real
+    assert not calls and not (tmp_path / "b").exists()
+
+
+def test_the_default_written_through_a_device(tmp_path):
+    """A graph written through (here /dev/null) cannot be read back: the candidates are built beside the full graph,
+    the chosen one written last."""
+    import json
+
+    from click.testing import CliRunner
+
+    from llama_tools.cli import cli
+
+    r = CliRunner().invoke(cli, ["export", "onnx", "tiny", "-o", "/dev/null", "--quantize", "int4", "-q",
+                                 "--format", "json"])
+    assert r.exit_code == 0, r.output
+    t = json.loads(r.stdout)["int4_target"]
+    assert t["fraction"] == 0.5 and t["met"] and len(t["rounds"]) >= 2
+
+
+@pytest.mark.slow
+def test_the_default_on_smollm2(smollm2_hf, tmp_path):
+    """SmolLM2-135M loses answers at all-int4 (held-out KL ~0.48): the default halves that for at most 1.3x the bytes,
+    meets its stated target on the held-out quality text, and keeps the most KL per byte 8-bit (not the big head)."""
+    from llama_tools.source import resolve
+
+    rep = _default_export(resolve(str(smollm2_hf)), tmp_path / "d" / "model.onnx")
+    t = rep.target
+    assert t.met and t.calibration_kl <= t.max_kl == pytest.approx(0.5 * t.all_int4_kl)
+    assert 0.3 < t.all_int4_kl < 1.0  # the all-int4 graph really is off (the target is not trivially met)
+    assert rep.bytes <= 1.3 * t.rounds[0].bytes and 0 < len(t.kept_8bit) < len(t.sensitivity)
+    assert rep.quality.mean_kl <= t.max_kl, (rep.quality, t.max_kl)
+    assert HEAD not in t.kept_8bit  # 28M weights for 0.11 nats: the down projections give more per byte
+
+
+def test_the_head_is_read_in_chunks_without_changing_a_figure(monkeypatch):
+    """The lm_head's KL and the Fisher KL, W^8 read 7 rows at a time, equal the one-chunk figures; the head's KL
+    equals the textbook formula on the whole matrix."""
+    import llama_tools.exporters.int4_target as t
+    from llama_tools.model import softcap
+    from llama_tools.reference import reference_model
+    from llama_tools.source import resolve
+
+    ref = reference_model(resolve("tiny"))
+    cfg = ref.cfg
+    z = torch.randn(1, 24, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    streams = z + 0.01 * torch.randn(3, 24, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    whole = t._head_rows(ref)
+    assert whole[1] >= cfg.vocab_size  # tiny's head is one chunk by default
+    one = (t._head_kl(ref, z, 32), t._fisher_kl(ref, z, streams))
+    monkeypatch.setattr(t, "_head_rows", lambda r: (whole[0], 7))
+    many = (t._head_kl(ref, z, 32), t._fisher_kl(ref, z, streams))
+    assert many[0] == pytest.approx(one[0], rel=1e-5) and many[1] == pytest.approx(one[1], rel=1e-5)  # fp32 matmul shapes
+    h = t._final(ref)(z)[0]
+    w = ref.reader.rows(whole[0], [(0, cfg.vocab_size)]).float()
+    lp = torch.log_softmax(softcap(h @ w.T, cfg.final_logit_softcap).double(), -1)
+    lq = torch.log_softmax(softcap(h @ t.fake_quant(w, 4, 32).T, cfg.final_logit_softcap).double(), -1)
+    assert one[0] == pytest.approx(float((lp.exp() * (lp - lq)).sum(-1).mean()), rel=1e-9) and one[0] > 0
+    assert all(f > 0 for f in one[1])
+
+
+def test_streams_in_batches_give_the_same_sensitivities(monkeypatch, tmp_path):
+    """The perturbed streams go through each half-layer a batch at a time (bounded memory): one at a time and all
+    at once give the same figures."""
+    import onnx
+
+    import llama_tools.exporters.int4_target as t
+    from llama_tools.exporters.fused import export_fused
+    from llama_tools.exporters.quantize import _weights_of
+    from llama_tools.reference import reference_model
+    from llama_tools.source import resolve
+
+    src = resolve("tiny")
+    export_fused(src, tmp_path / "m.onnx")
+    mats = matrices(list(_weights_of(onnx.load(str(tmp_path / "m.onnx"), load_external_data=False))))
+    ref = reference_model(src)
+    ids = np.random.default_rng(3).integers(3, src.cfg.vocab_size, size=40).tolist()
+    monkeypatch.setattr(t, "STREAM_BATCH_BYTES", 1)
+    assert t.stream_batch(src.cfg, 40) == 1
+    one = t.sensitivities(ref, ids, mats, 32)
+    monkeypatch.setattr(t, "STREAM_BATCH_BYTES", 2**40)
+    assert t.stream_batch(src.cfg, 40) > len(mats)
+    together = t.sensitivities(ref, ids, mats, 32)
+    assert set(one) == set(together) == {m.node for m in mats} and all(v > 0 for v in one.values())
+    for n in one:
+        assert one[n] == pytest.approx(together[n], rel=1e-4, abs=1e-12), n
+
+
+def test_the_default_passes_over_a_graph_it_cannot_place(tmp_path):
+    """Mixture-of-experts (the plain graph, expert MatMuls): the default target steps aside with a note, every
+    matrix int4; an explicit --max-kl on it is refused in one line naming the option."""
+    import json
+
+    from llama_tools.config_files import config_to_hf
+    from llama_tools.presets import get_preset
+    from llama_tools.source import resolve
+
+    cfg = get_preset("tiny").replace(family="mixtral", num_experts=4, num_experts_per_tok=2, intermediate_size=64)
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(cfg)))
+    src = resolve(str(tmp_path / "config.json"))
+    rep = _default_export(src, tmp_path / "d" / "model.onnx")
+    assert rep.target is None and rep.quantized.kept_8bit == []
+    assert any("without the default quality target" in n and "experts" in n for n in rep.notes), rep.notes
+    with pytest.raises(ValueError, match="--max-kl.*experts"):
+        _default_export(src, tmp_path / "e" / "model.onnx", {"max_kl": 0.1})
+    assert not (tmp_path / "e").exists()
+
+
+def test_fake_quant_a_few_rows_at_a_time(monkeypatch):
+    """Rows are quantized on their own: three rows per step gives the whole matrix's figures bit for bit."""
+    import llama_tools.exporters.int4_target as t
+
+    w = torch.from_numpy(np.random.default_rng(5).standard_normal((50, 70)).astype(np.float32))  # 70: a padded block
+    whole = t.fake_quant(w, 4, 32)
+    monkeypatch.setattr(t, "FAKE_QUANT_ROWS_BYTES", 3 * 8 * 96)
+    assert torch.equal(t.fake_quant(w, 4, 32), whole) and not torch.equal(whole, w)

@@ -14,11 +14,13 @@ from .. import dtypes
 from ..paths import stream_fd
 from ..output import render
 from ..exporters.preflight import SINGLE_FILE_MAX_BYTES
-from ..exporters.quant_options import ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, INT4_ALGORITHMS, QUANTIZE
+from ..exporters.quant_options import (
+    ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, DEFAULT_TARGET, INT4_ALGORITHMS, QUANTIZE)
 from ..progress import peak_rss_bytes, terminal
 
 from .app import cli
-from .params import Choice, DTYPE_CHOICE, Group, ModelArg, SEED, rope_op_option, output_options, say, size_words
+from .params import (
+    Choice, DTYPE_CHOICE, Group, MaxKl, ModelArg, SEED, rope_op_option, output_options, say, size_words)
 
 
 @cli.group(cls=Group, short_help="Export a model to ONNX (plain, fused or int4) with its client files.")
@@ -62,10 +64,11 @@ def export() -> None:
 @click.option("--int4-keep", multiple=True, metavar="NODE",
               help="With --quantize int4: keep this MatMul in full precision (repeatable), e.g. /lm_head/MatMul "
                    "[default: none kept].")
-@click.option("--max-kl", type=click.FloatRange(min=0, min_open=True, max=10), default=None, metavar="NATS",
+@click.option("--max-kl", type=MaxKl(), default=None, metavar="NATS|Fx|auto|none",
               help="With --quantize int4: a quality target. The matrices whose int4 error moves the next-token "
-                   "distribution most (measured on built-in text) stay 8-bit until the mean KL to the full-precision "
-                   "model is at most NATS [default: no target, every matrix int4].")
+                   "distribution most per extra byte (measured on built-in text) stay 8-bit until the mean KL to the "
+                   "full-precision model is at most NATS, or F times the all-int4 graph's own KL (e.g. 0.5x); none: "
+                   f"every matrix int4 [default: auto = {DEFAULT_TARGET.describe()}; symmetric RTN only].")
 @click.option("--no-client-files", is_flag=True, help="Do not write config.json, genai_config.json and the "
                                                       "tokenizer files beside OUTPUT.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Random init of a preset or config.json.")
@@ -74,7 +77,7 @@ def export() -> None:
 def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bool, static_kv: int | None,
                 quantize: str | None, int4_block_size: int | None, int4_asymmetric: bool,
                 int4_accuracy_level: int | None, int4_algorithm: str | None, int4_keep: tuple[str, ...],
-                max_kl: float | None, no_client_files: bool, seed: int,
+                max_kl: str | None, no_client_files: bool, seed: int,
                 quiet: bool, fmt: str) -> None:
     """Write MODEL as one ONNX graph for prefill and decode, with the files clients need beside it.
 
@@ -139,7 +142,10 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
         t = rep.target
         kept = ", ".join(n.removesuffix("/MatMul").removeprefix("/model/") for n in t.kept_8bit[:4])
         more = f", ... ({len(t.kept_8bit) - 4} more)" if len(t.kept_8bit) > 4 else ""
-        rows.append(("int4 target", f"mean KL <= {t.max_kl:g} nats {'met' if t.met else 'NOT met'}: "
+        goal = (f"mean KL <= {t.max_kl:.4f} nats ({t.fraction:g}x the all-int4 graph's {t.all_int4_kl:.4f}"
+                + (f", within {t.size_cap:g}x its int4 bytes)" if t.size_cap else ")") if t.fraction
+                else f"mean KL <= {t.max_kl:g} nats")
+        rows.append(("int4 target", f"{goal} {'met' if t.met else 'NOT met'}: "
                                     f"{t.calibration_kl:.4f} on {t.calibration_tokens} calibration tokens, "
                                     f"{len(t.rounds)} graph(s) tried"))
         rows.append(("kept 8-bit", f"{len(t.kept_8bit)} of {len(t.sensitivity)} matrices" + (f": {kept}{more}" if kept

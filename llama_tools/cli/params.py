@@ -200,3 +200,18 @@ def rope_op_option(help_suffix: str = "") -> Callable:
     return click.option("--rope-op", type=Choice(list(ROPE_OPS)), default=OURS.name, show_default=True,
                         help=lines + help_suffix)
 
+
+
+class MaxKl(click.ParamType):
+    """--max-kl: NATS, Fx, auto or none, checked by quant_options.parse_max_kl; kept as text ("none" must survive)."""
+
+    name = "NATS|Fx|auto|none"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> str:
+        from ..exporters.quant_options import parse_max_kl
+
+        try:
+            parse_max_kl(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        return str(value).strip().lower()
