@@ -30,9 +30,9 @@ from llama_tools.exporters.parity import onnx_step, run_trace, torch_step
 from llama_tools.exporters.pipeline import export
 from llama_tools.exporters.prompts import left_pad
 from llama_tools.exporters.runtime import OnnxLM, create_session
-from llama_tools.presets import get_preset
-from llama_tools.reference import reference_model
-from llama_tools.source import resolve
+from llama_tools.modeling.presets import get_preset
+from llama_tools.inference.reference import reference_model
+from llama_tools.checkpoints.source import resolve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -164,14 +164,14 @@ def main() -> None:
     models = []
     if "tiny" in args.only:
         from helpers import sharp
-        from llama_tools.convert import save_checkpoint
+        from llama_tools.checkpoints.convert import save_checkpoint
 
         save_checkpoint(get_preset("tiny"), {k: v.detach().clone() for k, v in sharp(get_preset("tiny")).state_dict().items()},
                         tmp / "tiny", to="hf")
         models.append(("tiny seeded (sharp q/k)", str(tmp / "tiny"), None, ["float32", "float16", "bfloat16"], {}))
     if "wide" in args.only:
-        from llama_tools.convert import save_checkpoint
-        from llama_tools.model import build_model
+        from llama_tools.checkpoints.convert import save_checkpoint
+        from llama_tools.modeling.model import build_model
 
         cfg = get_preset("tiny").replace(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
                                         num_key_value_heads=32, head_dim=128, num_hidden_layers=2, vocab_size=32000)

@@ -152,7 +152,7 @@ def growth(hf: Path, random_ids: bool = False) -> list[float]:
     import torch
 
     from llama_tools.exporters.prompts import default_inputs, left_pad, random_rows
-    from llama_tools.reference import reference_model
+    from llama_tools.inference.reference import reference_model
 
     src = resolve_source(hf)
     rows = random_rows(src.cfg.vocab_size, 2, 0) if random_ids else default_inputs(src, src.cfg.vocab_size, 64).rows
@@ -178,7 +178,7 @@ def growth(hf: Path, random_ids: bool = False) -> list[float]:
 
 
 def resolve_source(hf: Path):
-    from llama_tools.source import resolve
+    from llama_tools.checkpoints.source import resolve
 
     return resolve(str(hf))
 
@@ -195,7 +195,7 @@ def main() -> None:
     ap.add_argument("--growth", action="store_true", help="only the growth of a one-ulp perturbation per layer")
     ap.add_argument("--keep", type=Path, help="keep the exports here (and reuse them)")
     args = ap.parse_args()
-    from llama_tools.source import resolve
+    from llama_tools.checkpoints.source import resolve
 
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs; python {platform.python_version()}")
     for name in args.only.split(","):

@@ -26,9 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from llama_tools.accounting import count_params
-from llama_tools.config_files import config_to_hf
-from llama_tools.presets import get_preset
+from llama_tools.counting.accounting import count_params
+from llama_tools.checkpoints.config_files import config_to_hf
+from llama_tools.modeling.presets import get_preset
 from llama_tools.reports.shapes import MAX_ROWS, row_count
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -22,14 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from llama_tools.accounting import count_params
-from llama_tools.presets import get_preset
+from llama_tools.counting.accounting import count_params
+from llama_tools.modeling.presets import get_preset
 
 CHILD = """
 import json, resource, sys, time
-from llama_tools.config import ModelConfig
+from llama_tools.modeling.config import ModelConfig
 from llama_tools.exporters.onnx_export import export_onnx
-from llama_tools.source import resolve
+from llama_tools.checkpoints.source import resolve
 src = resolve(sys.argv[1]) if not sys.argv[1].startswith("{") else ModelConfig.from_dict(json.loads(sys.argv[1]))
 t = time.perf_counter()
 res = export_onnx(src, sys.argv[2], dtype=sys.argv[3])
@@ -38,13 +38,13 @@ print(json.dumps({"seconds": time.perf_counter() - t, "bytes": res.bytes,
                   "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
-BASELINE = "import torch, onnx, onnxruntime, llama_tools.model, llama_tools.exporters.onnx_export"
+BASELINE = "import torch, onnx, onnxruntime, llama_tools.modeling.model, llama_tools.exporters.onnx_export"
 # Writes the seeded model as an HF checkpoint (in its own process, so its memory is not the export's).
 WRITE_CKPT = """
 import json, sys
-from llama_tools.config import ModelConfig
-from llama_tools.convert import save_checkpoint
-from llama_tools.model import build_model
+from llama_tools.modeling.config import ModelConfig
+from llama_tools.checkpoints.convert import save_checkpoint
+from llama_tools.modeling.model import build_model
 cfg = ModelConfig.from_dict(json.loads(sys.argv[1]))
 save_checkpoint(cfg, build_model(cfg).state_dict(), sys.argv[2], to="hf")
 """

@@ -57,9 +57,9 @@ def bench(name: str, ckpt: Path, goal: str, tmp: Path) -> list[str]:
 def write_7b_width(layers: int, directory: Path) -> None:
     import torch
 
-    from llama_tools.convert import save_checkpoint
-    from llama_tools.model import build_model
-    from llama_tools.presets import get_preset
+    from llama_tools.checkpoints.convert import save_checkpoint
+    from llama_tools.modeling.model import build_model
+    from llama_tools.modeling.presets import get_preset
 
     cfg = get_preset("llama-7b").replace(num_hidden_layers=layers, torch_dtype="float32")
     with torch.no_grad():

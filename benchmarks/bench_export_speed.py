@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from llama_tools.config import ModelConfig
+from llama_tools.modeling.config import ModelConfig
 from llama_tools.exporters.trace import TRACE_CACHE_ENV
-from llama_tools.presets import get_preset
+from llama_tools.modeling.presets import get_preset
 
 # The plain export of this 30-layer model when issue 19 was filed (every decoder traced by torch.onnx's dynamo
 # exporter, before other speed-ups of the same path): 113 s on a quiet machine, as the issue measured it.
@@ -34,7 +34,7 @@ FILED_SECONDS = 113.0
 
 CHILD = """
 import json, sys, time
-from llama_tools.config import ModelConfig
+from llama_tools.modeling.config import ModelConfig
 cfg = ModelConfig.from_dict(json.loads(sys.argv[1]))
 mode, out = sys.argv[2], sys.argv[3]
 t = time.perf_counter()  # the trace cache: LLAMA_TOOLS_TRACE_CACHE, set by the parent

@@ -106,7 +106,7 @@ def plant(onnx_path: str | Path, fault: str, cfg: Any, layer: int, eps: float = 
         name = _one(sorted(gains), "final norm gain")
         p.replace(name, p.array(name).astype(np.float64) * (1 + eps))
     elif fault == "rope":
-        from llama_tools.rope import rope_inv_freq
+        from llama_tools.modeling.rope import rope_inv_freq
 
         inv = np.array(rope_inv_freq(cfg.replace(rope_theta=cfg.rope_theta * 1.01)), np.float64)  # [n6/2]
         for name, fn in (("cos_cache", np.cos), ("sin_cache", np.sin)):
@@ -274,7 +274,7 @@ def main() -> None:
         import realmodels
 
         args.model = Path(realmodels.smollm2_hf())
-    from llama_tools.source import resolve
+    from llama_tools.checkpoints.source import resolve
 
     cfg = resolve(str(args.model)).cfg
     layer = cfg.num_hidden_layers // 2 if args.layer is None else args.layer

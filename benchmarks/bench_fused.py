@@ -38,9 +38,9 @@ import onnxruntime as ort
 from llama_tools.exporters.genai import write_client_files
 from llama_tools.exporters.onnx_export import export_onnx
 from llama_tools.exporters.quantize import measure_quant_parity, quantize_int4
-from llama_tools.config import ModelConfig
-from llama_tools.presets import get_preset
-from llama_tools.model import build_model
+from llama_tools.modeling.config import ModelConfig
+from llama_tools.modeling.presets import get_preset
+from llama_tools.modeling.model import build_model
 
 
 def config(layers: int) -> ModelConfig:
@@ -257,7 +257,7 @@ def main() -> None:
             import json
 
             from llama_tools.exporters.genai import sentencepiece_to_tokenizer_json
-            from llama_tools.convert import save_checkpoint
+            from llama_tools.checkpoints.convert import save_checkpoint
             sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests/
             from tests.helpers import train_tiny_tokenizer
 

@@ -33,8 +33,8 @@ import onnxruntime as ort
 from llama_tools.exporters.fused import StaticKVSession, export_fused
 from llama_tools.exporters.graph_io import io_names
 from llama_tools.exporters.onnx_export import export_onnx
-from llama_tools.config import ModelConfig
-from llama_tools.presets import get_preset
+from llama_tools.modeling.config import ModelConfig
+from llama_tools.modeling.presets import get_preset
 
 MODELS: dict[str, Callable[[], ModelConfig]] = {
     "tiny": lambda: get_preset("tiny"),

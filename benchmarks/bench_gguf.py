@@ -57,8 +57,8 @@ def count_rows(name: str, path: Path, repeat: int) -> float:
     """In-process and fresh-process counting against the library's open; returns the in-process ratio."""
     import gguf
 
-    from llama_tools.gguf import read as gguf_read
-    from llama_tools.accounting import count_source
+    from llama_tools.checkpoints.gguf import read as gguf_read
+    from llama_tools.counting.accounting import count_source
 
     def ours() -> None:
         gguf_read._open.cache_clear()  # a fresh parse, as a new process makes
@@ -115,8 +115,8 @@ def export_rows(name: str, gguf_path: Path, hf: Path, tmp: Path, verify: bool) -
 
 def verify_reads(name: str, gguf_path: Path, hf: Path, repeat: int) -> None:
     """CPU seconds of verify parity's weight reads (every layer three times in a row) per source."""
-    from llama_tools.gguf.tensors import GgufReader
-    from llama_tools.reference import CheckpointReader
+    from llama_tools.checkpoints.gguf.tensors import GgufReader
+    from llama_tools.inference.reference import CheckpointReader
 
     def reads(reader) -> float:
         layers = {}

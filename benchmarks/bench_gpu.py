@@ -80,8 +80,8 @@ def main() -> int:
 
     from llama_tools.exporters.fused import export_fused
     from llama_tools.exporters.onnx_export import export_onnx
-    from llama_tools.presets import get_preset
-    from llama_tools.model import build_model
+    from llama_tools.modeling.presets import get_preset
+    from llama_tools.modeling.model import build_model
 
     cfg = get_preset("llama-7b").replace(num_hidden_layers=args.layers)
     tdtype = getattr(torch, args.dtype)

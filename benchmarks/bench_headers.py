@@ -19,8 +19,8 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from llama_tools.presets import get_preset
-from llama_tools.inspection import inspect_checkpoint
+from llama_tools.modeling.presets import get_preset
+from llama_tools.checkpoints.inspection import inspect_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import write_sparse_safetensors  # noqa: E402  (a test fixture, shared with the tests)
@@ -74,7 +74,7 @@ def main() -> None:
         if rc != 0:
             print(f"{what} failed (rc {rc}): {tail.strip().splitlines()[-1:]}; timing inspect_checkpoint instead")
             what = "`python -c inspect_checkpoint(DIR)`"
-            wall, rss, rc, tail = child_run([sys.executable, "-c", "import sys; from llama_tools.inspection import "
+            wall, rss, rc, tail = child_run([sys.executable, "-c", "import sys; from llama_tools.checkpoints.inspection import "
                                              "inspect_checkpoint; inspect_checkpoint(sys.argv[1])", str(tmp)])
         print(f"{what} (fresh process, imports included): wall {wall:.3f} s, peak RSS {rss:.1f} MB, rc {rc}")
         wall_py, rss_py, _, _ = child_run([sys.executable, "-c", "pass"])

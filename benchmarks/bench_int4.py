@@ -115,7 +115,7 @@ def export_ours(hf: Path, out: Path, extra: list[str]) -> Row | str:
 _EXPORT = """
 import json, resource, sys
 from llama_tools.exporters.pipeline import export
-from llama_tools.source import resolve
+from llama_tools.checkpoints.source import resolve
 rep = export(resolve(sys.argv[1]), sys.argv[2], quantize="int4", int4=json.loads(sys.argv[3]), client_files=True)
 print(json.dumps({"bytes": rep.bytes, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "int4_target": None}))
@@ -242,8 +242,8 @@ def bench_model(key: str, args: argparse.Namespace, out: list[str]) -> None:
     import realmodels
     import torch
 
-    from llama_tools.loading import load_model
-    from llama_tools.source import load_tokenizer, resolve
+    from llama_tools.checkpoints.loading import load_model
+    from llama_tools.checkpoints.source import load_tokenizer, resolve
 
     hf = Path(getattr(realmodels, MODELS[key])())
     src = resolve(str(hf))

@@ -40,10 +40,10 @@ import torch
 
 from llama_tools.exporters.onnx_export import export_onnx
 from llama_tools.exporters.runtime import create_session
-from llama_tools.accounting import count_params
-from llama_tools.config import ModelConfig
-from llama_tools.presets import get_preset
-from llama_tools.model import Llama, build_model
+from llama_tools.counting.accounting import count_params
+from llama_tools.modeling.config import ModelConfig
+from llama_tools.modeling.presets import get_preset
+from llama_tools.modeling.model import Llama, build_model
 
 MODELS: dict[str, Callable[[], ModelConfig]] = {
     "tiny": lambda: get_preset("tiny"),

@@ -9,7 +9,7 @@ greedy decode steps with the cache) and reports its high-water mark (VmHWM) minu
 after imports, i.e. what the reference itself added:
 
 - full: `load_model(dir)`, every weight in fp32 in RAM (what parity does today);
-- streamed: `llama_tools.reference.StreamedReference(dir)`, one decoder layer's fp32 weights at a time;
+- streamed: `llama_tools.inference.reference.StreamedReference(dir)`, one decoder layer's fp32 weights at a time;
 - session+streamed (--with-session): an fp32 ONNX export of the checkpoint on onnxruntime's CPU provider
   beside the streamed reference, the whole parity run in one process (the issue's goal: <= 1.45x weights).
 
@@ -37,8 +37,8 @@ CHILD = r"""
 import json, resource, sys, time
 import numpy as np, torch
 mode, ckpt, onnx_path = sys.argv[1], sys.argv[2], sys.argv[3]
-from llama_tools.loading import load_model
-from llama_tools.reference import StreamedReference, reference_memory
+from llama_tools.checkpoints.loading import load_model
+from llama_tools.inference.reference import StreamedReference, reference_memory
 from llama_tools.exporters import runtime
 
 def rss(field="VmRSS:"):
@@ -119,9 +119,9 @@ def write_checkpoint(layers: int, dtype: str, directory: Path) -> int:
     """LLaMA-7B width with `layers` decoders, seeded, as HF safetensors; returns the weights' bytes."""
     import torch
 
-    from llama_tools.presets import get_preset
-    from llama_tools.convert import save_checkpoint
-    from llama_tools.model import build_model
+    from llama_tools.modeling.presets import get_preset
+    from llama_tools.checkpoints.convert import save_checkpoint
+    from llama_tools.modeling.model import build_model
 
     cfg = get_preset("llama-7b").replace(num_hidden_layers=layers, torch_dtype=dtype)
     model = build_model(cfg, dtype=getattr(torch, dtype))
@@ -185,7 +185,7 @@ def main() -> None:
               f"{r['peak'] / weights:>9.2f} {r['seconds']:>8.1f}"
               + (f"   (session {gib(r['session_rss'])} GiB; last step max abs {r['last_step_max_abs']:.2g})"
                  if r["last_step_max_abs"] is not None else ""))
-    print("added: peak RSS minus the RSS after imports; model: llama_tools.reference.reference_memory's estimate "
+    print("added: peak RSS minus the RSS after imports; model: llama_tools.inference.reference.reference_memory's estimate "
           "(reference only)")
 
 

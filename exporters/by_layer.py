@@ -34,8 +34,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from llama_tools import dtypes, files
-from llama_tools.progress import Progress, release_freed_memory, silent
+from llama_tools.modeling import dtypes
+from llama_tools.outputs import files
+from llama_tools.outputs.progress import Progress, release_freed_memory, silent
 
 from .compare import DTYPE_LABEL, FP16_PER_FP32, Budget, BudgetCheck, judge
 from .graph_io import INPUT_IDS, LOGITS, present_name
@@ -316,7 +317,7 @@ class LayerReference:
     def __init__(self, reader: Any, dtype: Any, reassociated: bool = False):
         import torch
 
-        from llama_tools.model import rope_tables_of
+        from llama_tools.modeling.model import rope_tables_of
 
         self.reader, self.cfg, self.dtype, self.reassociated = reader, reader.cfg, dtype, reassociated
         self.tables = rope_tables_of(self.cfg, "cpu", torch.float64 if dtype == torch.float64 else torch.float32)
@@ -335,8 +336,8 @@ class LayerReference:
         """Decoder j on z: (Z^{j+1}, K, V); the fp32 weights read one tensor at a time, each cast, then freed."""
         import torch
 
-        from llama_tools.model import DecoderLayer, attention_bias, layer_tables
-        from llama_tools.weights import weight_specs
+        from llama_tools.modeling.model import DecoderLayer, attention_bias, layer_tables
+        from llama_tools.modeling.weights import weight_specs
 
         prefix = f"model.layers.{j}."
         # A pass wider than fp32 (the float64 truth) keeps the matrices in fp32 and widens each one as its
@@ -351,7 +352,7 @@ class LayerReference:
         layer.load_state_dict(state, strict=True, assign=True)
         del state
         if self.reassociated:
-            from llama_tools.reference import reassociate
+            from llama_tools.inference.reference import reassociate
 
             reassociate(layer)
         if wide:
@@ -371,8 +372,8 @@ class LayerReference:
         """Logits from Z^n8: the final norm, then lm_head in row chunks (the streamed reference's own)."""
         import torch
 
-        from llama_tools.model import norm as family_norm
-        from llama_tools.reference import StreamedReference
+        from llama_tools.modeling.model import norm as family_norm
+        from llama_tools.inference.reference import StreamedReference
 
         with torch.device("meta"):
             norm = family_norm(self.cfg)
@@ -489,7 +490,7 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
               budget: Budget | None, progress: Progress) -> ByLayerReport:
     import torch
 
-    from llama_tools.reference import reference_model
+    from llama_tools.inference.reference import reference_model
 
     from .parity import _channel_order, budget_for
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from llama_tools import dtypes
+from llama_tools.modeling import dtypes
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from llama_tools import dtypes
-from llama_tools.config import ModelConfig
-from llama_tools.rope_layouts import HALF, INTERLEAVED
+from llama_tools.modeling import dtypes
+from llama_tools.modeling.config import ModelConfig
+from llama_tools.modeling.rope_layouts import HALF, INTERLEAVED
 
 from .graph_io import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS
 from .rope_ops import ATTR_INTERLEAVED, OP_TYPE

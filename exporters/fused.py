@@ -47,13 +47,14 @@ import torch
 import torch.nn.functional as F
 from onnx_ir.tensor_adapters import TorchTensor
 
-from llama_tools import dtypes, paths
-from llama_tools.config import ModelConfig
-from llama_tools.model import layer_tables, rope_tables_of
-from llama_tools.progress import Progress, peak_rss_bytes, silent
-from llama_tools.rope_layouts import INTERLEAVED
-from llama_tools.source import ModelSource, resolve
-from llama_tools.weights import weight_specs
+from llama_tools.modeling import dtypes
+from llama_tools.outputs import paths
+from llama_tools.modeling.config import ModelConfig
+from llama_tools.modeling.model import layer_tables, rope_tables_of
+from llama_tools.outputs.progress import Progress, peak_rss_bytes, silent
+from llama_tools.modeling.rope_layouts import INTERLEAVED
+from llama_tools.checkpoints.source import ModelSource, resolve
+from llama_tools.modeling.weights import weight_specs
 
 from . import rope_ops
 from .graph_io import io_names
@@ -401,7 +402,7 @@ def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rop
     if isinstance(source, (str, Path)):
         source = resolve(source)
     if isinstance(source, ModelSource) and source.weights is not None:  # a checkpoint: read when written
-        from llama_tools.reference import open_reader
+        from llama_tools.inference.reference import open_reader
 
         assert source.path is not None, "a checkpoint source has a path"
         reader = open_reader(source.path)

@@ -9,9 +9,9 @@
   which only a graph that writes into its past buffer in place (GroupQueryAttention) can honour.
 - `og.Tokenizer(model)` (onnxruntime-extensions) opens `tokenizer_config.json` and `tokenizer.json` in the same
   directory; it never reads a sentencepiece `tokenizer.model`. So a checkpoint that ships only `tokenizer.model`
-  (or a GGUF file) gets a `tokenizer.json` written from it here (llama_tools.tokenizer_files), and a copied
+  (or a GGUF file) gets a `tokenizer.json` written from it here (llama_tools.checkpoints.tokenizer_files), and a copied
   `tokenizer_config.json` that names transformers 5's `TokenizersBackend` gets a class transformers 4 also loads.
-- The source's word is kept (llama_tools.source_files): bos/eos/pad ids as onnxruntime-genai's model builder picks
+- The source's word is kept (llama_tools.checkpoints.source_files): bos/eos/pad ids as onnxruntime-genai's model builder picks
   them (generation_config.json's, else config.json's; an eos list stays a list), generation_config.json byte for
   byte and its do_sample/temperature/top_k/top_p in `search`, the tokenizer files byte for byte, and the chat
   template in the form the source ships it. genai reads the template from tokenizer_config.json's `chat_template`
@@ -29,15 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llama_tools import files
-from llama_tools.config import ModelConfig
-from llama_tools.config_files import config_to_hf
-from llama_tools.header_readers import open_regular
-from llama_tools.source_files import (MAX_TOKENIZER_FILE_BYTES, SAMPLING_KEYS, TOP_K_WHEN_SAMPLING, SourceFiles,
-                                      agreeing_ids, checked_tokenizer_config, json_object, read_bounded,
-                                      read_source_files, template_of_config, tokenizer_files)
-from llama_tools.tokenizer import JsonTokenizer, find_tokenizer, kind_of
-from llama_tools.tokenizer_files import sentencepiece_files
+from llama_tools.outputs import files
+from llama_tools.modeling.config import ModelConfig
+from llama_tools.checkpoints.config_files import config_to_hf
+from llama_tools.checkpoints.header_readers import open_regular
+from llama_tools.checkpoints.source_files import (
+    MAX_TOKENIZER_FILE_BYTES, SAMPLING_KEYS, TOP_K_WHEN_SAMPLING, SourceFiles, agreeing_ids,
+    checked_tokenizer_config, json_object, read_bounded, read_source_files, template_of_config, tokenizer_files)
+from llama_tools.checkpoints.tokenizer import JsonTokenizer, find_tokenizer, kind_of
+from llama_tools.checkpoints.tokenizer_files import sentencepiece_files
 
 GENAI_TYPE = "llama"  # genai's model type: picks its decoder-only pipeline; our I/O names are the same for every family
 FILES = ("config.json", "generation_config.json", "genai_config.json")

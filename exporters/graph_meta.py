@@ -12,8 +12,8 @@ import mmap
 from dataclasses import dataclass
 from pathlib import Path
 
-from llama_tools.config import ModelConfig
-from llama_tools.header_readers import open_regular
+from llama_tools.modeling.config import ModelConfig
+from llama_tools.checkpoints.header_readers import open_regular
 
 META = "llama_tools."  # prefix of our metadata_props keys
 INT4_OP = "MatMulNBits"  # onnxruntime's weight-only int4 MatMul (export --quantize int4 writes it)

@@ -105,7 +105,7 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
     """
     import torch
 
-    from llama_tools.model import layer_masks, layer_tables
+    from llama_tools.modeling.model import layer_masks, layer_tables
 
     cfg = ref.cfg
     by_half: dict[tuple[int, str], list[Matrix]] = {}
@@ -173,7 +173,7 @@ def stream_batch(cfg: Any, n3: int) -> int:
 
 def _final(ref: Any) -> Any:
     """The final RMSNorm with its gain read (Gemma's 1 + γ included)."""
-    from llama_tools.model import norm
+    from llama_tools.modeling.model import norm
 
     final = norm(ref.cfg)
     final.load_state_dict({"weight": ref.reader.read(["model.norm.weight"])["model.norm.weight"].float()})
@@ -208,7 +208,7 @@ def _fisher_kl(ref: Any, z: Any, streams: Any) -> list[float]:
     """
     import torch
 
-    from llama_tools.model import softcap
+    from llama_tools.modeling.model import softcap
 
     if not len(streams):
         return []
@@ -248,7 +248,7 @@ def _head_kl(ref: Any, z: Any, block: int) -> float:
     chunks (the two log-normalizers, then sum p (log p - log p')), so no [n3, n1] tensor is held."""
     import torch
 
-    from llama_tools.model import softcap
+    from llama_tools.modeling.model import softcap
 
     cap = ref.cfg.final_logit_softcap
     h = _final(ref)(z)[0]  # Zbar: [n3, n2]
@@ -445,7 +445,7 @@ def states_logits(ref: Any, z: Any) -> Callable[[int, int], np.ndarray]:
     the final norm, then W^8 a chunk at a time (for Gemma's 262,144 tokens, 192 positions' logits are 0.2 GB)."""
     import torch
 
-    from llama_tools.model import softcap
+    from llama_tools.modeling.model import softcap
 
     h = _final(ref)(z)[0]  # Zbar: [n3, n2]
 
@@ -516,7 +516,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, tokenizer: Any, goal:
 
     import onnx
 
-    from llama_tools import paths
+    from llama_tools.outputs import paths
 
     from .graph_meta import read_metadata
     from .quant_options import Int4Target

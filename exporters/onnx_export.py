@@ -20,13 +20,14 @@ import onnx_ir as ir
 import torch
 
 import llama_tools
-from llama_tools import dtypes, files, paths
-from llama_tools.config import ModelConfig
-from llama_tools.loading import load_model
-from llama_tools.model import Llama, rope_tables_of
-from llama_tools.progress import Progress, peak_rss_bytes, silent
-from llama_tools.source import ModelSource, resolve
-from llama_tools.weights import weight_specs
+from llama_tools.modeling import dtypes
+from llama_tools.outputs import files, paths
+from llama_tools.modeling.config import ModelConfig
+from llama_tools.checkpoints.loading import load_model
+from llama_tools.modeling.model import Llama, rope_tables_of
+from llama_tools.outputs.progress import Progress, peak_rss_bytes, silent
+from llama_tools.checkpoints.source import ModelSource, resolve
+from llama_tools.modeling.weights import weight_specs
 
 from . import onnx_save, rope_ops
 from .preflight import EXTERNAL_DATA_THRESHOLD_BYTES, check_args
@@ -170,7 +171,7 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     torch_dtype = dtypes.to_torch(dt.name)
     streamed = isinstance(source, ModelSource) and source.weights is not None
     if streamed:  # a checkpoint: each weight is read from its file when it is written, one at a time
-        from llama_tools.reference import open_reader
+        from llama_tools.inference.reference import open_reader
 
         assert isinstance(source, ModelSource) and source.path is not None, "a checkpoint source has a path"
         reader = open_reader(source.path)

@@ -28,7 +28,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from llama_tools import dtypes
+from llama_tools.modeling import dtypes
 
 from .preflight import SINGLE_FILE_MAX_BYTES  # noqa: F401  (re-exported: the save's default)
 

@@ -22,11 +22,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from llama_tools import dtypes, files
-from llama_tools.progress import Progress, silent
-from llama_tools.rope_layouts import HALF, INTERLEAVED
-from llama_tools.source import ModelSource, resolve
-from llama_tools.tokenizer import check_vocab
+from llama_tools.modeling import dtypes
+from llama_tools.outputs import files
+from llama_tools.outputs.progress import Progress, silent
+from llama_tools.modeling.rope_layouts import HALF, INTERLEAVED
+from llama_tools.checkpoints.source import ModelSource, resolve
+from llama_tools.checkpoints.tokenizer import check_vocab
 
 from .compare import BUDGET, DTYPE_LABEL, FP16_PER_FP32, BudgetCheck, Budget, DecodeCheck, judge, margin
 from .foreign import GraphIO, check_matches, describe_graph, foreign_lm
@@ -152,7 +153,7 @@ def verify_parity(target: ParityTarget, *, prompts: list[list[int]] | None = Non
                          f"measure it with `llama-tools verify int4 {target.onnx_path}` (top-1, KL, perplexity)")
     if target.onnx_path is not None:
         return _verify(target.onnx_path, target, prompts, provider, steps, tf32, budget, progress)
-    # A temp dir of ours (llama_tools.files): removed on SIGTERM too, and after a SIGKILL by the next run.
+    # A temp dir of ours (llama_tools.outputs.files): removed on SIGTERM too, and after a SIGKILL by the next run.
     with files.temp_dir("parity") as tmp:
         exported = export_onnx(target.source, Path(tmp) / "model.onnx", dtype=dtype, rope_op=rope_op,
                                seed=target.seed, progress=progress)
@@ -237,7 +238,7 @@ def _verify(onnx_path: Path, target: ParityTarget, prompts: list[list[int]] | No
     """Run the graph, PyTorch in its dtype and PyTorch in float64 on the same ids; judge each tensor."""
     import torch
 
-    from llama_tools.reference import reference_model
+    from llama_tools.inference.reference import reference_model
 
     start = time.perf_counter()
     meta = target.meta

@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from llama_tools import files, paths
-from llama_tools.progress import Progress, release_freed_memory, silent
-from llama_tools.source import ModelSource
+from llama_tools.outputs import files, paths
+from llama_tools.outputs.progress import Progress, release_freed_memory, silent
+from llama_tools.checkpoints.source import ModelSource
 
 from .fused import check_fusable, export_fused
 from .genai import ClientFiles, plan_client_files
@@ -98,8 +98,8 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
         if goal is None or why:
             say("quantizing to int4 (onnxruntime MatMulNBits)")
             return quantize_int4(full, target, **opts)
-        from llama_tools.reference import reference_model
-        from llama_tools.source import load_tokenizer
+        from llama_tools.inference.reference import reference_model
+        from llama_tools.checkpoints.source import load_tokenizer
 
         say(f"int4 to a quality target: {goal.describe()}")
         made, how = quantize_to_target(full, target, reference_model(source, seed=seed), load_tokenizer(source),
@@ -150,8 +150,8 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
 def _quality(source: ModelSource, int4: Path, seed: int) -> QuickQuality:
     """The int4 graph scored against the full-precision model, streamed a layer at a time (no fp32 session):
     real text through the tokenizer, else seeded ids."""
-    from llama_tools.reference import reference_model
-    from llama_tools.source import load_tokenizer
+    from llama_tools.inference.reference import reference_model
+    from llama_tools.checkpoints.source import load_tokenizer
 
     tok = load_tokenizer(source)
     if tok is not None:

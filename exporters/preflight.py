@@ -12,8 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llama_tools import dtypes, paths
-from llama_tools.source import MAX_RANDOM_INIT_BYTES, ModelSource
+from llama_tools.modeling import dtypes
+from llama_tools.outputs import paths
+from llama_tools.checkpoints.source import MAX_RANDOM_INIT_BYTES, ModelSource
 
 from . import rope_ops
 
@@ -82,7 +83,7 @@ def check_tokenizer(source: ModelSource, *, client_files: bool = True, quantize:
     can be made (ids as the config says); one-line ValueErrors naming the files. Nothing when none is used."""
     if not client_files and quantize is None:
         return
-    from llama_tools.source import load_tokenizer
+    from llama_tools.checkpoints.source import load_tokenizer
 
     tok = load_tokenizer(source)
     if tok is not None and client_files:
@@ -93,7 +94,7 @@ def check_tokenizer(source: ModelSource, *, client_files: bool = True, quantize:
 
 def _weight_bytes(source: ModelSource, dtype: str) -> int:
     """The graph's weights at `dtype`, exactly from the config (constant time in the number of layers)."""
-    from llama_tools.accounting import count_params
+    from llama_tools.counting.accounting import count_params
 
     return count_params(source.cfg).total * int(dtypes.get(dtypes.model_dtype(dtype).name).bytes)
 

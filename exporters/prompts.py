@@ -89,7 +89,7 @@ def render_chat(template: str, user: str, bos: str | None, eos: str | None) -> s
 
 def text_inputs(tok: Any, vocab_size: int, longest: int) -> Inputs:
     """The built-in passages (and a chat turn) through `tok`, each row cut to ROW_TOKENS and to `longest` tokens."""
-    from llama_tools.tokenizer import check_vocab
+    from llama_tools.checkpoints.tokenizer import check_vocab
 
     texts = list(PASSAGES)
     rendered = None
@@ -119,7 +119,7 @@ def text_inputs(tok: Any, vocab_size: int, longest: int) -> Inputs:
 def default_inputs(source: Any, vocab_size: int, context: int, *, random_ids: int | None = None,
                    seed: int = 0) -> Inputs:
     """Real text through MODEL's tokenizer when it has one; seeded random ids with --random-ids N or without one."""
-    from llama_tools.source import load_tokenizer
+    from llama_tools.checkpoints.source import load_tokenizer
 
     tok = load_tokenizer(source) if random_ids is None else None
     if tok is not None:

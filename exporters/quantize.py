@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from llama_tools import files
+from llama_tools.outputs import files
 
 from .quant_options import ACCURACY_LEVEL, BLOCK_SIZE, INT4_ALGORITHMS, PROMPT_IDS
 
@@ -347,7 +347,7 @@ def _save_streamed(model: Any, base: Path, output: Path) -> None:
     import onnx_ir as ir
     from onnx.external_data_helper import uses_external_data
 
-    from llama_tools.progress import silent
+    from llama_tools.outputs.progress import silent
 
     from .onnx_export import save_model
     from .onnx_save import SINGLE_FILE_MAX_BYTES
@@ -459,8 +459,8 @@ def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt
     """
     import torch
 
-    from llama_tools.loading import load_model
-    from llama_tools.model import Llama
+    from llama_tools.checkpoints.loading import load_model
+    from llama_tools.modeling.model import Llama
 
     from .graph_meta import read_metadata
     from .prompts import positions

@@ -1,6 +1,6 @@
 """RoPE as one ONNX node, and the registry of the nodes it can be: ours, onnxruntime's, or ONNX's.
 
-The model calls the torch custom op `llama_tools::rope` (llama_tools/model.py), which torch.export keeps
+The model calls the torch custom op `llama_tools::rope` (llama_tools/modeling/model.py), which torch.export keeps
 as one call; `translation_table` tells torch.onnx which single ONNX node to emit for it. Our op's
 FunctionProto is attached after the export (the exporter inlines local functions), so stock onnxruntime
 runs the model on any provider with no extra library.
@@ -71,7 +71,7 @@ def our_schema() -> "onnx.defs.OpSchema":
     """Our op's contract, for onnxscript to build the node (not registered process-wide)."""
     return _schema(
         OP_TYPE, DOMAIN,
-        "llama_tools.model.rope: x [batch, heads, seq, head_dim] rotated by the angles of position_ids [batch, seq], "
+        "llama_tools.modeling.model.rope: x [batch, heads, seq, head_dim] rotated by the angles of position_ids [batch, seq], "
         "in fp32 from fp32 tables [max_pos, head_dim / 2], cast back to x's type. interleaved 1: pairs (x0, x1), "
         "(x2, x3)... (Meta); 0: halves (HF). num_heads > 0 (optional, default 0): x is 3-D "
         "[batch, seq, num_heads * head_dim] instead, as a packed projection leaves it. rotary_heads > 0 (optional, "
@@ -94,7 +94,7 @@ def ort_schema() -> "onnx.defs.OpSchema":
     )
 
 
-# --- The function body: the same math as llama_tools.model.rope, in ONNX ------------------------------
+# --- The function body: the same math as llama_tools.modeling.model.rope, in ONNX ------------------------------
 #
 # Channel i of a head is rotated with its partner channel p(i) by the angle in column c(i) of the tables:
 #   halves (HF):        p(i) = (i + d/2) mod d,   c(i) = i mod d/2,   x0 = the first half

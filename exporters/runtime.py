@@ -26,7 +26,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from llama_tools import dtypes
+from llama_tools.modeling import dtypes
 
 from .graph_io import LOGITS, past_name, present_name
 

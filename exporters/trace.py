@@ -26,9 +26,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import llama_tools
-from llama_tools.config import ModelConfig
-from llama_tools.model import Llama, tie_weights
-from llama_tools.progress import Progress, silent
+from llama_tools.modeling.config import ModelConfig
+from llama_tools.modeling.model import Llama, tie_weights
+from llama_tools.outputs.progress import Progress, silent
 
 from . import graph_io, rope_ops
 from .graph_io import ATTENTION_MASK, io_names
@@ -281,8 +281,8 @@ def _trace_cache_path(template: ModelConfig, dtype: torch.dtype, rope_op: str, o
     root = Path(where)
     code = hashlib.sha256()
     core, here = Path(llama_tools.__file__).parent, Path(__file__).parent
-    for f in (core / "model.py", core / "config.py", here / "trace.py", here / "onnx_export.py", here / "rope_ops.py",
-              here / "graph_io.py"):
+    for f in (core / "modeling" / "model.py", core / "modeling" / "config.py", here / "trace.py",
+              here / "onnx_export.py", here / "rope_ops.py", here / "graph_io.py"):
         code.update(f.read_bytes())
     key = {"config": {k: v for k, v in template.to_dict().items() if k not in ("name", "source")},
            "dtype": str(dtype), "rope_op": rope_op, "opset": opset, "code": code.hexdigest(),

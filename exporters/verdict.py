@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llama_tools import files
-from llama_tools.progress import Progress, silent
+from llama_tools.outputs import files
+from llama_tools.outputs.progress import Progress, silent
 
 from .by_layer import ByLayerReport, _by_layer
 from .parity_options import MODES, WHOLE_GRAPH_BYTES

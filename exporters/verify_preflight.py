@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from llama_tools.config import ModelConfig
-from llama_tools.source import ModelSource, resolve
+from llama_tools.modeling.config import ModelConfig
+from llama_tools.checkpoints.source import ModelSource, resolve
 
 from .graph_meta import INT4_OP, check_int4_graph, has_our_metadata, is_int4, read_metadata
 

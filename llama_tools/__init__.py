@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .config import ModelConfig
-from .config_files import load_config
-from .presets import get_preset, preset_names
+from .modeling.config import ModelConfig
+from .checkpoints.config_files import load_config
+from .modeling.presets import get_preset, preset_names
 
 if TYPE_CHECKING:
-    from .model import Llama
+    from .modeling.model import Llama
 
 __version__ = "0.1.0"
 __all__ = ["ModelConfig", "get_preset", "load_config", "preset_names", "load_model", "__version__"]
@@ -21,6 +21,6 @@ __all__ = ["ModelConfig", "get_preset", "load_config", "preset_names", "load_mod
 
 def load_model(source: Any, dtype: Any = "float32", device: str = "cpu", seed: int = 0) -> "Llama":  # noqa: D401
     """A preset name, a config.json, or a checkpoint directory -> an eval-mode `Llama`."""
-    from .loading import load_model as _load
+    from .checkpoints.loading import load_model as _load
 
     return _load(source, dtype=dtype, device=device, seed=seed)

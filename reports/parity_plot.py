@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llama_tools import files, paths
+from llama_tools.outputs import files, paths
 
 EXTRA = "plot"
 PANELS = (("hidden", "hidden state $Z^{j+1}$\n(channels in RMS units)"), ("key", "present K"), ("value", "present V"))

@@ -4,7 +4,7 @@
     python -m reports.regenerate [--out DIR]               # write into DIR (default: the current directory)
 
 It writes where it is told, never into an installed package (site-packages), and the files of one run
-appear together (llama_tools.files.atomic_files).
+appear together (llama_tools.outputs.files.atomic_files).
 
 Everything written is a function of the presets and the settings below: no dates, no versions.
 """
@@ -15,11 +15,11 @@ import argparse
 import sysconfig
 from pathlib import Path
 
-from llama_tools import dtypes
-from llama_tools.files import atomic_files
-from llama_tools.paths import check_output_path
-from llama_tools.output import render
-from llama_tools.presets import PAPER_MODELS, get_preset
+from llama_tools.modeling import dtypes
+from llama_tools.outputs.files import atomic_files
+from llama_tools.outputs.paths import check_output_path
+from llama_tools.outputs.tables import render
+from llama_tools.modeling.presets import PAPER_MODELS, get_preset
 
 from .shapes import ShapeReport, render_report, shape_report
 
@@ -67,7 +67,7 @@ def summary(reports: list[ShapeReport]) -> str:
         f"batch {BATCH}, past {PAST}, bytes at {DTYPE} (token ids at int64). Do not edit by hand; "
         "`tests/test_reports.py` fails when these files are stale.",
         "",
-        "Each `<model>.csv` lists every weight (from `llama_tools.weights.weight_specs`) and every activation "
+        "Each `<model>.csv` lists every weight (from `llama_tools.modeling.weights.weight_specs`) and every activation "
         "of one forward pass in the paper's order; a per-head row (Q^{j,i}, scores, ...) gives the shape of one "
         "block and `count` blocks, and `numel`/`bytes` cover all of them.",
         "",

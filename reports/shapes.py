@@ -1,9 +1,9 @@
 """The shape report: every weight and every activation of one forward pass, in the paper's order.
 
-Weights come from `llama_tools.weights.weight_specs` (the one name table); activations follow
+Weights come from `llama_tools.modeling.weights.weight_specs` (the one name table); activations follow
 sections 5-7 of the paper (Z^j, rnorm, Q/K/V and their per-head blocks, rope, scores, softmax,
 U, R, Y, the SwiGLU intermediates, Z^{j+1}, the final rnorm and the logits H), with the batch
-axis in front and the shapes of `llama_tools.model.Llama`'s tensors. A per-head row
+axis in front and the shapes of `llama_tools.modeling.model.Llama`'s tensors. A per-head row
 (Q^{j,i}, scores, ...) has the shape of one block and `count` blocks; numel and bytes cover all of them.
 No torch and no pandas here: `to_frame` imports pandas when asked.
 The families' extra steps (families.py) get rows of their own, none of which a plain LLaMA has: Qwen3's and
@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llama_tools import dtypes
-from llama_tools.config import ModelConfig
-from llama_tools.families import SLIDING
-from llama_tools.weights import WeightSpec, weight_specs
+from llama_tools.modeling import dtypes
+from llama_tools.modeling.config import ModelConfig
+from llama_tools.modeling.families import SLIDING
+from llama_tools.modeling.weights import WeightSpec, weight_specs
 
 if TYPE_CHECKING:
-    from llama_tools.transformers_count import ModuleTree
+    from llama_tools.counting.transformers_count import ModuleTree
 
 LAYER_CHOICES = ("all", "first")
 ONLY_CHOICES = ("all", "weights", "activations")
@@ -491,18 +491,18 @@ def infer_format(path: str | None, fmt: str | None) -> str:
 
 
 def render_report(report: ShapeReport, fmt: str) -> str:
-    """The report as text; CSV through pandas, the rest through llama_tools.output.render."""
+    """The report as text; CSV through pandas, the rest through llama_tools.outputs.tables.render."""
     if fmt == "csv":
         return to_frame(report).to_csv(index=False, lineterminator="\n")
-    from llama_tools.output import render
+    from llama_tools.outputs.tables import render
 
     return render(report.records(), fmt, json_payload=report.payload()) + "\n"
 
 
 def write_report(report: ShapeReport, path: str | Path, fmt: str) -> None:
     """Write atomically (a reader never sees half a report); a device or FIFO is written through."""
-    from llama_tools.files import write_chunks
-    from llama_tools.paths import check_output_path
+    from llama_tools.outputs.files import write_chunks
+    from llama_tools.outputs.paths import check_output_path
 
     check_output_path(path)  # a directory or /proc path is refused before rendering
     write_chunks(path, [render_report(report, fmt)])

@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="compare a retrain with the committed file")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from llama_tools.presets import get_preset
+    from llama_tools.modeling.presets import get_preset
 
     paths = sorted(args.texts or glob.glob(DEFAULT_TEXT))
     if not paths:

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from llama_tools import dtypes
-from llama_tools.config import ModelConfig
-from llama_tools.config_files import config_to_hf
-from llama_tools.formats import checkpoint_tensors
-from llama_tools.model import Llama, build_model
-from llama_tools.weight_files import write_index
+from llama_tools.modeling import dtypes
+from llama_tools.modeling.config import ModelConfig
+from llama_tools.checkpoints.config_files import config_to_hf
+from llama_tools.checkpoints.formats import checkpoint_tensors
+from llama_tools.modeling.model import Llama, build_model
+from llama_tools.checkpoints.weight_files import write_index
 
 QK_SCALE = 15.0
 

@@ -12,10 +12,10 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from llama_tools.accounting import PAPER_FIGURES, count_params, paper_formula
+from llama_tools.counting.accounting import PAPER_FIGURES, count_params, paper_formula
 from llama_tools.cli import cli
-from llama_tools.config_files import config_to_hf
-from llama_tools.presets import PAPER_MODELS, PRESETS, get_preset
+from llama_tools.checkpoints.config_files import config_to_hf
+from llama_tools.modeling.presets import PAPER_MODELS, PRESETS, get_preset
 from helpers import write_sparse_safetensors
 
 # Section 10 of the paper, digits as printed ("66 070 7376", "128 5160 9600", ...).
@@ -104,8 +104,8 @@ def test_moe_active_parameters():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_counts_equal_numel_of_the_module_on_the_meta_device(name):
     torch = pytest.importorskip("torch")
-    from llama_tools.model import build_model
-    from llama_tools.weights import weight_specs
+    from llama_tools.modeling.model import build_model
+    from llama_tools.modeling.weights import weight_specs
 
     cfg = PRESETS[name]
     model = build_model(cfg, device="meta")
@@ -240,8 +240,8 @@ def test_replace_derives_head_dim_and_kv_heads_again():
 
 def test_table_says_tied_in_the_lm_head_row():
     """Tied: the lm_head row says so (and the total counts D once); untied: it holds n1 x n2."""
-    from llama_tools.accounting import count_params, summary_rows
-    from llama_tools.presets import get_preset
+    from llama_tools.counting.accounting import count_params, summary_rows
+    from llama_tools.modeling.presets import get_preset
 
     cfg = get_preset("tiny")
     for tied in (True, False):

@@ -56,10 +56,24 @@ def layer(name: str) -> str:
     return "core"
 
 
+# The core's subpackages, lowest first: each imports only those below it (and itself); one rank, no arrows between.
+CORE_RANKS = {"outputs": 0, "modeling": 1, "checkpoints": 2, "counting": 3, "inference": 3}
+
+
+def core_package(name: str) -> str | None:
+    """The core subpackage a module belongs to (llama_tools.modeling.model -> modeling), or None."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "llama_tools" and parts[1] in CORE_RANKS else None
+
+
 def violations(mods: dict[str, set[str]]) -> list[str]:
     bad = []
     for name, imports in mods.items():
         for imp in imports:
+            mine, theirs = core_package(name), core_package(imp)
+            if mine and theirs and mine != theirs and CORE_RANKS[theirs] >= CORE_RANKS[mine]:
+                bad.append(f"{name} ({mine}) imports {imp} ({theirs}): an arrow up or sideways between the core's "
+                           "subpackages")
             if imp.split(".")[0] in ("exporters", "reports"):
                 bad.append(f"{name} imports {imp}: installed as llama_tools.{imp}")
             if imp == "click" and layer(name) != "cli":
@@ -86,6 +100,28 @@ def test_the_check_sees_a_violation(tmp_path):
     bad.write_text("import click\nfrom .exporters.onnx_export import export_onnx\nimport reports.shapes\n")
     found = violations({"llama_tools.bad": imported_modules(bad, "llama_tools")})
     assert len(found) == 3, found
+    up = tmp_path / "up.py"  # the model reaching up into checkpoint files and into inference
+    up.write_text("from ..checkpoints.load import load_checkpoint\nfrom ..inference import reference\n")
+    found = violations({"llama_tools.modeling.up": imported_modules(up, "llama_tools.modeling"),
+                        "llama_tools.counting.up": imported_modules(up, "llama_tools.counting")})
+    assert len(found) == 3, found  # modeling -> checkpoints, modeling -> inference, counting -> inference (sideways)
+
+
+def test_every_core_module_is_in_a_subpackage():
+    """Folders show the architecture: the core's modules live in its subpackages; the top holds only __init__."""
+    assert [p.name for p in (ROOT / "llama_tools").glob("*.py") if p.name != "__init__.py"] == []
+    subpackages = {p.name for p in (ROOT / "llama_tools").iterdir() if (p / "__init__.py").exists()}
+    assert subpackages == set(CORE_RANKS) | {"cli"}
+
+
+def test_the_layout_page_names_every_module():
+    """docs/layout.md is the map a newcomer reads: every subpackage and module of the wheel is on it."""
+    page = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", page))
+    names = {n: n.split(".")[-1] for n in modules()}
+    missing = sorted(n for n, last in names.items() if last not in words and last != "llama_tools" and
+                     not last.startswith("__"))
+    assert missing == []
 
 
 def test_one_installed_package_built_from_the_folders():

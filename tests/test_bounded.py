@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from llama_tools.accounting import count_params, layer_rows, long_rows, paper_formula
+from llama_tools.counting.accounting import count_params, layer_rows, long_rows, paper_formula
 from llama_tools.cli import cli
-from llama_tools.config import ModelConfig
-from llama_tools.config_files import config_to_hf
-from llama_tools.presets import PRESETS, get_preset
-from llama_tools.weights import weight_specs
+from llama_tools.modeling.config import ModelConfig
+from llama_tools.checkpoints.config_files import config_to_hf
+from llama_tools.modeling.presets import PRESETS, get_preset
+from llama_tools.modeling.weights import weight_specs
 from llama_tools.reports import shapes
 from llama_tools.reports.regenerate import generated_names, regenerate
 from llama_tools.reports.shapes import row_count, shape_report, weight_rows

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llama_tools.exporters.compare import BUDGET, EPS, FP16_PER_FP32, Budget, judge
-from llama_tools.model import RMSNorm, wide
+from llama_tools.modeling.model import RMSNorm, wide
 
 B = Budget(multiple=4.0, floor_ulps=1.0, min_cosine=0.9)
 
@@ -160,7 +160,7 @@ def test_a_second_implementation_sums_in_another_order():
     bitwise equal, within fp32 rounding of the sums), so its error to float64 is a second, independent sample."""
     import torch
 
-    from llama_tools.reference import REASSOCIATE_CHUNK, reassociate, reassociated_matmul
+    from llama_tools.inference.reference import REASSOCIATE_CHUNK, reassociate, reassociated_matmul
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 7, 4 * REASSOCIATE_CHUNK + 5, generator=g), torch.randn(50, 4 * REASSOCIATE_CHUNK + 5,

@@ -15,14 +15,14 @@ import torch
 from click.testing import CliRunner
 
 from llama_tools.cli import cli
-from llama_tools.convert import save_checkpoint
+from llama_tools.checkpoints.convert import save_checkpoint
 from llama_tools.exporters import runtime
 from llama_tools.exporters.by_layer import EMBEDDING, HEAD, BlockRunner, GraphBlocks, verify_by_layer
 from llama_tools.exporters.fused import export_fused
 from llama_tools.exporters.onnx_export import export_onnx
 from llama_tools.exporters.parity import resolve_target
 from llama_tools.exporters.prompts import left_pad, positions
-from llama_tools.presets import get_preset
+from llama_tools.modeling.presets import get_preset
 from helpers import sharp
 
 CFG = get_preset("tiny").replace(num_hidden_layers=3)  # GQA 4/2 heads of 16
@@ -180,8 +180,8 @@ def test_a_graph_without_layer_names_is_refused(tmp_path):
 def test_the_float64_layer_widened_on_use_is_the_float64_layer(checkpoint):
     """The truth keeps matrices in fp32 and widens each as it runs: bit for bit a layer built in float64."""
     from llama_tools.exporters.by_layer import LayerReference
-    from llama_tools.model import DecoderLayer
-    from llama_tools.reference import CheckpointReader
+    from llama_tools.modeling.model import DecoderLayer
+    from llama_tools.inference.reference import CheckpointReader
 
     reader = CheckpointReader(checkpoint)
     _, mask = left_pad(PROMPTS)
@@ -191,7 +191,7 @@ def test_the_float64_layer_widened_on_use_is_the_float64_layer(checkpoint):
     layer = DecoderLayer(CFG).to(torch.float64)
     names = [n for n in reader.where if n.startswith("model.layers.1.")]
     layer.load_state_dict({n.removeprefix("model.layers.1."): t.double() for n, t in reader.read(names).items()})
-    from llama_tools.model import attention_bias
+    from llama_tools.modeling.model import attention_bias
 
     bias = attention_bias(CFG, mask.shape[1], 0, torch.from_numpy(mask), torch.float32, z.device).double()
     with torch.no_grad():

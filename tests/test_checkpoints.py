@@ -17,13 +17,13 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from llama_tools import load_model
-from llama_tools.checkpoints import load_checkpoint, read_checkpoint, torch_load
+from llama_tools.checkpoints.load import load_checkpoint, read_checkpoint, torch_load
 from llama_tools.cli import cli
-from llama_tools.config_files import config_from_meta, config_to_hf
-from llama_tools.presets import get_preset
-from llama_tools.convert import save_checkpoint
-from llama_tools.layouts import half_to_interleaved, interleaved_to_half
-from llama_tools.model import build_model
+from llama_tools.checkpoints.config_files import config_from_meta, config_to_hf
+from llama_tools.modeling.presets import get_preset
+from llama_tools.checkpoints.convert import save_checkpoint
+from llama_tools.checkpoints.layouts import half_to_interleaved, interleaved_to_half
+from llama_tools.modeling.model import build_model
 
 TINY = get_preset("tiny")  # 4 query heads over 2 KV heads: GQA, so a k permutation with n5 would show
 IDS = torch.tensor([[1, 17, 300, 5, 99, 42, 7, 250, 3, 64, 128, 11]])

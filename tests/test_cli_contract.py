@@ -30,12 +30,12 @@ from llama_tools.exporters.parity_options import WHOLE_GRAPH_BYTES
 from llama_tools.exporters.preflight import SINGLE_FILE_MAX_BYTES
 from llama_tools.exporters.quant_options import ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, PROMPT_IDS
 from llama_tools.exporters.verify_preflight import Room
-from llama_tools.formats import WRITABLE
-from llama_tools.generation import next_token
-from llama_tools.presets import ALIASES, PRESETS, get_preset
-from llama_tools.sampling import FLOAT32_MAX, FLOAT32_TINY, check_sampling
-from llama_tools.source import resolve
-from llama_tools.tokenizer import KINDS
+from llama_tools.checkpoints.formats import WRITABLE
+from llama_tools.inference.generation import next_token
+from llama_tools.modeling.presets import ALIASES, PRESETS, get_preset
+from llama_tools.inference.sampling import FLOAT32_MAX, FLOAT32_TINY, check_sampling
+from llama_tools.checkpoints.source import resolve
+from llama_tools.checkpoints.tokenizer import KINDS
 from test_fast_refusals import write_graph
 from test_hostile import assert_one_line, invoke
 

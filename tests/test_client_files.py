@@ -19,10 +19,10 @@ import pytest
 from click.testing import CliRunner
 
 from llama_tools.cli import cli
-from llama_tools.convert import convert
+from llama_tools.checkpoints.convert import convert
 from llama_tools.exporters.pipeline import export
-from llama_tools.source import resolve
-from llama_tools.tokenizer_files import sentencepiece_files
+from llama_tools.checkpoints.source import resolve
+from llama_tools.checkpoints.tokenizer_files import sentencepiece_files
 
 IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 SAMPLING = ("do_sample", "temperature", "top_k", "top_p")  # what onnxruntime-genai's builder puts in `search`

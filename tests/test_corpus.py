@@ -25,7 +25,7 @@ from llama_tools.cli import cli
 from llama_tools.exporters.onnx_export import export_onnx
 from llama_tools.exporters.parity import resolve_target
 from llama_tools.exporters.verdict import parity_inputs, verify
-from llama_tools.source import resolve
+from llama_tools.checkpoints.source import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("bench_faults", ROOT / "benchmarks" / "bench_faults.py")
@@ -104,7 +104,7 @@ def test_qwen2_gguf_is_read_directly(qwen2_gguf, qwen2_hf, tmp_path):
     as the HF checkpoint is, its vocabulary encoding as the converted tokenizer.json does, and the plain export of
     transformers' conversion judged against it by layer: transformers' GGUF reader and ours, one file."""
     from llama_tools.exporters.prompts import CHAT_TURN, PASSAGES
-    from llama_tools.tokenizer import Tokenizer
+    from llama_tools.checkpoints.tokenizer import Tokenizer
 
     gguf_count = CliRunner().invoke(cli, ["count-params", str(qwen2_gguf), "--format", "json"])
     hf_count = CliRunner().invoke(cli, ["count-params", str(qwen2_hf), "--format", "json"])

@@ -1,5 +1,5 @@
 """Every decoder transformers ships, counted exactly: the native way where a family here models it, else from
-transformers' module tree (llama_tools/transformers_count.py).
+transformers' module tree (llama_tools/counting/transformers_count.py).
 
 Truth is transformers' own count, made here independently of the code under test: its default config for each
 model type built by `AutoModelForCausalLM.from_config` on the meta device (weight init left on, nothing
@@ -27,10 +27,10 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
-from llama_tools import transformers_count  # noqa: E402
+from llama_tools.counting import transformers_count  # noqa: E402
 from llama_tools.cli import cli  # noqa: E402
-from llama_tools.config_files import config_to_hf  # noqa: E402
-from llama_tools.presets import get_preset  # noqa: E402
+from llama_tools.checkpoints.config_files import config_to_hf  # noqa: E402
+from llama_tools.modeling.presets import get_preset  # noqa: E402
 
 # Decoders with a CausalLM class in transformers 4.57: dense, MoE (Mixtral, Qwen2/3-MoE, DeepSeek-V3 with MLA),
 # parallel attention (Falcon, GPT-NeoX), tied and untied heads, LayerNorm and RMSNorm, q/k norms.

@@ -20,10 +20,10 @@ from helpers import sharp
 from llama_tools.exporters.graph_io import io_names
 from llama_tools.exporters.onnx_export import ExportResult, export_onnx, read_metadata
 from llama_tools.exporters.rope_ops import DOMAIN, OP_TYPE, rope_function
-from llama_tools.presets import get_preset
-from llama_tools.convert import save_checkpoint
-from llama_tools.loading import load_model
-from llama_tools.model import Llama, build_model, rope
+from llama_tools.modeling.presets import get_preset
+from llama_tools.checkpoints.convert import save_checkpoint
+from llama_tools.checkpoints.loading import load_model
+from llama_tools.modeling.model import Llama, build_model, rope
 
 TINY = get_preset("tiny").replace(max_position_embeddings=64)  # GQA: 4 query heads over 2 KV heads
 ATOL = 1e-4  # fp32 logits, onnxruntime vs PyTorch
@@ -99,7 +99,7 @@ def half_session(half_export):
 @pytest.mark.parametrize("interleaved", [0, 1])
 @pytest.mark.parametrize("dtype, tol", [(np.float32, 1e-6), (np.float16, 2e-3)])  # fp16: one ulp
 def test_function_body_is_model_rope(interleaved, dtype, tol):
-    """One llama_tools.RotaryEmbedding node, run through its FunctionProto, against llama_tools.model.rope."""
+    """One llama_tools.RotaryEmbedding node, run through its FunctionProto, against llama_tools.modeling.model.rope."""
     h, f32, i64 = onnx.helper, onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
     elem = h.np_dtype_to_tensor_dtype(np.dtype(dtype))
     node = h.make_node(OP_TYPE, ["x", "pos", "cos", "sin"], ["y"], domain=DOMAIN, interleaved=interleaved,

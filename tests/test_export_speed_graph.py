@@ -18,12 +18,12 @@ import pytest
 
 import helpers
 from helpers import sharp
-from llama_tools.convert import save_checkpoint
+from llama_tools.checkpoints.convert import save_checkpoint
 from llama_tools.exporters.graph_io import io_names
 from llama_tools.exporters import trace
 from llama_tools.exporters.onnx_export import export_onnx
 from llama_tools.exporters.trace import STAMP_FROM, TRACE_CACHE_ENV
-from llama_tools.presets import get_preset
+from llama_tools.modeling.presets import get_preset
 
 TINY = get_preset("tiny").replace(max_position_embeddings=64)
 

@@ -27,7 +27,7 @@ from llama_tools.cli import cli  # noqa: E402
 from llama_tools.exporters.parity import resolve_target  # noqa: E402
 from llama_tools.exporters.verdict import parity_inputs, verify  # noqa: E402
 from helpers import add_llama_hparams, finish_gguf  # noqa: E402
-from llama_tools.config_files import load_config  # noqa: E402
+from llama_tools.checkpoints.config_files import load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("bench_faults", ROOT / "benchmarks" / "bench_faults.py")
@@ -114,7 +114,7 @@ def test_what_the_family_adds_changes_the_output(family):
         state = {k: v for k, v in model.state_dict().items() if "q_norm" not in k and "k_norm" not in k}
     else:
         state = model.state_dict()
-    from llama_tools.model import model_from_state
+    from llama_tools.modeling.model import model_from_state
 
     changed = model_from_state(cfg.replace(**off), state, torch.float32)
     with torch.no_grad():

@@ -20,7 +20,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from llama_tools.presets import get_preset
+from llama_tools.modeling.presets import get_preset
 
 # Runs the CLI in a fresh interpreter, then reports the exit code and which heavy modules got imported.
 HEAVY = ("torch", "onnx", "onnxruntime", "numpy", "pandas", "matplotlib")

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from llama_tools.convert import save_checkpoint
+from llama_tools.checkpoints.convert import save_checkpoint
 from llama_tools.exporters.fused import export_fused
 from llama_tools.exporters.onnx_export import export_onnx
-from llama_tools.presets import get_preset
+from llama_tools.modeling.presets import get_preset
 from helpers import sharp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,7 +90,7 @@ def test_a_fault_below_rounding_passes(graph, checkpoint):
 def test_builder_graph_faults_are_located(checkpoint, tmp_path):
     """onnxruntime-genai's builder graph of the same checkpoint: every fault caught by --by-layer, at its layer."""
     pytest.importorskip("onnxruntime_genai")
-    from llama_tools import presets
+    from llama_tools.modeling import presets
 
     hf = tmp_path / "hf"
     hf.mkdir()
@@ -118,7 +118,7 @@ def smollm2_plain(smollm2_hf, tmp_path_factory):
 def test_real_model_by_layer_passes_and_locates_a_fault(smollm2_plain, smollm2_hf):
     """SmolLM2 (30 layers): the correct export passes layer by layer; down_proj of layer 15 x (1 + 1e-3) is named."""
     cfg = json.loads((Path(smollm2_hf) / "config.json").read_text())
-    from llama_tools.source import resolve
+    from llama_tools.checkpoints.source import resolve
 
     c = resolve(str(smollm2_hf)).cfg
     assert c.num_hidden_layers == cfg["num_hidden_layers"]

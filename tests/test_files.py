@@ -1,4 +1,4 @@
-"""llama_tools.files: atomic writes, modes from the umask, special files written through (never replaced),
+"""llama_tools.outputs.files: atomic writes, modes from the umask, special files written through (never replaced),
 one-line refusals, and cleanup after SIGTERM / SIGINT (real child processes) and after a SIGKILL (next run)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from llama_tools import files, paths
+from llama_tools.outputs import files, paths
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,10 +18,10 @@ import torch
 from click.testing import CliRunner
 
 from llama_tools.cli import cli
-from llama_tools.convert import save_checkpoint
+from llama_tools.checkpoints.convert import save_checkpoint
 from llama_tools.exporters.foreign import describe_graph
 from llama_tools.exporters.parity import resolve_target, verify_parity
-from llama_tools.presets import get_preset
+from llama_tools.modeling.presets import get_preset
 from helpers import sharp
 
 TINY = get_preset("tiny")  # GQA 4/2 heads of 16, 2 layers, vocab 512

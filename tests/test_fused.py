@@ -23,8 +23,8 @@ from llama_tools.exporters.prompts import left_pad, positions
 from llama_tools.exporters.rope_ops import DOMAIN, OP_TYPE, rope_function
 from llama_tools.exporters.runtime import OnnxLM, create_session
 from helpers import sharp
-from llama_tools.presets import get_preset
-from llama_tools.model import rope
+from llama_tools.modeling.presets import get_preset
+from llama_tools.modeling.model import rope
 
 CFG = get_preset("tiny").replace(max_position_embeddings=64)
 TOL = TOLERANCES[("float32", "cpu")]  # the plain graph's fp32 CPU tolerance: 1e-4 on logits
@@ -159,7 +159,7 @@ def run_rope_node(x: torch.Tensor, pos: torch.Tensor, angles: torch.Tensor, **at
 
 
 def test_rope_op_3d_input_is_model_rope():
-    """Our op with num_heads on [b, s, h d] equals llama_tools.model.rope on the [b, h, s, d] view."""
+    """Our op with num_heads on [b, s, h d] equals llama_tools.modeling.model.rope on the [b, h, s, d] view."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 3 * 16, generator=gen)  # [b, s, heads * head_dim]
     pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 30, 31]])
@@ -444,7 +444,7 @@ def test_a_sliding_window_is_grouped_query_attentions_local_window(tmp_path):
 
     from safetensors.torch import save_model
 
-    from llama_tools.config_files import config_to_hf
+    from llama_tools.checkpoints.config_files import config_to_hf
 
     cfg = CFG.replace(family="mistral", sliding_window=4)
     ck = tmp_path / "ck"

@@ -31,13 +31,13 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llama_tools.accounting import count_params
+from llama_tools.counting.accounting import count_params
 from llama_tools.cli import cli
-from llama_tools.config import INT64_MAX, SIZE_LIMITS, ModelConfig
-from llama_tools.config_files import config_to_hf, load_config, size_limit
-from llama_tools.convert import meta_params
-from llama_tools.presets import get_preset
-from llama_tools.transformers_count import check_tree_sizes
+from llama_tools.modeling.config import INT64_MAX, SIZE_LIMITS, ModelConfig
+from llama_tools.checkpoints.config_files import config_to_hf, load_config, size_limit
+from llama_tools.checkpoints.convert import meta_params
+from llama_tools.modeling.presets import get_preset
+from llama_tools.counting.transformers_count import check_tree_sizes
 from test_bounded import closed_form
 from test_hostile import assert_one_line
 

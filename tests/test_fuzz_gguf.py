@@ -27,10 +27,10 @@ from hypothesis import strategies as st
 
 gguf = pytest.importorskip("gguf")
 
-from llama_tools.gguf import read as gguf_read  # noqa: E402
+from llama_tools.checkpoints.gguf import read as gguf_read  # noqa: E402
 from llama_tools.cli import cli  # noqa: E402
-from llama_tools.gguf.tensors import GgufReader, read_gguf_headers, read_gguf_tensors  # noqa: E402
-from llama_tools.header_readers import HeaderError  # noqa: E402
+from llama_tools.checkpoints.gguf.tensors import GgufReader, read_gguf_headers, read_gguf_tensors  # noqa: E402
+from llama_tools.checkpoints.header_readers import HeaderError  # noqa: E402
 from test_gguf import write_gguf  # noqa: E402
 from test_hostile import assert_one_line  # noqa: E402
 from test_hostile_gguf import field_map, patched, write_plain  # noqa: E402

@@ -33,11 +33,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from llama_tools import dtypes
-from llama_tools.checkpoints import torch_load
+from llama_tools.modeling import dtypes
+from llama_tools.checkpoints.load import torch_load
 from llama_tools.cli import cli
-from llama_tools.header_readers import HeaderError, read_safetensors_header
-from llama_tools.torch_headers import read_torch_header
+from llama_tools.checkpoints.header_readers import HeaderError, read_safetensors_header
+from llama_tools.checkpoints.torch_headers import read_torch_header
 from test_hostile import assert_one_line
 from test_hostile_inputs import library_refuses
 

@@ -2,7 +2,7 @@
 an empty vocabulary, broken merges, padding and truncation numbers, special ids, the text cut short).
 
 Properties, on every generated file:
-- our loader (llama_tools.tokenizer.Tokenizer) either opens it or raises a ValueError of one line naming the file:
+- our loader (llama_tools.checkpoints.tokenizer.Tokenizer) either opens it or raises a ValueError of one line naming the file:
   no other exception, no panic, no hang or allocation of what a number in the file asks;
 - what it opens, the tokenizers library itself reads and encodes the same way (padding and truncation off, as
   transformers encodes one text), to at least one id of its own; what the library cannot read or encode, it
@@ -26,8 +26,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llama_tools.convert import convert
-from llama_tools.tokenizer import PROBE_TEXT, Tokenizer
+from llama_tools.checkpoints.convert import convert
+from llama_tools.checkpoints.tokenizer import PROBE_TEXT, Tokenizer
 from test_fuzz_headers import json_values, odd_ints
 import test_hostile
 from test_hostile import TEXTS, assert_one_line, invoke, tree

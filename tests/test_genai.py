@@ -2,7 +2,7 @@
 
 Truth comes from outside our code: the graph's own input names, sentencepiece and HF `tokenizers` for the
 tokenizer, the quantizer's packed nibbles dequantized by hand for int4, onnxruntime-genai running the files
-(skipped with a reason where it is not installed) against `llama_tools.generation.generate`.
+(skipped with a reason where it is not installed) against `llama_tools.inference.generation.generate`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from llama_tools.exporters.genai import genai_config, sentencepiece_to_tokenizer
 from llama_tools.exporters.graph_io import io_names
 from llama_tools.exporters.onnx_export import export_onnx
 from llama_tools.exporters.quantize import QuantThresholds, measure_quant_parity, quantize_int4
-from llama_tools.presets import get_preset
-from llama_tools.generation import generate
-from llama_tools.model import build_model
+from llama_tools.modeling.presets import get_preset
+from llama_tools.inference.generation import generate
+from llama_tools.modeling.model import build_model
 from helpers import train_tiny_tokenizer
-from llama_tools.tokenizer import Tokenizer
+from llama_tools.checkpoints.tokenizer import Tokenizer
 
 CFG = get_preset("tiny")  # head_dim 16: GroupQueryAttention's CPU kernel needs a multiple of 16 for its rotary
 PROMPT = [1, 17, 42, 99]

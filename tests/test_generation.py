@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llama_tools.presets import get_preset
-from llama_tools.generation import apply_repetition_penalty, filter_top_k_top_p, generate, next_token
-from llama_tools.model import build_model
+from llama_tools.modeling.presets import get_preset
+from llama_tools.inference.generation import apply_repetition_penalty, filter_top_k_top_p, generate, next_token
+from llama_tools.modeling.model import build_model
 
 TINY = get_preset("tiny")
 

@@ -20,15 +20,15 @@ from click.testing import CliRunner
 
 gguf = pytest.importorskip("gguf")
 
-from llama_tools.accounting import count_source  # noqa: E402
+from llama_tools.counting.accounting import count_source  # noqa: E402
 from llama_tools.cli import cli  # noqa: E402
-from llama_tools.config import ModelConfig  # noqa: E402
-from llama_tools.convert import convert  # noqa: E402
-from llama_tools.formats import FORMATS, checkpoint_tensors  # noqa: E402
-from llama_tools.gguf.tensors import GgufReader  # noqa: E402
-from llama_tools.loading import load_model  # noqa: E402
-from llama_tools.source import resolve  # noqa: E402
-from llama_tools.weights import weight_specs  # noqa: E402
+from llama_tools.modeling.config import ModelConfig  # noqa: E402
+from llama_tools.checkpoints.convert import convert  # noqa: E402
+from llama_tools.checkpoints.formats import FORMATS, checkpoint_tensors  # noqa: E402
+from llama_tools.checkpoints.gguf.tensors import GgufReader  # noqa: E402
+from llama_tools.checkpoints.loading import load_model  # noqa: E402
+from llama_tools.checkpoints.source import resolve  # noqa: E402
+from llama_tools.modeling.weights import weight_specs  # noqa: E402
 from helpers import add_llama_hparams, finish_gguf  # noqa: E402
 
 Q8_0, F32 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
@@ -55,7 +55,7 @@ def quant_type(hf_name: str, ndim: int) -> "gguf.GGMLQuantizationType":
 def write_gguf(path: Path, *, tied: bool = True, arch: str = "llama", seed: int = 3, block_count: int | None = None,
                extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """A seeded tiny model as a GGUF file; returns its HF-named fp32 weights (as the model holds them)."""
-    from llama_tools.model import build_model
+    from llama_tools.modeling.model import build_model
 
     cfg = tiny_cfg(tied)
     state = {k: v.detach().numpy().astype(np.float32) for k, v in build_model(cfg, seed=seed).state_dict().items()}
@@ -255,7 +255,7 @@ def test_convert_to_hf_equals_transformers_gguf_loader(tmp_path, tied):
     torch.testing.assert_close(c, a, rtol=0, atol=1e-5)  # our model: fp32 rounding
     # Negative case: the rows left in GGUF's interleaved order give other logits.
     sd = {k: torch.from_numpy(v) for k, v in saved.items()}
-    from llama_tools.layouts import half_to_interleaved
+    from llama_tools.checkpoints.layouts import half_to_interleaved
 
     for k in sd:
         if ".q_proj." in k:
@@ -285,7 +285,7 @@ def test_convert_dtype_and_meta(tmp_path):
 
 
 def test_load_gguf_model_in_either_row_order(tiny_gguf, tmp_path):
-    from llama_tools.gguf.tensors import load_gguf_model
+    from llama_tools.checkpoints.gguf.tensors import load_gguf_model
 
     path, _ = tiny_gguf
     convert(str(path), tmp_path / "hf", to="hf")
@@ -316,7 +316,7 @@ def test_load_model_generate_and_fused_export_take_a_gguf(tiny_gguf, tmp_path):
 
 
 def test_streamed_reference_reads_gguf(tiny_gguf, tmp_path):
-    from llama_tools.reference import reference_model
+    from llama_tools.inference.reference import reference_model
 
     path, _ = tiny_gguf
     convert(str(path), tmp_path / "hf", to="hf")
@@ -341,7 +341,7 @@ def test_export_onnx_and_verify_parity_from_gguf(tiny_gguf, tmp_path):
 
 _RSS_SCRIPT = """
 import resource, sys, time
-from llama_tools.accounting import count_source
+from llama_tools.counting.accounting import count_source
 import gguf  # imported before the baseline
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t = time.perf_counter()

@@ -21,12 +21,12 @@ from click.testing import CliRunner
 
 gguf = pytest.importorskip("gguf")
 
-from llama_tools.gguf import read as gguf_read, tensors as gguf_tensors  # noqa: E402
-from llama_tools.accounting import count_source  # noqa: E402
+from llama_tools.checkpoints.gguf import read as gguf_read, tensors as gguf_tensors  # noqa: E402
+from llama_tools.counting.accounting import count_source  # noqa: E402
 from llama_tools.cli import cli  # noqa: E402
-from llama_tools.config import ModelConfig  # noqa: E402
-from llama_tools.gguf.tensors import GgufReader  # noqa: E402
-from llama_tools.weights import weight_specs  # noqa: E402
+from llama_tools.modeling.config import ModelConfig  # noqa: E402
+from llama_tools.checkpoints.gguf.tensors import GgufReader  # noqa: E402
+from llama_tools.modeling.weights import weight_specs  # noqa: E402
 from helpers import add_llama_hparams, finish_gguf  # noqa: E402
 
 T = gguf.GGMLQuantizationType

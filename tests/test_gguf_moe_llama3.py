@@ -20,11 +20,11 @@ from click.testing import CliRunner
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from llama_tools.accounting import count_source  # noqa: E402
+from llama_tools.counting.accounting import count_source  # noqa: E402
 from llama_tools.cli import cli  # noqa: E402
-from llama_tools.convert import convert  # noqa: E402
-from llama_tools.gguf.tensors import GgufReader, load_gguf_model  # noqa: E402
-from llama_tools.loading import load_model  # noqa: E402
+from llama_tools.checkpoints.convert import convert  # noqa: E402
+from llama_tools.checkpoints.gguf.tensors import GgufReader, load_gguf_model  # noqa: E402
+from llama_tools.checkpoints.loading import load_model  # noqa: E402
 from helpers import QK_SCALE  # noqa: E402
 from test_gguf import TOKENS, llama_cpp_permute  # noqa: E402
 

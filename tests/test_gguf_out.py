@@ -24,17 +24,17 @@ from hypothesis import strategies as st
 
 gguf = pytest.importorskip("gguf")
 
-from llama_tools.gguf import vocabulary as gguf_vocabulary, write as gguf_write  # noqa: E402
-from llama_tools.checkpoints import read_checkpoint  # noqa: E402
-from llama_tools.config import ModelConfig, RopeScaling  # noqa: E402
-from llama_tools.convert import convert, save_checkpoint  # noqa: E402
-from llama_tools.families import FAMILIES, FULL, SLIDING  # noqa: E402
-from llama_tools.gguf.read import field_value, open_gguf  # noqa: E402
-from llama_tools.gguf.tensors import read_gguf_checkpoint, read_gguf_headers  # noqa: E402
-from llama_tools.layouts import permute_rope_rows  # noqa: E402
-from llama_tools.source import resolve  # noqa: E402
-from llama_tools.tokenizer import GgufTokenizer, Tokenizer  # noqa: E402
-from llama_tools.weights import weight_specs  # noqa: E402
+from llama_tools.checkpoints.gguf import vocabulary as gguf_vocabulary, write as gguf_write  # noqa: E402
+from llama_tools.checkpoints.load import read_checkpoint  # noqa: E402
+from llama_tools.modeling.config import ModelConfig, RopeScaling  # noqa: E402
+from llama_tools.checkpoints.convert import convert, save_checkpoint  # noqa: E402
+from llama_tools.modeling.families import FAMILIES, FULL, SLIDING  # noqa: E402
+from llama_tools.checkpoints.gguf.read import field_value, open_gguf  # noqa: E402
+from llama_tools.checkpoints.gguf.tensors import read_gguf_checkpoint, read_gguf_headers  # noqa: E402
+from llama_tools.checkpoints.layouts import permute_rope_rows  # noqa: E402
+from llama_tools.checkpoints.source import resolve  # noqa: E402
+from llama_tools.checkpoints.tokenizer import GgufTokenizer, Tokenizer  # noqa: E402
+from llama_tools.modeling.weights import weight_specs  # noqa: E402
 from helpers import sharp, train_tiny_tokenizer  # noqa: E402
 from test_fast_refusals import probe  # noqa: E402
 from test_gguf import llama_cpp_permute  # noqa: E402
@@ -150,7 +150,7 @@ def test_bfloat16_round_trip_is_bit_identical(source, tmp_path):
 
 def test_negative_a_wrong_permutation_is_seen(tmp_path, monkeypatch):
     """Negative case: rows written in HF's order under 'llama' (no llama.cpp permutation) do not read back."""
-    from llama_tools.gguf import architectures as gguf_architectures
+    from llama_tools.checkpoints.gguf import architectures as gguf_architectures
 
     cfg = family_config("llama")
     state = seeded_state(cfg)
@@ -226,7 +226,7 @@ def test_transformers_gguf_loader_gives_the_sources_logits(case, tmp_path):
 def test_negative_transformers_sees_unpermuted_rows(tmp_path, monkeypatch):
     """Negative case: without llama.cpp's permutation, transformers' loader (which undoes it) gives other logits."""
     transformers = pytest.importorskip("transformers")
-    from llama_tools.gguf import architectures as gguf_architectures
+    from llama_tools.checkpoints.gguf import architectures as gguf_architectures
 
     cfg = family_config("llama")
     save_checkpoint(cfg, seeded_state(cfg), tmp_path / "hf")
@@ -421,7 +421,7 @@ def test_what_a_gguf_cannot_hold_is_one_line(tmp_path):
            "original_max_position_embeddings": 8192}
     for changes, word in ((dict(rope_scaling=odd), "rope_scaling 'llama3'"),
                           (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act 'gelu_tanh'")):
-        from llama_tools.config_files import config_to_hf
+        from llama_tools.checkpoints.config_files import config_to_hf
 
         data = {**config_to_hf(family_config("llama")), **changes}
         (tmp_path / "config.json").write_text(json.dumps(data))

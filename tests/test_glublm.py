@@ -16,8 +16,8 @@ import torch
 from llama_tools.exporters.fused import export_fused
 from llama_tools.exporters.onnx_export import export_onnx
 from llama_tools.exporters.parity import resolve_target, verify_parity
-from llama_tools.loading import load_model
-from llama_tools.source import resolve
+from llama_tools.checkpoints.loading import load_model
+from llama_tools.checkpoints.source import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("bench_faults", ROOT / "benchmarks" / "bench_faults.py")
@@ -47,7 +47,7 @@ def test_logits_and_greedy_answer_equal_transformers(glublm_hf):
     assert a.shape == b.shape == (1, ids.shape[1], 5120) and a.dtype == b.dtype == torch.float32
     assert (b.abs().max() > 5) and torch.allclose(a, b, rtol=0, atol=2e-4 * float(b.abs().max())), (a - b).abs().max()
     # Greedy: our generate's tokens are transformers' (the model's own reply to its chat prompt).
-    from llama_tools.generation import generate
+    from llama_tools.inference.generation import generate
 
     prompt = _ids(glublm_hf, PROMPT)
     with torch.no_grad():

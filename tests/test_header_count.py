@@ -20,9 +20,9 @@ from click.testing import CliRunner
 from safetensors.numpy import save_file
 
 from llama_tools.cli import cli
-from llama_tools.convert import save_checkpoint
-from llama_tools.model import build_model
-from llama_tools.presets import get_preset
+from llama_tools.checkpoints.convert import save_checkpoint
+from llama_tools.modeling.model import build_model
+from llama_tools.modeling.presets import get_preset
 from helpers import finish_gguf
 
 gguf = pytest.importorskip("gguf")

@@ -10,16 +10,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from llama_tools.config_files import config_to_hf
-from llama_tools.presets import get_preset
-from llama_tools.convert import save_checkpoint
+from llama_tools.checkpoints.config_files import config_to_hf
+from llama_tools.modeling.presets import get_preset
+from llama_tools.checkpoints.convert import save_checkpoint
 from helpers import write_sparse_safetensors
 from llama_tools.cli.model_cmds import checkpoint_rows as render_rows
-from llama_tools.header_readers import read_safetensors_header
-from llama_tools.torch_headers import read_torch_header
-from llama_tools.inspection import inspect_checkpoint
-from llama_tools.model import build_model
-from llama_tools.weights import weight_specs
+from llama_tools.checkpoints.header_readers import read_safetensors_header
+from llama_tools.checkpoints.torch_headers import read_torch_header
+from llama_tools.checkpoints.inspection import inspect_checkpoint
+from llama_tools.modeling.model import build_model
+from llama_tools.modeling.weights import weight_specs
 
 TINY = get_preset("tiny")
 

@@ -15,9 +15,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from llama_tools import load_model  # noqa: E402
-from llama_tools.checkpoints import read_checkpoint  # noqa: E402
-from llama_tools.model import model_from_state  # noqa: E402
-from llama_tools.generation import generate  # noqa: E402
+from llama_tools.checkpoints.load import read_checkpoint  # noqa: E402
+from llama_tools.modeling.model import model_from_state  # noqa: E402
+from llama_tools.inference.generation import generate  # noqa: E402
 
 SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=128,
              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -28,12 +28,12 @@ import torch
 from click.testing import CliRunner, Result
 
 from helpers import train_tiny_tokenizer
-from llama_tools import files, paths
+from llama_tools.outputs import files, paths
 from llama_tools.cli import cli
-from llama_tools.config_files import config_to_hf
-from llama_tools.convert import convert, save_checkpoint
-from llama_tools.model import build_model
-from llama_tools.presets import get_preset
+from llama_tools.checkpoints.config_files import config_to_hf
+from llama_tools.checkpoints.convert import convert, save_checkpoint
+from llama_tools.modeling.model import build_model
+from llama_tools.modeling.presets import get_preset
 from llama_tools.reports.regenerate import generated_names
 
 TINY = get_preset("tiny")  # vocab 512, 2 layers, context 256
@@ -123,7 +123,7 @@ def bindings(fn: Any) -> list[tuple[Any, str]]:
 # The expensive entry points: exporting, tracing, an onnxruntime session, materializing or reading weights.
 EXPENSIVE = [("llama_tools.exporters.onnx_export", "export_onnx"), ("llama_tools.exporters.onnx_export", "_trace"),
              ("llama_tools.exporters.fused", "export_fused"), ("llama_tools.exporters.runtime", "create_session"),
-             ("llama_tools.model", "build_model"), ("llama_tools.checkpoints", "load_checkpoint")]
+             ("llama_tools.modeling.model", "build_model"), ("llama_tools.checkpoints.load", "load_checkpoint")]
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ gguf = pytest.importorskip("gguf")
 
 from helpers import add_llama_hparams, finish_gguf  # noqa: E402
 from llama_tools.cli import cli  # noqa: E402
-from llama_tools.weights import weight_specs  # noqa: E402
+from llama_tools.modeling.weights import weight_specs  # noqa: E402
 from test_gguf import tiny_cfg, write_gguf  # noqa: E402
 from test_hostile import assert_one_line, tree  # noqa: E402
 from test_hostile_inputs import digest, refused  # noqa: E402
@@ -370,7 +370,7 @@ def test_the_original_failures_in_a_real_process(case, base, tmp_path):
 def test_without_its_hooks_the_librarys_own_reader_is_caught_at_our_boundary(base, tmp_path, monkeypatch):
     """Another gguf version without the private helpers FastReader hooks: the library's own reader parses, and
     whatever it raises on a hostile file is still one line naming the file."""
-    from llama_tools.gguf import read as gguf_read
+    from llama_tools.checkpoints.gguf import read as gguf_read
 
     monkeypatch.setattr(gguf_read, "_HOOKS", ("_a_helper_no_version_has",))
     gguf_read._open.cache_clear()

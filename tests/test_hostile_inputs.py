@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from llama_tools.config_files import config_to_hf
-from llama_tools.presets import get_preset
+from llama_tools.checkpoints.config_files import config_to_hf
+from llama_tools.modeling.presets import get_preset
 
 TINY = get_preset("tiny")
 EXE = [sys.executable, "-c", "from llama_tools.cli import main; main()"]
@@ -252,7 +252,7 @@ def test_a_size_no_machine_holds_is_refused_at_once_with_the_figure(argv, change
 
 def test_the_issues_long_context_is_refused_against_the_memory_available(monkeypatch):
     """max_position_embeddings 10^9 (64 GB of RoPE tables): refused against 16 GiB available, before any tensor."""
-    from llama_tools.memory import check_memory, generation_need, rope_table_bytes
+    from llama_tools.modeling.memory import check_memory, generation_need, rope_table_bytes
 
     cfg = TINY.replace(max_position_embeddings=10**9)
     need = generation_need(cfg, 2, 1, "float32")
@@ -265,8 +265,8 @@ def test_the_issues_long_context_is_refused_against_the_memory_available(monkeyp
 
 def test_byte_figures_are_exact_integers():
     """int4 bytes of a 10^18-wide model and Meta's n7 of a 10^18 dim, against integer arithmetic by hand."""
-    from llama_tools.accounting import count_params
-    from llama_tools.config_files import ffn_hidden_size
+    from llama_tools.counting.accounting import count_params
+    from llama_tools.checkpoints.config_files import ffn_hidden_size
 
     wide = TINY.replace(hidden_size=10**18, intermediate_size=10**18, num_attention_heads=1, num_key_value_heads=1,
                         head_dim=10**18)

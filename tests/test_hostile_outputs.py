@@ -23,8 +23,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from llama_tools import files, paths
-from llama_tools.convert import save_checkpoint
+from llama_tools.outputs import files, paths
+from llama_tools.checkpoints.convert import save_checkpoint
 from test_hostile import TINY, assert_ok, assert_one_line, cwd, invoke, tiny_state, tree, tripwires  # noqa: F401
 
 CLI = [sys.executable, "-m", "llama_tools.cli"]
@@ -104,7 +104,7 @@ def test_the_check_can_fail_and_exporting_beside_the_checkpoint_is_allowed(ckpts
     paths.check_writes([ckpts["hf"] / "model.onnx", ckpts["hf"] / "model.onnx.data"], reads)
     with pytest.raises(ValueError, match="lies inside"):
         paths.check_writes([ckpts["hf"] / "x"], [ckpts["hf"]])
-    from llama_tools.source import resolve
+    from llama_tools.checkpoints.source import resolve
 
     assert set(resolve(str(ckpts["hf"])).files) == {ckpts["hf"] / "model.safetensors", ckpts["hf"] / "config.json"}
     assert set(resolve(str(ckpts["meta"])).files) == {ckpts["meta"] / "consolidated.00.pth",
@@ -127,7 +127,7 @@ def test_a_data_file_our_graph_refers_to_is_ours(tmp_path):
     from onnx import helper, numpy_helper
 
     from llama_tools.exporters.pipeline import check_output
-    from llama_tools.source import resolve
+    from llama_tools.checkpoints.source import resolve
 
     w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
     graph = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "g", [],

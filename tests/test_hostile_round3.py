@@ -29,14 +29,14 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from llama_tools.accounting import count_params
+from llama_tools.counting.accounting import count_params
 from llama_tools.cli import cli
-from llama_tools.config import SIZE_LIMITS
-from llama_tools.config_files import config_to_hf, load_config
-from llama_tools.convert import meta_params
-from llama_tools.header_readers import HeaderError
-from llama_tools.torch_headers import read_torch_header
-from llama_tools.presets import get_preset
+from llama_tools.modeling.config import SIZE_LIMITS
+from llama_tools.checkpoints.config_files import config_to_hf, load_config
+from llama_tools.checkpoints.convert import meta_params
+from llama_tools.checkpoints.header_readers import HeaderError
+from llama_tools.checkpoints.torch_headers import read_torch_header
+from llama_tools.modeling.presets import get_preset
 from test_bounded import closed_form
 from test_fast_refusals import probe
 from test_fuzz_headers import _enc_int, with_pkl

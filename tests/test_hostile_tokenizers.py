@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from llama_tools import files
+from llama_tools.outputs import files
 from llama_tools.exporters import genai, pipeline
-from llama_tools.tokenizer import PROBE_TEXT, Tokenizer
-from llama_tools.tokenizer_files import sentencepiece_files
+from llama_tools.checkpoints.tokenizer import PROBE_TEXT, Tokenizer
+from llama_tools.checkpoints.tokenizer_files import sentencepiece_files
 from test_fast_refusals import probe
 from test_hostile import TEXTS, assert_one_line, invoke, tree
 from test_hostile_inputs import refused
@@ -376,7 +376,7 @@ def test_write_client_files_writes_all_of_them_or_none(ckpt, previous, tmp_path)
 def test_a_convert_failing_at_its_last_step_leaves_nothing(ckpt, tmp_path, monkeypatch):
     """The tokenizer files are copied last, inside the atomic directory: an I/O error there leaves no DST, nor the
     parents convert made for it."""
-    from llama_tools import convert
+    from llama_tools.checkpoints import convert
 
     def broken_copy(src: Any, dst: Any, *a: Any, **k: Any) -> Any:
         raise OSError(errno.EIO, "Input/output error", str(src))

@@ -12,7 +12,7 @@ from onnx import numpy_helper
 
 from llama_tools.cli import cli
 from llama_tools.exporters.quantize import QUALITY_WARN_KL, quick_quality
-from llama_tools.presets import get_preset
+from llama_tools.modeling.presets import get_preset
 
 
 def _export(tmp_path, name="int4"):

@@ -86,8 +86,8 @@ def test_target_on_a_seeded_model(tmp_path):
 
     from llama_tools.exporters.fused import export_fused
     from llama_tools.exporters.int4_target import mean_kl, onnx_logits, quantize_to_target, reference_logits
-    from llama_tools.reference import reference_model
-    from llama_tools.source import resolve
+    from llama_tools.inference.reference import reference_model
+    from llama_tools.checkpoints.source import resolve
 
     src = resolve("tiny")
     full = tmp_path / "full" / "model.onnx"
@@ -214,7 +214,7 @@ def test_the_default_on_a_seeded_model(tmp_path):
     the held-out quality text; `none` is every matrix int4, the very graph the default started from."""
     import onnx
 
-    from llama_tools.source import resolve
+    from llama_tools.checkpoints.source import resolve
 
     src = resolve("tiny")
     rep = _default_export(src, tmp_path / "d" / "model.onnx")
@@ -235,7 +235,7 @@ def test_the_default_on_a_seeded_model(tmp_path):
 
 def test_a_bad_target_is_refused_before_the_work(tmp_path):
     from llama_tools.exporters import pipeline
-    from llama_tools.source import resolve
+    from llama_tools.checkpoints.source import resolve
 
     calls = []
     real = pipeline.export_fused
@@ -269,7 +269,7 @@ def test_the_default_written_through_a_device(tmp_path):
 def test_the_default_on_smollm2(smollm2_hf, tmp_path):
     """SmolLM2-135M loses answers at all-int4 (held-out KL ~0.48): the default halves that for at most 1.3x the bytes,
     meets its stated target on the held-out quality text, and keeps the most KL per byte 8-bit (not the big head)."""
-    from llama_tools.source import resolve
+    from llama_tools.checkpoints.source import resolve
 
     rep = _default_export(resolve(str(smollm2_hf)), tmp_path / "d" / "model.onnx")
     t = rep.target
@@ -284,9 +284,9 @@ def test_the_head_is_read_in_chunks_without_changing_a_figure(monkeypatch):
     """The lm_head's KL and the Fisher KL, W^8 read 7 rows at a time, equal the one-chunk figures; the head's KL
     equals the textbook formula on the whole matrix."""
     import llama_tools.exporters.int4_target as t
-    from llama_tools.model import softcap
-    from llama_tools.reference import reference_model
-    from llama_tools.source import resolve
+    from llama_tools.modeling.model import softcap
+    from llama_tools.inference.reference import reference_model
+    from llama_tools.checkpoints.source import resolve
 
     ref = reference_model(resolve("tiny"))
     cfg = ref.cfg
@@ -314,8 +314,8 @@ def test_streams_in_batches_give_the_same_sensitivities(monkeypatch, tmp_path):
     import llama_tools.exporters.int4_target as t
     from llama_tools.exporters.fused import export_fused
     from llama_tools.exporters.quantize import _weights_of
-    from llama_tools.reference import reference_model
-    from llama_tools.source import resolve
+    from llama_tools.inference.reference import reference_model
+    from llama_tools.checkpoints.source import resolve
 
     src = resolve("tiny")
     export_fused(src, tmp_path / "m.onnx")
@@ -338,9 +338,9 @@ def test_the_default_passes_over_a_graph_it_cannot_place(tmp_path):
     matrix int4; an explicit --max-kl on it is refused in one line naming the option."""
     import json
 
-    from llama_tools.config_files import config_to_hf
-    from llama_tools.presets import get_preset
-    from llama_tools.source import resolve
+    from llama_tools.checkpoints.config_files import config_to_hf
+    from llama_tools.modeling.presets import get_preset
+    from llama_tools.checkpoints.source import resolve
 
     cfg = get_preset("tiny").replace(family="mixtral", num_experts=4, num_experts_per_tok=2, intermediate_size=64)
     (tmp_path / "config.json").write_text(json.dumps(config_to_hf(cfg)))

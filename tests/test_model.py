@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_tools.presets import get_preset
-from llama_tools.rope import rope_inv_freq
-from llama_tools.loading import load_model
-from llama_tools.model import (Llama, RMSNorm, alibi_slopes, build_model, lm_loss, rope, rope_cache)
+from llama_tools.modeling.presets import get_preset
+from llama_tools.modeling.rope import rope_inv_freq
+from llama_tools.checkpoints.loading import load_model
+from llama_tools.modeling.model import Llama, RMSNorm, alibi_slopes, build_model, lm_loss, rope, rope_cache
 
 TINY = get_preset("tiny")
 MHA = TINY.replace(name="tiny-mha", num_key_value_heads=4)
@@ -198,7 +198,7 @@ def test_attention_matches_torch_sdpa():
     x = torch.randn(2, 7, TINY.hidden_size, generator=torch.Generator().manual_seed(4))
     pos = torch.arange(7).expand(2, 7)
     cos, sin = rope_cache(TINY)
-    from llama_tools.model import attention_bias
+    from llama_tools.modeling.model import attention_bias
 
     bias = attention_bias(TINY, 7, 0, None, x.dtype, x.device)
     got, _ = attn(x, bias, pos, (cos, sin), None)

@@ -19,8 +19,8 @@ from onnx import numpy_helper
 
 import llama_tools.exporters.onnx_export as ox
 from llama_tools.exporters.onnx_save import save_model
-from llama_tools.presets import get_preset
-from llama_tools.model import build_model, rope_cache
+from llama_tools.modeling.presets import get_preset
+from llama_tools.modeling.model import build_model, rope_cache
 
 TINY = get_preset("tiny").replace(num_hidden_layers=1)  # one layer: quicker to trace
 

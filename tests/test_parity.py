@@ -19,8 +19,8 @@ from llama_tools.exporters.compare import BUDGET, Tolerance, compare
 from llama_tools.exporters.parity import resolve_target, verify_parity
 from llama_tools.exporters.prompts import left_pad, positions
 from llama_tools.cli import cli
-from llama_tools.presets import get_preset
-from llama_tools.convert import save_checkpoint
+from llama_tools.modeling.presets import get_preset
+from llama_tools.checkpoints.convert import save_checkpoint
 from helpers import sharp
 
 TINY = get_preset("tiny")  # GQA: 4 query heads over 2 KV heads
@@ -177,7 +177,7 @@ def test_one_matrix_scaled_by_one_percent_fails_at_its_layer(exported, checkpoin
 
 
 def test_wrong_rope_layout_fails(checkpoint, tmp_path):
-    from llama_tools.loading import load_model
+    from llama_tools.checkpoints.loading import load_model
 
     model = load_model(str(checkpoint))
     model.cfg = model.cfg.replace(rope_layout="interleaved")  # weights are in the half-split layout
@@ -190,7 +190,7 @@ def test_wrong_rope_layout_fails(checkpoint, tmp_path):
 
 
 def test_missing_causal_mask_fails(checkpoint, tmp_path, monkeypatch):
-    import llama_tools.model as model_module
+    import llama_tools.modeling.model as model_module
 
     causal = model_module.attention_bias
 
@@ -279,7 +279,7 @@ def test_cli_bad_input_is_one_line(args, needle):
 @pytest.fixture(scope="module")
 def smollm2_fused(smollm2_hf, tmp_path_factory):
     from llama_tools.exporters.pipeline import export
-    from llama_tools.source import resolve
+    from llama_tools.checkpoints.source import resolve
 
     out = tmp_path_factory.mktemp("smollm2") / "model.onnx"
     export(resolve(str(smollm2_hf)), out, optimize=True, client_files=False)

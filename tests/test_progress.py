@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from llama_tools.progress import peak_rss_bytes
+from llama_tools.outputs.progress import peak_rss_bytes
 
-CHILD = ("import resource; from llama_tools.progress import peak_rss_bytes; "
+CHILD = ("import resource; from llama_tools.outputs.progress import peak_rss_bytes; "
          "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
 
 

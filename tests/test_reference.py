@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llama_tools.presets import get_preset
-from llama_tools.convert import save_checkpoint
-from llama_tools.loading import load_model
-from llama_tools.model import Llama
-from llama_tools.reference import (CheckpointReader, StreamedReference, check_fits, reference_memory,
-                                   reference_model)
+from llama_tools.modeling.presets import get_preset
+from llama_tools.checkpoints.convert import save_checkpoint
+from llama_tools.checkpoints.loading import load_model
+from llama_tools.modeling.model import Llama
+from llama_tools.inference.reference import (
+    CheckpointReader, StreamedReference, check_fits, reference_memory, reference_model)
 from helpers import sharp
 
 TINY = get_preset("tiny")  # 2 layers, n2 64, n7 176, GQA 4/2 heads of 16, vocab 512
@@ -188,7 +188,7 @@ def test_reference_model_picks_streaming_for_checkpoints(tmp_path):
 def test_float64_pass_is_the_whole_model_in_float64(tmp_path):
     """The streamed float64 pass equals the whole model run in float64 with float64 RoPE tables (independent path);
     the fp32 pass is off by fp32 rounding only, and fp16's by more."""
-    from llama_tools.model import rope_cache
+    from llama_tools.modeling.model import rope_cache
 
     d = write(TINY, tmp_path)
     ref = StreamedReference(d)

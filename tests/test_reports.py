@@ -27,11 +27,11 @@ from click.testing import CliRunner
 from torch.overrides import TorchFunctionMode
 
 from llama_tools.cli import cli
-from llama_tools.config_files import config_from_hf
-from llama_tools.presets import PAPER_MODELS, get_preset
-from llama_tools.model import build_model
+from llama_tools.checkpoints.config_files import config_from_hf
+from llama_tools.modeling.presets import PAPER_MODELS, get_preset
+from llama_tools.modeling.model import build_model
 from llama_tools.reports.regenerate import GENERATED, generated_names, regenerate
-from llama_tools import dtypes
+from llama_tools.modeling import dtypes
 from llama_tools.reports.shapes import row_count, shape_report, to_frame
 
 GQA = get_preset("tiny")  # 4 query heads over 2 KV heads
@@ -656,7 +656,7 @@ def test_paper_typical_sizes_for_llama_7b():
 
 
 def test_row_builder_needs_neither_torch_nor_pandas():
-    code = ("import sys; from llama_tools.reports.shapes import shape_report; from llama_tools.presets import get_preset; "
+    code = ("import sys; from llama_tools.reports.shapes import shape_report; from llama_tools.modeling.presets import get_preset; "
             "shape_report(get_preset('llama-13b'), 128).records(); "
             "print(sorted(m for m in ('torch', 'pandas') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

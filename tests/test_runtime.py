@@ -15,8 +15,8 @@ from onnx import TensorProto, helper
 
 import llama_tools.exporters.runtime as runtime
 from llama_tools.exporters.onnx_export import export_onnx
-from llama_tools.presets import get_preset
-from llama_tools.model import build_model
+from llama_tools.modeling.presets import get_preset
+from llama_tools.modeling.model import build_model
 
 TINY = get_preset("tiny")  # 2 layers, GQA 4/2 heads, n6 = 16
 

@@ -14,13 +14,13 @@ from click.testing import CliRunner
 from onnx import numpy_helper
 
 from llama_tools.cli import cli
-from llama_tools.convert import save_checkpoint
+from llama_tools.checkpoints.convert import save_checkpoint
 from llama_tools.exporters import fused
 from llama_tools.exporters.fused import export_fused
 from llama_tools.exporters.quantize import quantize_int4, share_tied_embedding
-from llama_tools.model import build_model
-from llama_tools.presets import get_preset
-from llama_tools.reference import CheckpointReader
+from llama_tools.modeling.model import build_model
+from llama_tools.modeling.presets import get_preset
+from llama_tools.inference.reference import CheckpointReader
 
 
 def _inits(path) -> dict[str, np.ndarray]:

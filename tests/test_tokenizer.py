@@ -9,11 +9,11 @@ import pytest
 from click.testing import CliRunner
 
 from llama_tools.cli import cli
-from llama_tools.presets import get_preset
-from llama_tools.convert import save_checkpoint
-from llama_tools.model import build_model
+from llama_tools.modeling.presets import get_preset
+from llama_tools.checkpoints.convert import save_checkpoint
+from llama_tools.modeling.model import build_model
 from helpers import train_tiny_tokenizer
-from llama_tools.tokenizer import Tokenizer
+from llama_tools.checkpoints.tokenizer import Tokenizer
 
 TEXTS = ["Who is the 45th President of the United States? Donald Trump.",
          "The quick brown fox jumps over the lazy dog.", "你好，世界。我们今天学习数学。",

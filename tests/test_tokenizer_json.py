@@ -16,13 +16,13 @@ from click.testing import CliRunner
 
 from helpers import finish_gguf, train_tiny_tokenizer
 from llama_tools.cli import cli
-from llama_tools.config_files import config_to_hf
+from llama_tools.checkpoints.config_files import config_to_hf
 from llama_tools.exporters.genai import write_client_files
-from llama_tools.presets import get_preset
-from llama_tools.source import resolve
-from llama_tools.source import prompt_ids
-from llama_tools.tokenizer import GgufTokenizer, JsonTokenizer, Tokenizer
-from llama_tools.tokenizer_files import tokenizer_json_from_gguf
+from llama_tools.modeling.presets import get_preset
+from llama_tools.checkpoints.source import resolve
+from llama_tools.checkpoints.source import prompt_ids
+from llama_tools.checkpoints.tokenizer import GgufTokenizer, JsonTokenizer, Tokenizer
+from llama_tools.checkpoints.tokenizer_files import tokenizer_json_from_gguf
 
 # English, code, unicode, emoji, leading and repeated spaces, digits, a chat turn with special tokens.
 REAL_TEXTS = ["The capital of France is", "def f(x):\n    return x ** 2  # square\n",

@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from llama_tools.cli import cli
-from llama_tools.source import resolve
-from llama_tools.source import load_tokenizer
+from llama_tools.checkpoints.source import resolve
+from llama_tools.checkpoints.source import load_tokenizer
 
 TEXT = ("The weights of a transformer are matrices. Each layer normalizes its input, attends over the "
         "previous tokens, and passes the result through a gated feed-forward network. " * 4)

@@ -10,8 +10,8 @@ import os
 import sys
 from typing import Any
 
-from ..files import cleanup_on_signals
-from ..paths import guard_std_streams
+from ..outputs.files import cleanup_on_signals
+from ..outputs.paths import guard_std_streams
 from . import export_cmd, model_cmds, verify_cmds  # noqa: F401  (each registers its commands)
 from .app import cli
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import click
 
-from .. import dtypes
-from ..paths import stream_fd
-from ..output import render
+from ..modeling import dtypes
+from ..outputs.paths import stream_fd
+from ..outputs.tables import render
 from ..exporters.preflight import SINGLE_FILE_MAX_BYTES
 from ..exporters.quant_options import (
     ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, DEFAULT_TARGET, INT4_ALGORITHMS, QUANTIZE)
-from ..progress import peak_rss_bytes, terminal
+from ..outputs.progress import peak_rss_bytes, terminal
 
 from .app import cli
 from .params import (

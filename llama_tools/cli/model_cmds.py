@@ -10,13 +10,13 @@ from typing import Any
 
 import click
 
-from .. import dtypes
-from ..paths import check_output_path, check_writes, stream_fd
-from ..formats import BENIGN_SUFFIXES, WRITABLE
-from ..formats import FORMATS as CHECKPOINT_FORMATS
-from ..output import render
-from ..presets import PAPER_MODELS
-from ..progress import terminal
+from ..modeling import dtypes
+from ..outputs.paths import check_output_path, check_writes, stream_fd
+from ..checkpoints.formats import BENIGN_SUFFIXES, WRITABLE
+from ..checkpoints.formats import FORMATS as CHECKPOINT_FORMATS
+from ..outputs.tables import render
+from ..modeling.presets import PAPER_MODELS
+from ..outputs.progress import terminal
 
 from .app import cli
 from .params import (
@@ -51,10 +51,10 @@ def count_params(models: tuple[Any, ...], context: int | None, batch: int, per_l
       llama-tools count-params llama-2-7b ./phi3/config.json --format json
       llama-tools count-params model.safetensors --per-layer
     """
-    from ..accounting import ParamCount, layer_rows, long_rows, summary_rows
-    from ..header_count import HeaderCount, header_long_rows, header_rows
-    from ..source import resolve_countable
-    from ..transformers_count import ModuleTreeCount, tree_layer_rows, tree_long_rows, tree_summary_rows
+    from ..counting.accounting import ParamCount, layer_rows, long_rows, summary_rows
+    from ..counting.header_count import HeaderCount, header_long_rows, header_rows
+    from ..checkpoints.source import resolve_countable
+    from ..counting.transformers_count import ModuleTreeCount, tree_layer_rows, tree_long_rows, tree_summary_rows
 
     counted = [_count(resolve_countable(m), context, batch) for m in (models or PAPER_MODELS)]
     counts = [c for c in counted if isinstance(c, ParamCount)]  # the native ones, side by side as ever
@@ -130,8 +130,8 @@ def presets(fmt: str) -> None:
     Example:
       llama-tools presets --format json
     """
-    from ..accounting import count_params
-    from ..presets import PRESET_SOURCES, PRESETS, aliases_of, preset_tokenizer
+    from ..counting.accounting import count_params
+    from ..modeling.presets import PRESET_SOURCES, PRESETS, aliases_of, preset_tokenizer
 
     rows = [{"name": name, "params": count_params(c).total, "layers": c.num_hidden_layers, "width": c.hidden_size,
              "heads q/kv": f"{c.num_attention_heads}/{c.num_key_value_heads}", "vocab": c.vocab_size,
@@ -143,15 +143,15 @@ def presets(fmt: str) -> None:
 
 def _count(target: Any, context: int | None, batch: int) -> Any:
     """One MODEL's count: native (accounting), from transformers' module tree, or from weight files' headers."""
-    from ..accounting import count_source
-    from ..header_count import count_headers
-    from ..header_readers import PartialFile
-    from ..source import ForeignConfig, HeaderFiles
+    from ..counting.accounting import count_source
+    from ..counting.header_count import count_headers
+    from ..checkpoints.header_readers import PartialFile
+    from ..checkpoints.source import ForeignConfig, HeaderFiles
 
     if isinstance(target, HeaderFiles):
         return count_headers(target)
     if isinstance(target, ForeignConfig):
-        from ..transformers_count import count_module_tree  # imports transformers: only for such a config
+        from ..counting.transformers_count import count_module_tree  # imports transformers: only for such a config
 
         return count_module_tree(target)
     try:
@@ -235,7 +235,7 @@ def report_shapes(model: Any, seq_len: int, batch: int, past: int, dtype: str | 
       llama-tools report shapes llama-2-7b --seq-len 512 --batch 4 --layers first -o shapes.md
     """
     from ..reports.shapes import infer_format, module_tree_report, render_report, shape_report, write_report
-    from ..source import ForeignConfig, HeaderFiles
+    from ..checkpoints.source import ForeignConfig, HeaderFiles
 
     if isinstance(model, HeaderFiles):
         raise ValueError(f"{model.spec}: report shapes reads a config, and these weight files have none it models "
@@ -245,7 +245,7 @@ def report_shapes(model: Any, seq_len: int, batch: int, past: int, dtype: str | 
         check_output_path(output)
         check_writes([output], model.files)  # never over the config (or anything else) the report reads
     if isinstance(model, ForeignConfig):
-        from ..transformers_count import module_tree  # imports transformers: only for such a config
+        from ..counting.transformers_count import module_tree  # imports transformers: only for such a config
 
         rep = module_tree_report(module_tree(model), seq_len, batch, past, dtype, layers, only)
     else:
@@ -315,7 +315,7 @@ def convert(src: Any, dst: Path, to: str, shards: int, seed: int, dtype: str | N
       llama-tools convert ./tiny-hf tiny.gguf --to gguf --dtype float16
       llama-tools convert ./tiny-hf tiny-meta --to meta --shards 2 --dtype bfloat16
     """
-    from ..convert import convert as run_convert
+    from ..checkpoints.convert import convert as run_convert
 
     check_writes([dst], src.files)
     res = run_convert(src, dst, to=to, shards=shards, seed=seed, dtype=dtype)
@@ -344,7 +344,7 @@ def tokenize(model: Any, text: str | None, ids: list[int] | None, no_bos: bool, 
       llama-tools tokenize tiny "Hello world"
       llama-tools tokenize ./tiny-hf --ids "1 450 29871" --format json
     """
-    from ..source import load_tokenizer, no_tokenizer
+    from ..checkpoints.source import load_tokenizer, no_tokenizer
 
     if (text is None) == (ids is None):
         raise ValueError("give exactly one of TEXT or --ids '1 2 3'")
@@ -390,14 +390,14 @@ def generate(model: Any, prompt: str | None, ids: str | None, max_new_tokens: in
       llama-tools generate tiny --prompt "Who is" --max-new-tokens 8
       llama-tools generate ./tiny-hf --ids "1 17 42" --temperature 0.8 --top-p 0.9 --seed 0
     """
-    from ..sampling import check_sampling
-    from ..source import prompt_ids
+    from ..inference.sampling import check_sampling
+    from ..checkpoints.source import prompt_ids
 
     token_ids, tok = prompt_ids(model, prompt, ids)
     check_sampling(model.cfg, token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                    repetition_penalty=repetition_penalty, top_k=top_k, top_p=top_p, dtype=dtype)
-    from ..generation import generate as run_generate  # torch, only once every cheap check has passed
-    from ..loading import load_model
+    from ..inference.generation import generate as run_generate  # torch, only once every cheap check has passed
+    from ..checkpoints.loading import load_model
 
     llama = load_model(model, dtype=dtype, progress=terminal("loading", quiet=quiet))
     eos = tok.eos_ids if tok is not None and tok.eos_ids else llama.cfg.eos_token_id  # the checkpoint's EOS ids

@@ -11,9 +11,9 @@ from typing import Any, Callable
 
 import click
 
-from .. import dtypes
-from ..output import FORMATS
-from ..tokenizer import KINDS as TOKENIZER_KINDS
+from ..modeling import dtypes
+from ..outputs.tables import FORMATS
+from ..checkpoints.tokenizer import KINDS as TOKENIZER_KINDS
 
 
 _STDOUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EPIPE, errno.EIO)  # an OSError of writing stdout
@@ -94,7 +94,7 @@ class ModelArg(click.ParamType):
         self.weights_required_in_dir = weights_required_in_dir
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        from ..source import ModelSource, resolve
+        from ..checkpoints.source import ModelSource, resolve
 
         if isinstance(value, ModelSource):
             return value
@@ -107,7 +107,7 @@ class CountArg(ModelArg):
     files without a config (their headers), where ModelArg would refuse them."""
 
     def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        from ..source import resolve_countable
+        from ..checkpoints.source import resolve_countable
 
         return resolve_countable(value)  # ValueError: one line
 
@@ -118,7 +118,7 @@ class IdsArg(click.ParamType):
     name = "IDS"
 
     def convert(self, value: Any, param: Any, ctx: Any) -> list[int]:
-        from ..tokenizer import parse_ids
+        from ..checkpoints.tokenizer import parse_ids
 
         try:
             ids = parse_ids(value) if isinstance(value, str) else list(value)

@@ -10,11 +10,11 @@ from typing import Any
 
 import click
 
-from .. import dtypes
-from ..output import render
+from ..modeling import dtypes
+from ..outputs.tables import render
 from ..exporters.parity_options import MODES, WHOLE_GRAPH_BYTES
 from ..exporters.quant_options import PROMPT_IDS
-from ..progress import terminal
+from ..outputs.progress import terminal
 
 from .app import cli
 from .params import (
@@ -97,9 +97,9 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
     mode = "layers" if by_layer else checks
     from ..exporters.preflight import check_args
     from ..exporters.verify_preflight import parity_room
-    from ..tokenizer import check_vocab
+    from ..checkpoints.tokenizer import check_vocab
 
-    from ..source import prompt_ids
+    from ..checkpoints.source import prompt_ids
 
     check_args(dtype, rope_op, None)
     room = parity_room(target, source)  # TARGET, --source and the graph's metadata, before torch is imported
@@ -229,8 +229,8 @@ def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: 
     if prompt is not None and ids is not None:
         raise click.UsageError("give at most one of --prompt TEXT or --ids '1 2 3'")
     from ..exporters.verify_preflight import int4_source
-    from ..header_readers import open_regular
-    from ..source import load_tokenizer, no_tokenizer, prompt_ids
+    from ..checkpoints.header_readers import open_regular
+    from ..checkpoints.source import load_tokenizer, no_tokenizer, prompt_ids
 
     # Everything that needs no weights, before torch is imported: the graph holds int4, its fp32 side, the prompt
     # in the vocabulary, the prompt and --steps within the context, --text.
@@ -251,7 +251,7 @@ def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: 
         if len(sequence) < 2:
             raise click.BadParameter(f"{text_file} encodes to {len(sequence)} token(s); give some text", param_hint="--text")
     from ..exporters.quantize import measure_quant_parity  # numpy, torch and onnxruntime: the work itself
-    from ..loading import load_model
+    from ..checkpoints.loading import load_model
 
     reference = load_model(source) if source is not None else None
     rep = measure_quant_parity(target, reference, prompt=start, sequence=sequence, steps=steps)

@@ -1,0 +1,463 @@
+"""Model configs from files: HF `config.json` and Meta `params.json` in, HF `config.json` out.
+
+Every field read is type-checked here, so a bad file is one line naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from ..modeling import dtypes
+from ..modeling.config import INT64_MAX, LAYER_LIST_LIMIT, ROPE_FACTOR_LIMIT, SIZE_LIMITS, ModelConfig, RopeScaling
+from ..modeling.families import FAMILIES, FULL, HF_NAMES, SLIDING
+from .formats import FORMATS
+from .header_readers import MAX_HEADER_BYTES, open_regular, real_path
+from ..modeling.presets import get_preset
+
+# HF `architectures` entry (or `model_type`) -> our family.
+# config.json `architectures` / `model_type` -> family (families.py is the one registry).
+_HF_ARCHITECTURES = HF_NAMES
+# HF's `hidden_act` / `hidden_activation` names -> ours (Gemma 1's legacy "gelu" runs as tanh-GELU in HF too).
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+class UnknownArchitecture(ValueError):
+    """A config.json of an architecture no family here models (count-params may still count it elsewhere)."""
+
+    def __init__(self, message: str, data: dict[str, Any], path: Path):
+        super().__init__(message)
+        self.data, self.path = data, path
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a regular file of bounded size, or one ValueError line naming the file and what is wrong."""
+    with open_regular(path) as f:  # a FIFO or device named config.json never blocks
+        # Sized by the file (read(n) allocates n up front): a 2 kB config takes 2 kB, a growing one is still cut off.
+        raw = f.read(min(os.fstat(f.fileno()).st_size, MAX_HEADER_BYTES) + 1)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ValueError(f"{path}: over {MAX_HEADER_BYTES} bytes: not a config or index file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); a config must be a JSON file") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    except ValueError as e:  # Python's own bound: an integer of more than 4300 digits
+        raise ValueError(f"{path}: {str(e).splitlines()[0]}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to be a config") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
+def is_config_file(path: Path) -> bool:
+    """Whether a config file is there: a symlink loop or a dangling link by that name is one error line, not absence."""
+    if os.path.islink(path):
+        real_path(path)
+    return path.is_file()
+
+
+def _require(d: dict[str, Any], path: Path, *keys: str) -> Any:
+    for k in keys:
+        if k in d and d[k] is not None:
+            return d[k]
+    raise ValueError(f"{path}: missing required field {keys[0]!r}")
+
+
+def _got(v: Any) -> str:
+    """A value as the error shows it: its JSON text and type, bounded."""
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+    text = json.dumps(v) if isinstance(v, (bool, int, float, str, list, dict, type(None))) else repr(v)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({kind})"
+
+
+# Meta's params.json keys (and HF's aliases) -> the SIZE_LIMITS entry that bounds them.
+_LIMIT_OF = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+             "n_kv_heads": "num_key_value_heads", "max_seq_len": "max_position_embeddings",
+             "model_max_length": "max_position_embeddings", "_sliding_window_pattern": "sliding_window_pattern",
+             "bos_token_id": "token_id", "eos_token_id": "token_id", "pad_token_id": "token_id"}
+
+
+def size_limit(field_name: str) -> int:
+    """The SIZE_LIMITS bound of a field as a file or an error names it ("n_layers", "rope_scaling.factor[0]")."""
+    key = field_name.rsplit(".", 1)[-1].split("[")[0]
+    return SIZE_LIMITS.get(_LIMIT_OF.get(key, key), INT64_MAX)
+
+
+# Integers must be JSON integers: HF writes them so, and transformers' own modules fail on 4096.0; a float
+# accepted here would also be rounded past 2^53 on the way, which no count may be.
+def _as_int(v: Any, path: Path, field_name: str, minimum: int | None = 1) -> int:
+    if type(v) is not int:
+        raise ValueError(f"{path}: field {field_name!r} must be an integer, got {_got(v)}")
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{path}: field {field_name!r} must be an integer >= {minimum}, got {v}")
+    if v > INT64_MAX:
+        raise ValueError(f"{path}: field {field_name!r} is {len(str(v))} digits; a size must fit in 64 bits "
+                         f"(<= {INT64_MAX})")
+    limit = size_limit(field_name)
+    if v > limit:
+        raise ValueError(f"{path}: field {field_name!r} is {v:,}, over the {limit:,} llama-tools reads (far past "
+                         f"any published model); fix the config")
+    return v
+
+
+def _as_float(v: Any, path: Path, field_name: str, positive: bool = True) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{path}: field {field_name!r} must be a finite number, got {_got(v)}")
+    if positive and not v > 0:
+        raise ValueError(f"{path}: field {field_name!r} must be a number > 0, got {v!r}")
+    return float(v)
+
+
+def _as_bool(v: Any, path: Path, field_name: str) -> bool:
+    """A JSON boolean: "false" (a string) is an error, not a truthy value."""
+    if not isinstance(v, bool):
+        raise ValueError(f"{path}: field {field_name!r} must be true or false (a JSON boolean), got {_got(v)}")
+    return v
+
+
+def _as_str(v: Any, path: Path, field_name: str) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"{path}: field {field_name!r} must be a string, got {_got(v)}")
+    return v
+
+
+def _get(data: dict[str, Any], key: str, default: Any) -> Any:
+    """data[key], with `default` when absent or null (HF writes null for "the default")."""
+    v = data.get(key)
+    return default if v is None else v
+
+
+def _token_id(data: dict[str, Any], path: Path, key: str, default: int) -> int:
+    """bos/eos: an id, null (the default), or a list of ids (Llama 3's eos) whose first is taken."""
+    v = data.get(key)
+    if v is None:
+        return default
+    if isinstance(v, list) and v:  # every id typed and bounded, though only the first is used
+        return [_as_int(x, path, f"{key}[{i}]", minimum=0) for i, x in enumerate(v)][0]
+    return _as_int(v, path, key, minimum=0)
+
+
+def _factor(v: Any, path: Path, field_name: str) -> float:
+    """A rope_scaling factor: a finite number in (0, ROPE_FACTOR_LIMIT]."""
+    x = _as_float(v, path, field_name)
+    if x > ROPE_FACTOR_LIMIT:
+        raise ValueError(f"{path}: field {field_name!r} is {x:g}, over the {ROPE_FACTOR_LIMIT:g} llama-tools reads "
+                         f"(published scalings use at most 40); fix the config")
+    return x
+
+
+def _rope_scaling(raw: Any, path: Path, where: str = "rope_scaling") -> RopeScaling | None:
+    if raw is None or raw == {}:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: field {where!r} must be an object or null, got {_got(raw)}")
+    kind = raw.get("rope_type", raw.get("type"))
+    if kind is None or kind == "default":
+        return None
+    kind = _as_str(kind, path, f"{where}.rope_type")
+    f = lambda key, default: _factor(_get(raw, key, default), path, f"{where}.{key}")  # noqa: E731
+    scaling = RopeScaling(
+        type=kind, factor=f("factor", 1.0), low_freq_factor=f("low_freq_factor", 1.0),
+        high_freq_factor=f("high_freq_factor", 4.0),
+        original_max_position_embeddings=_as_int(_get(raw, "original_max_position_embeddings", 8192), path,
+                                                 f"{where}.original_max_position_embeddings"),
+    )
+    if kind == "llama3" and not scaling.high_freq_factor > scaling.low_freq_factor:
+        raise ValueError(f"{path}: field '{where}.high_freq_factor' ({scaling.high_freq_factor}) must be greater "
+                         f"than low_freq_factor ({scaling.low_freq_factor}) for llama3 scaling")
+    return scaling
+
+
+def _activation(data: dict[str, Any], path: Path, family: str) -> str:
+    """The FFN gate's activation, from `hidden_activation` (Gemma) or `hidden_act`."""
+    key = "hidden_activation" if data.get("hidden_activation") is not None else "hidden_act"
+    default = FAMILIES[family].defaults.get("hidden_act", "silu")
+    name = _as_str(_get(data, key, default), path, key)
+    if name == "gelu" and family.startswith("gemma"):
+        return "gelu_tanh"
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"{path}: field {key!r} is {name!r}; the model computes {', '.join(sorted(_ACTIVATIONS))}")
+    return _ACTIVATIONS[name]
+
+
+def _listed_layer_types(data: dict[str, Any], path: Path, layers: int) -> tuple[str, ...] | None:
+    """The file's `layer_types`, checked whether or not a window uses it (its length first, before any element)."""
+    raw = data.get("layer_types")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != layers or any(t not in (SLIDING, FULL) for t in raw):
+        got = f"a list of {len(raw):,}" if isinstance(raw, list) else _got(raw)
+        raise ValueError(f"{path}: field 'layer_types' must list {SLIDING!r} or {FULL!r} for each of the "
+                         f"{layers:,} layers, got {got}")
+    return tuple(raw)
+
+
+def _layer_types(data: dict[str, Any], path: Path, family: str, layers: int) -> tuple[str, ...] | None:
+    """Which layers slide: the file's `layer_types`, else Gemma's pattern (2: alternate, 3: 5 of 6), else None."""
+    listed = _listed_layer_types(data, path, layers)
+    if listed is not None:
+        return listed
+    pattern = {"gemma2": 2, "gemma3": None}.get(family, 0)
+    if pattern is None:  # Gemma 3's configs name it with or without a leading underscore
+        key = "sliding_window_pattern" if data.get("sliding_window_pattern") is not None else "_sliding_window_pattern"
+        pattern = _as_int(_get(data, key, 6), path, key)
+    if pattern and layers > LAYER_LIST_LIMIT:  # the pattern is listed per layer: bounded before it is built
+        raise ValueError(f"{path}: field 'num_hidden_layers' is {layers:,}; a {family} config's sliding and full "
+                         f"layers are listed one by one, at most {LAYER_LIST_LIMIT:,} (published: 62)")
+    return tuple(SLIDING if (j + 1) % pattern else FULL for j in range(layers)) if pattern else None
+
+
+def _check_head_width(hidden: int, heads: int, path: Path, keys: tuple[str, str]) -> None:
+    """n6 = n2 / n5 when the file gives no head_dim: held to head_dim's bound too, naming the fields it comes from."""
+    limit = SIZE_LIMITS["head_dim"]
+    if hidden // heads > limit:
+        raise ValueError(f"{path}: fields {keys[0]!r} {hidden:,} / {keys[1]!r} {heads:,} give heads {hidden // heads:,} "
+                         f"wide, over the {limit:,} llama-tools reads; fix the config or give head_dim")
+
+
+def _optional_float(data: dict[str, Any], path: Path, key: str) -> float | None:
+    return None if data.get(key) is None else _as_float(data[key], path, key)
+
+
+def _family(data: dict[str, Any], path: Path) -> str:
+    archs = data.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ValueError(f"{path}: field 'architectures' must be a list of strings, got {_got(archs)}")
+    model_type = data.get("model_type")
+    if model_type is not None:
+        _as_str(model_type, path, "model_type")
+    keys = list(archs or []) + [model_type]
+    family = next((_HF_ARCHITECTURES[k] for k in keys if k in _HF_ARCHITECTURES), None)
+    if family is None:
+        raise UnknownArchitecture(f"{path}: unknown architecture {(archs or [model_type])!r}; "
+                                  f"supported: {', '.join(sorted(k for k in _HF_ARCHITECTURES if k[0].isupper()))}",
+                                  data, path)
+    return family
+
+
+def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> ModelConfig:
+    """Read an HF `config.json` of a LLaMA-family model into a ModelConfig; every field typed and ranged."""
+    path = Path(path)
+    family = _family(data, path)
+    integer = lambda key, minimum=1: _as_int(_require(data, path, key), path, key, minimum)  # noqa: E731
+    flag = lambda key, default=False: _as_bool(_get(data, key, default), path, key)  # noqa: E731
+    optional = lambda key: None if data.get(key) is None else _as_int(data[key], path, key)  # noqa: E731
+    hidden, heads = integer("hidden_size"), integer("num_attention_heads")
+    kv = optional("num_key_value_heads") or heads
+    head_dim = optional("head_dim") or 0
+    if not head_dim:
+        _check_head_width(hidden, heads, path, ("hidden_size", "num_attention_heads"))
+    # Baichuan-13B and Baichuan2-13B use ALiBi; their config.json has no flag for it, so the 13B width
+    # decides unless our own `position_embedding` key says otherwise.
+    pe = _as_str(_get(data, "position_embedding", ""), path, "position_embedding").upper()
+    alibi = pe == "ALIBI" or (family == "baichuan" and not pe and hidden == 5120)
+    max_pos = optional("max_position_embeddings") or optional("model_max_length") or 2048
+    # transformers >= 5 writes rope_theta and the scaling under `rope_parameters` instead of top-level keys.
+    params = data.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"{path}: field 'rope_parameters' must be an object, got {_got(params)}")
+    theta = data.get("rope_theta")
+    theta_field = "rope_theta" if theta is not None else "rope_parameters.rope_theta"
+    theta = theta if theta is not None else (params or {}).get("rope_theta", 10000.0)
+    scaling_field = "rope_scaling" if data.get("rope_scaling") is not None else "rope_parameters"
+    sliding = optional("sliding_window")
+    fam = FAMILIES[family]
+    use_sliding = flag("use_sliding_window", not fam.window_flag)  # Qwen ships a window it does not use
+    attention_bias = data.get("attention_bias")
+    vocab = integer("vocab_size")
+    _listed_layer_types(data, path, integer("num_hidden_layers"))  # checked even where no window uses the list
+    kw: dict[str, Any] = dict(
+        name=path.parent.name or path.stem, source=str(path), family=family,
+        vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=integer("intermediate_size"), num_hidden_layers=integer("num_hidden_layers"),
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+        rms_norm_eps=_as_float(_get(data, "rms_norm_eps", 1e-6), path, "rms_norm_eps"),
+        position_encoding="alibi" if alibi else "rope",
+        rope_theta=_as_float(theta, path, theta_field),
+        rope_scaling=_rope_scaling(data.get("rope_scaling") if data.get("rope_scaling") is not None else params,
+                                   path, scaling_field),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=flag("tie_word_embeddings", fam.tied_by_default),
+        qkv_bias=bool(fam.defaults.get("qkv_bias")) or (flag("attention_bias") if attention_bias is not None
+                                                        else flag("bias")),
+        o_bias=flag("attention_bias"),
+        mlp_bias=flag("mlp_bias"),
+        # Baichuan2 (vocab 125696) normalizes lm_head rows; our own `norm_head` key overrides.
+        norm_head=flag("norm_head", family == "baichuan" and vocab == 125696),
+        sliding_window=sliding if use_sliding else None,
+        layer_types=_layer_types(data, path, family, integer("num_hidden_layers")) if use_sliding and sliding else None,
+        qk_norm=bool(fam.defaults.get("qk_norm")),
+        norm_plus_one=bool(fam.defaults.get("norm_plus_one")),
+        embed_scale=bool(fam.defaults.get("embed_scale")),
+        sandwich_norms=bool(fam.defaults.get("sandwich_norms")),
+        hidden_act=_activation(data, path, family),
+        query_pre_attn_scalar=_optional_float(data, path, "query_pre_attn_scalar"),
+        attn_logit_softcap=_optional_float(data, path, "attn_logit_softcapping"),
+        final_logit_softcap=_optional_float(data, path, "final_logit_softcapping"),
+        rope_local_theta=_optional_float(data, path, "rope_local_base_freq"),
+        bos_token_id=_token_id(data, path, "bos_token_id", 1),
+        eos_token_id=_token_id(data, path, "eos_token_id", 2),
+        pad_token_id=None if data.get("pad_token_id") is None else _token_id(data, path, "pad_token_id", 0),
+        torch_dtype=_stored_dtype(data, path),
+    )
+    experts = data.get("num_local_experts")
+    if family == "mixtral" or (experts is not None and _as_int(experts, path, "num_local_experts", 0)):
+        kw["num_experts"] = integer("num_local_experts")
+        kw["num_experts_per_tok"] = integer("num_experts_per_tok")
+        if kw["num_experts_per_tok"] > kw["num_experts"]:
+            raise ValueError(f"{path}: field 'num_experts_per_tok' ({kw['num_experts_per_tok']}) must be at most "
+                             f"num_local_experts ({kw['num_experts']})")
+    if hidden % heads and not head_dim:
+        raise ValueError(f"{path}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+    if heads % kv:
+        raise ValueError(f"{path}: num_attention_heads {heads} is not divisible by num_key_value_heads {kv}")
+    return ModelConfig(**kw)
+
+
+def _stored_dtype(data: dict[str, Any], path: Path) -> str:
+    """HF's torch_dtype ("bfloat16", "auto", absent) -> one of ours; unknown or absent means float32."""
+    key = "torch_dtype" if data.get("torch_dtype") is not None else "dtype"
+    value = data.get(key)
+    if value is None:
+        return dtypes.FLOAT32.name
+    try:
+        return dtypes.get(_as_str(value, path, key)).name
+    except ValueError as e:
+        if str(e).startswith(str(path)):
+            raise
+        return dtypes.FLOAT32.name
+
+
+def ffn_hidden_size(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """Meta's rule for n7: 2/3 of 4*dim, times the multiplier, rounded up to multiple_of; in exact integers.
+
+    Meta computes int(2 * (4 * dim) / 3) and int(multiplier * hidden) in floats; the same floors on exact
+    rationals (the multiplier's float value, taken exactly) agree with it at every real size and stay exact
+    for any dim (floats would round a 10^18-wide model).
+    """
+    hidden = 8 * dim // 3
+    if ffn_dim_multiplier is not None:
+        hidden = math.floor(Fraction(ffn_dim_multiplier) * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def config_from_meta(data: dict[str, Any], path: Path | str = "params.json", vocab_size: int | None = None) -> ModelConfig:
+    """Read Meta's `params.json` (dim, n_layers, n_heads, n_kv_heads, multiple_of, ...); every field typed."""
+    path = Path(path)
+    integer = lambda key: _as_int(_require(data, path, key), path, key)  # noqa: E731
+    dim, heads = integer("dim"), integer("n_heads")
+    _check_head_width(dim, heads, path, ("dim", "n_heads"))
+    vocab = data.get("vocab_size", -1)
+    if vocab is not None and type(vocab) is not int:
+        raise ValueError(f"{path}: field 'vocab_size' must be an integer (-1: from the weights), got {_got(vocab)}")
+    if vocab is None or vocab <= 0:
+        if vocab_size is None:
+            raise ValueError(f"{path}: field 'vocab_size' is {vocab!r}; pass the tokenizer's size or fix params.json")
+        if not 0 < vocab_size <= SIZE_LIMITS["vocab_size"]:  # the rows of tok_embeddings.weight, as a file says
+            raise ValueError(f"{path}: field 'vocab_size' is {vocab!r}, and the weights' {vocab_size:,} embedding rows "
+                             f"are not a vocabulary of 1 to {SIZE_LIMITS['vocab_size']:,}; fix params.json")
+        vocab = vocab_size
+    vocab = _as_int(vocab, path, "vocab_size")
+    scaling = RopeScaling("llama3", factor=8.0) if _as_bool(_get(data, "use_scaled_rope", False), path,
+                                                            "use_scaled_rope") else None
+    multiple_of = _as_int(_get(data, "multiple_of", 256), path, "multiple_of")
+    multiplier = data.get("ffn_dim_multiplier")
+    if multiplier is not None:
+        _as_float(multiplier, path, "ffn_dim_multiplier")
+    n7 = ffn_hidden_size(dim, multiple_of, multiplier)
+    if n7 > SIZE_LIMITS["intermediate_size"]:
+        raise ValueError(f"{path}: fields 'dim' {dim:,}, 'multiple_of' {multiple_of:,} and 'ffn_dim_multiplier' "
+                         f"{multiplier!r} give an FFN width of {n7:,}, over the {SIZE_LIMITS['intermediate_size']:,} "
+                         f"llama-tools reads; fix params.json")
+    kv = data.get("n_kv_heads")
+    return ModelConfig(
+        name=path.parent.name or "meta", source=str(path), family="llama",
+        vocab_size=vocab, hidden_size=dim,
+        intermediate_size=n7,
+        num_hidden_layers=integer("n_layers"),
+        num_attention_heads=heads, num_key_value_heads=heads if kv is None else _as_int(kv, path, "n_kv_heads"),
+        rms_norm_eps=_as_float(_get(data, "norm_eps", 1e-5), path, "norm_eps"),
+        rope_theta=_as_float(_get(data, "rope_theta", 10000.0), path, "rope_theta"),
+        rope_scaling=scaling, rope_layout=FORMATS["meta"].rope_layout,
+        max_position_embeddings=_as_int(data.get("max_seq_len", 4096), path, "max_seq_len"),  # null: refused
+    )
+
+
+def load_config(source: str | Path) -> ModelConfig:
+    """A preset name, a config.json / params.json path, or a directory holding one of them."""
+    p = Path(source)
+    if p.is_dir():
+        for fname, reader in (("config.json", config_from_hf), ("params.json", config_from_meta)):
+            if is_config_file(p / fname):
+                return reader(read_json(p / fname), p / fname)
+        raise ValueError(f"{p}: directory has neither config.json nor params.json")
+    if looks_like_path(str(source)):
+        if os.path.islink(p):
+            real_path(p)  # a symlink loop or a dangling link says so
+        if not p.exists():
+            raise ValueError(f"{p}: no such file or directory")
+        if not p.is_file():
+            raise ValueError(f"{p}: not a regular file; give a config.json, params.json or checkpoint directory")
+        data = read_json(p)
+        return config_from_meta(data, p) if "dim" in data and "hidden_size" not in data else config_from_hf(data, p)
+    return get_preset(str(source))
+
+
+def looks_like_path(arg: str) -> bool:
+    """A MODEL argument meant as a file or directory (a separator, a leading dot, a .json), not a preset name."""
+    return "/" in arg or arg.startswith(".") or arg.endswith(".json")
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF config.json that describes cfg (used by `convert` and the tests)."""
+    fam = FAMILIES[cfg.family]
+    arch = fam.hf_classes[0]
+    d: dict[str, Any] = {
+        "architectures": [arch], "model_type": fam.model_types[0],
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[cfg.hidden_act],
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "torch_dtype": cfg.torch_dtype,
+    }
+    if cfg.pad_token_id is not None:  # only the source's own: HF reads an absent pad as "none", not as eos
+        d["pad_token_id"] = cfg.pad_token_id
+    if cfg.rope_scaling:
+        d["rope_scaling"] = {"rope_type": cfg.rope_scaling.type, **{
+            k: v for k, v in dataclasses.asdict(cfg.rope_scaling).items() if k != "type"}}
+    if cfg.family == "llama":
+        d["attention_bias"] = cfg.o_bias
+        d["mlp_bias"] = cfg.mlp_bias
+    if cfg.family == "mistral":
+        d["sliding_window"] = cfg.sliding_window
+    if cfg.family == "mixtral":
+        d["num_local_experts"] = cfg.num_experts
+        d["num_experts_per_tok"] = cfg.num_experts_per_tok
+    if cfg.family == "baichuan":
+        d["position_embedding"] = cfg.position_encoding.upper()
+        d["norm_head"] = cfg.norm_head
+    if cfg.family.startswith("gemma"):  # Gemma's keys; the (1 + γ), GELU and sqrt(n2) are the family's own
+        d["hidden_activation"] = d["hidden_act"]
+        d.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar, attn_logit_softcapping=cfg.attn_logit_softcap,
+                 final_logit_softcapping=cfg.final_logit_softcap, sliding_window=cfg.sliding_window)
+        if cfg.rope_local_theta is not None:
+            d["rope_local_base_freq"] = cfg.rope_local_theta
+    if cfg.layer_types is not None:
+        d["layer_types"] = list(cfg.layer_types)
+    if cfg.family in ("qwen2", "qwen3") and cfg.sliding_window is not None:
+        d.update(use_sliding_window=True, sliding_window=cfg.sliding_window)
+    return d

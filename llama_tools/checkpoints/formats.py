@@ -1,0 +1,190 @@
+"""Checkpoint formats: how each names its tensors, orders RoPE rows, fuses q/k/v, and is recognized.
+
+The one registry of these facts. Loading (checkpoints.py), header inspection (inspection.py),
+conversion (convert.py) and the CLI's choices read them from here. No torch import.
+
+| format    | names                          | q/k rows    | fused q/k/v                             |
+|-----------|--------------------------------|-------------|-----------------------------------------|
+| hf        | model.layers.j.self_attn.q_proj | half        | none                                    |
+| meta      | layers.j.attention.wq           | interleaved | none; model-parallel shards to merge    |
+| baichuan  | hf, q/k/v as self_attn.W_pack   | half        | rows cat(q, k, v)                       |
+| internlm2 | attention.wqkv, feed_forward.w1 | half        | per KV head: its n_rep q heads, k, v    |
+| gguf      | blk.j.attn_q                    | interleaved | none; one .gguf file, mostly quantized  |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, TypeVar
+
+from ..modeling.config import ModelConfig
+from ..modeling.rope_layouts import HALF, INTERLEAVED, RopeLayout
+from ..modeling.weights import WeightSpec, weight_specs
+
+FusedQKV = Literal["concat", "grouped"]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """A tensor as a checkpoint stores it; a fused tensor (W_pack, wqkv) covers several specs."""
+
+    name: str
+    shape: tuple[int, ...]
+    parts: tuple[str, ...]  # WeightSpec (module) names it holds, along axis 0
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """One way checkpoints name and lay out the weights of a LLaMA-family model."""
+
+    name: str
+    description: str
+    rope_layout: RopeLayout  # the q/k row order its files store
+    fused_qkv: FusedQKV | None  # how q/k/v share one tensor, if they do
+    fused_name: str | None  # that tensor's name within a layer
+    renames: tuple[tuple[str, str], ...] = ()  # HF name fragment -> this format's
+    marker: str | None = None  # a tensor name (suffix) that only this format has
+    meta_names: bool = False  # names from WeightSpec.meta_name instead of HF's
+    file_kind: str | None = None  # a WeightFiles.kind whose files are always in this format
+    sandwich_renames: tuple[tuple[str, str], ...] = ()  # applied first for Gemma 2/3's four norms a layer
+    stacked_experts: bool = False  # a layer's routed experts as one tensor a projection, named by expert 0's name
+
+    def tensor_name(self, spec: WeightSpec, cfg: ModelConfig | None = None) -> str:
+        """The stored name of an unfused weight (cfg: the model's, where its norms' names depend on it)."""
+        if self.meta_names:
+            if spec.meta_name is None:
+                raise ValueError(f"Meta's layout has no name for {spec.name} (biases and the norms of other "
+                                 f"families are not part of Meta checkpoints)")
+            return spec.meta_name
+        name = spec.hf_name
+        for a, b in (self.sandwich_renames if cfg is not None and cfg.sandwich_norms else ()) + self.renames:
+            name = name.replace(a, b)
+        return name
+
+
+FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in [
+    CheckpointFormat("hf", "HF transformers: config.json + model*.safetensors or pytorch_model*.bin", HALF, None, None),
+    CheckpointFormat("meta", "Meta: params.json + consolidated.NN.pth model-parallel shards", INTERLEAVED, None, None,
+                     marker="tok_embeddings.weight", meta_names=True, file_kind="meta"),
+    CheckpointFormat("baichuan", "Baichuan: HF names, q/k/v rows fused as W_pack", HALF, "concat",
+                     "self_attn.W_pack.weight", marker="self_attn.W_pack.weight"),
+    CheckpointFormat("internlm2", "InternLM2: own names, q/k/v grouped per KV head as wqkv", HALF, "grouped",
+                     "attention.wqkv.weight", marker="attention.wqkv.weight", renames=(
+                         ("model.embed_tokens.", "model.tok_embeddings."), ("self_attn.o_proj.", "attention.wo."),
+                         ("mlp.gate_proj.", "feed_forward.w1."), ("mlp.up_proj.", "feed_forward.w3."),
+                         ("mlp.down_proj.", "feed_forward.w2."), ("input_layernorm.", "attention_norm."),
+                         ("post_attention_layernorm.", "ffn_norm."), ("lm_head.", "output."))),
+    # llama.cpp's names (gguf.TensorNameMap, tested); its converter permutes HF's q/k rows to Meta's order.
+    CheckpointFormat("gguf", "GGUF (llama.cpp): one .gguf file, config and vocabulary in its metadata", INTERLEAVED,
+                     None, None, file_kind="gguf", renames=(
+                         ("model.embed_tokens.", "token_embd."), ("model.layers.", "blk."),
+                         ("self_attn.q_proj.", "attn_q."), ("self_attn.k_proj.", "attn_k."),
+                         ("self_attn.v_proj.", "attn_v."), ("self_attn.o_proj.", "attn_output."),
+                         ("self_attn.q_norm.", "attn_q_norm."), ("self_attn.k_norm.", "attn_k_norm."),
+                         ("mlp.gate_proj.", "ffn_gate."), ("mlp.up_proj.", "ffn_up."), ("mlp.down_proj.", "ffn_down."),
+                         ("input_layernorm.", "attn_norm."), ("post_attention_layernorm.", "ffn_norm."),
+                         ("model.norm.", "output_norm."), ("lm_head.", "output."),
+                         # Mixtral: the router, and each projection's experts stacked (expert 0's name renamed)
+                         ("block_sparse_moe.gate.", "ffn_gate_inp."),
+                         ("block_sparse_moe.experts.0.w1.", "ffn_gate_exps."),
+                         ("block_sparse_moe.experts.0.w3.", "ffn_up_exps."),
+                         ("block_sparse_moe.experts.0.w2.", "ffn_down_exps.")),
+                     stacked_experts=True,
+                     # Gemma 2/3: the norm after attention is post_attention_norm, 6.3's norm is ffn_norm
+                     sandwich_renames=(("post_attention_layernorm.", "post_attention_norm."),
+                                       ("pre_feedforward_layernorm.", "ffn_norm."),
+                                       ("post_feedforward_layernorm.", "post_ffw_norm."))),
+]}
+HF, META = FORMATS["hf"], FORMATS["meta"]
+# What `convert --to` writes: the family's own HF-style format, Meta's, or one GGUF file (gguf.write).
+WRITABLE = ("hf", "meta", "gguf")
+# Buffers some exporters store that no config explains and loaders skip.
+BENIGN_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
+                   "rope_freqs.weight")  # llama.cpp's per-dimension RoPE divisors (Llama 3.1's, from the config)
+# Family -> the format its published checkpoints use (default: hf).
+_FAMILY_FORMAT = {"baichuan": "baichuan", "internlm2": "internlm2"}
+
+
+def get_format(name: str) -> CheckpointFormat:
+    if name not in FORMATS:
+        raise ValueError(f"unknown checkpoint format {name!r}; choose one of {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+def family_format(cfg: ModelConfig) -> CheckpointFormat:
+    """The format of the family's published checkpoints (what `convert --to hf` writes)."""
+    return FORMATS[_FAMILY_FORMAT.get(cfg.family, "hf")]
+
+
+def detect_format(file_kind: str, names: list[str] | set[str]) -> CheckpointFormat:
+    """Which format a set of stored tensor names is in (Meta's .pth shards and GGUF files are so by their file kind)."""
+    by_kind = next((f for f in FORMATS.values() if f.file_kind == file_kind), None)
+    if by_kind is not None:
+        return by_kind
+    # Fused formats first: InternLM2's model.tok_embeddings also ends like Meta's tok_embeddings.
+    for fmt in sorted(FORMATS.values(), key=lambda f: f.fused_qkv is None):
+        if fmt.marker and any(n == fmt.marker or n.endswith("." + fmt.marker) for n in names):
+            return fmt
+    return HF
+
+
+def checkpoint_tensors(cfg: ModelConfig, fmt: CheckpointFormat | None = None) -> list[CheckpointTensor]:
+    """The tensors a checkpoint of `cfg` holds in format `fmt` (default: the family's own)."""
+    fmt = fmt or family_format(cfg)
+    specs = weight_specs(cfg)
+    if fmt.fused_qkv is None:
+        try:
+            if fmt.stacked_experts and cfg.is_moe:
+                return _stacked(cfg, fmt, specs)
+            return [CheckpointTensor(fmt.tensor_name(s, cfg), s.shape, (s.name,)) for s in specs]
+        except ValueError as e:
+            raise ValueError(f"config {cfg.name!r}: {e}") from None
+    by_name = {s.name: s for s in specs}
+    out: list[CheckpointTensor] = []
+    for s in specs:
+        if s.component in ("attn.k", "attn.v"):
+            continue  # inside the fused tensor emitted with attn.q
+        if s.component == "attn.q":
+            prefix = s.name.rsplit("self_attn.q_proj", 1)[0]  # "model.layers.j."
+            parts = tuple(prefix + f"self_attn.{p}_proj.weight" for p in "qkv")
+            rows = sum(by_name[p].shape[0] for p in parts)
+            out.append(CheckpointTensor(prefix + fmt.fused_name, (rows, cfg.hidden_size), parts))
+        else:
+            out.append(CheckpointTensor(fmt.tensor_name(s, cfg), s.shape, (s.name,)))
+    return out
+
+
+def _stacked(cfg: ModelConfig, fmt: CheckpointFormat, specs: list[WeightSpec]) -> list[CheckpointTensor]:
+    """Unfused tensors, each layer's routed experts stacked on a new first axis: one tensor a projection, its parts
+    the experts in order (GGUF's ffn_gate_exps: [experts, rows, columns])."""
+    out = []
+    for s in specs:
+        if s.component != "moe.experts":
+            out.append(CheckpointTensor(fmt.tensor_name(s, cfg), s.shape, (s.name,)))
+        elif ".experts.0." in s.name:  # the others are parts of expert 0's tensor
+            parts = tuple(s.name.replace(".experts.0.", f".experts.{e}.") for e in range(cfg.num_experts))
+            out.append(CheckpointTensor(fmt.tensor_name(s, cfg), (cfg.num_experts, *s.shape), parts))
+    return out
+
+
+def merge_meta_shards(cfg: ModelConfig, shards: list[dict[str, T]], join: Callable[[str, list[T], int], T],
+                      label: Callable[[int], str]) -> dict[str, T]:
+    """Meta's model-parallel shards -> whole entries, joined along each weight's meta_shard_dim.
+
+    Works for tensors and for header records alike: `join(name, parts, axis)` does the joining,
+    `label(k)` names shard k in errors. Replicated weights (norms) are taken from shard 0.
+    """
+    if len(shards) == 1:
+        return shards[0]
+    axis = {s.meta_name: s.meta_shard_dim for s in weight_specs(cfg)}
+    first = shards[0]
+    for k, shard in enumerate(shards[1:], start=1):
+        if list(shard) != list(first):
+            odd = sorted(set(shard) ^ set(first))[0]
+            raise ValueError(f"{label(k)}: shard holds different tensors than {label(0)} (e.g. {odd!r})")
+    merged = {}
+    for name, entry in first.items():
+        dim = axis.get(name)
+        merged[name] = entry if dim is None else join(name, [shard[name] for shard in shards], dim)
+    return merged

@@ -1,0 +1,80 @@
+"""The GGUF architectures read and written here: the family each is, how llama.cpp's converter stores it, and what
+its sizes say of its tensors' shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from ...modeling.config import SIZE_LIMITS
+from ..formats import FORMATS, CheckpointFormat
+from ...modeling.rope_layouts import HALF
+
+SUFFIX = ".gguf"
+MAGIC = b"GGUF"
+KIND = "gguf"  # WeightFiles.kind of a GGUF source
+GGUF = FORMATS[KIND]
+
+
+@dataclass(frozen=True)
+class GgufArchitecture:
+    """A general.architecture we read: the family it is, and how llama.cpp's converter stores it."""
+
+    family: str
+    rope_layout: str  # the q/k row order of its files
+    gains_plus_one: bool = False  # norm gains stored as 1 + γ (Gemma's): γ is the stored value minus 1
+    swa_pattern: int = 0  # llama.cpp's sliding-window pattern when the file names none: n - 1 local, 1 global
+    swa_base: float | None = None  # the local layers' RoPE base when the file names none (llama.cpp's default)
+    big_layers: int = 0  # the block count of the size that scales queries by n2 / n5, not n6 (Gemma 2/3 27B)
+
+
+# llama.cpp writes Mistral as "llama" and permutes its q/k rows to Meta's interleaved order (its rope type NORM);
+# the others keep HF's rows (rope type NEOX: the two halves); biases and q/k norms are found by tensor names.
+# Gemma's converter adds 1 to every norm gain, and llama.cpp fixes what the files leave out (the window pattern,
+# the local base, the query scale) by architecture and size: so do we.
+ARCHITECTURES = {"llama": GgufArchitecture("llama", GGUF.rope_layout),
+                 "qwen2": GgufArchitecture("qwen2", HALF),
+                 "qwen3": GgufArchitecture("qwen3", HALF),
+                 "gemma": GgufArchitecture("gemma", HALF, gains_plus_one=True),
+                 "gemma2": GgufArchitecture("gemma2", HALF, gains_plus_one=True, swa_pattern=2, big_layers=46),
+                 "gemma3": GgufArchitecture("gemma3", HALF, gains_plus_one=True, swa_pattern=6, swa_base=10000.0,
+                                            big_layers=62)}
+LAYER = re.compile(r"^blk\.(\d+)\.")
+
+# What a modelled architecture's sizes say of its tensors' shapes, in GGML order (ne[0]: a row's width, torch's last
+# axis): tensor name (blk.N. taken off) -> the size key of each axis.
+SHAPES = {"token_embd.weight": ("hidden", "vocab"), "output.weight": ("hidden", "vocab"),
+          "output_norm.weight": ("hidden",), "attn_norm.weight": ("hidden",), "ffn_norm.weight": ("hidden",),
+          "attn_q.weight": ("hidden", "q"), "attn_k.weight": ("hidden", "kv"), "attn_v.weight": ("hidden", "kv"),
+          "attn_output.weight": ("q", "hidden"), "ffn_gate.weight": ("hidden", "ffn"),
+          "ffn_up.weight": ("hidden", "ffn"), "ffn_down.weight": ("ffn", "hidden"),
+          # Mixtral (written as llama): the router, and each projection's experts stacked on the last GGML axis
+          "ffn_gate_inp.weight": ("hidden", "experts"), "ffn_gate_exps.weight": ("hidden", "expert_ffn", "experts"),
+          "ffn_up_exps.weight": ("hidden", "expert_ffn", "experts"),
+          "ffn_down_exps.weight": ("expert_ffn", "hidden", "experts")}
+# Tensors that exist only in a mixture-of-experts layer: a file holding one must say {arch}.expert_count.
+EXPERT_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+MAX_EXPERTS = SIZE_LIMITS["num_local_experts"]  # as a config.json may say: every expert is listed by name
+# (layer, expert) pairs a file may hold, each three matrices listed by name: DeepSeek-V3 has 58 x 256 = 14,848,
+# Qwen3-Next 48 x 512 = 24,576; Mixtral 8x22B 56 x 8.
+MAX_EXPERT_SLICES = 2**17
+# Families whose mixture-of-experts form a GGUF architecture holds: llama.cpp writes Mixtral as 'llama'.
+MOE_FAMILY = {"llama": "mixtral"}
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-dimension RoPE divisors (Llama 3's 'llama3' scaling)
+LLAMA3_ARCHITECTURES = ("llama",)  # those whose rope_freqs.weight llama.cpp applies (and its converter writes)
+
+# Before llama.cpp stacked them (2024), its converter wrote each of Mixtral's experts as tensors of their own:
+# blk.N.ffn_gate.E.weight, ffn_up.E, ffn_down.E (llama.cpp still reads them). Each is named by a rename of its own
+# (experts x tensors string replacements), so at most this many experts are read in that form: Mixtral has 8.
+MAX_PER_EXPERT = 64
+_PROJECTIONS = (("w1", "gate"), ("w3", "up"), ("w2", "down"))
+
+
+def per_expert_format(experts: int) -> CheckpointFormat:
+    """GGUF's format for a file of per-expert tensors (blk.N.ffn_gate.E.weight), EXPERTS at most MAX_PER_EXPERT."""
+    assert experts <= MAX_PER_EXPERT, "bounded by the caller"
+    stacked = tuple(f"ffn_{proj}_exps." for _, proj in _PROJECTIONS)
+    return dataclasses.replace(GGUF, stacked_experts=False, renames=tuple(
+        r for r in GGUF.renames if r[1] not in stacked) + tuple(
+        (f"block_sparse_moe.experts.{e}.{w}.", f"ffn_{proj}.{e}.") for e in range(experts) for w, proj in _PROJECTIONS))

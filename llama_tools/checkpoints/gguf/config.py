@@ -1,0 +1,108 @@
+"""The ModelConfig a GGUF's own metadata keys (<arch>.*) and tensor names describe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ...modeling.config import ModelConfig, RopeScaling
+from ...modeling.families import FAMILIES, FULL, SLIDING
+from .architectures import ARCHITECTURES, MOE_FAMILY, ROPE_FREQS
+from .read import UnmodelledGguf, field_value, meta_value
+from .rope_freqs import llama3_scaling, rope_freqs_tensor
+
+
+def gguf_config(reader: Any, path: Path) -> ModelConfig:
+    """The ModelConfig a GGUF's llama.* metadata and tensor names describe; one line for other architectures."""
+    arch = field_value(reader, "general.architecture")
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        raise UnmodelledGguf(f"{path}: GGUF architecture {arch!r} is not LLaMA-family; llama-tools reads "
+                             f"{', '.join(sorted(ARCHITECTURES))}")
+    names = {t.name for t in reader.tensors}
+
+    def get(key: str, kind: type, default: Any = None, required: bool = True) -> Any:
+        v = meta_value(reader, path, f"{arch}.{key}", kind, default)
+        if v is None and required:
+            raise ValueError(f"{path}: GGUF metadata has no {arch}.{key}")
+        return v
+
+    a = ARCHITECTURES[arch]
+    experts = get("expert_count", int, 0, required=False)  # bounded by check_metadata, with expert_used_count
+    if experts and arch not in MOE_FAMILY:
+        raise UnmodelledGguf(f"{path}: a mixture-of-experts {arch} GGUF ({arch}.expert_count); llama-tools reads "
+                             f"experts of {', '.join(MOE_FAMILY)} (Mixtral)")
+    moe = dict(num_experts=experts, num_experts_per_tok=get("expert_used_count", int),
+               moe_intermediate_size=get("expert_feed_forward_length", int, 0, required=False)) if experts else {}
+    hidden, heads = get("embedding_length", int), get("attention.head_count", int)
+    head_dim = get("attention.key_length", int, 0, required=False) or hidden // max(heads, 1)
+    rotary = get("rope.dimension_count", int, head_dim, required=False)
+    if rotary != head_dim:
+        raise UnmodelledGguf(f"{path}: partial rotary ({arch}.rope.dimension_count {rotary} of head width "
+                             f"{head_dim}) is not LLaMA's RoPE")
+    emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size", int, None, required=False) or (int(emb.shape[-1]) if emb is not None else None) or (
+        len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        raise ValueError(f"{path}: GGUF holds neither {arch}.vocab_size, token_embd.weight nor a vocabulary")
+    scaling = None
+    kind = get("rope.scaling.type", str, None, required=False)
+    divisors = rope_freqs_tensor(reader, path)
+    if divisors is not None:  # Llama 3's scaling, as llama.cpp stores it: no keys, the divisors themselves
+        if kind not in (None, "none"):
+            raise UnmodelledGguf(f"{path}: both {arch}.rope.scaling.type {kind!r} and tensor {ROPE_FREQS!r}; "
+                                 f"llama.cpp writes one or the other")
+        scaling = llama3_scaling(divisors, _f32(get("rope.freq_base", float, 10000.0, required=False)), rotary, path)
+    elif kind not in (None, "none"):
+        scaling = RopeScaling(type=kind, factor=float(get("rope.scaling.factor", float, 1.0, required=False)),
+                              original_max_position_embeddings=get("rope.scaling.original_context_length", int,
+                                                                   8192, required=False))
+    bos, eos, pad = (meta_value(reader, path, f"tokenizer.ggml.{k}_token_id", int) for k in ("bos", "eos", "padding"))
+    import numpy as np
+
+    layers = get("block_count", int)  # check_metadata: as many as the file holds blk.N. tensors of
+    family = FAMILIES[a.family].defaults
+    extra: dict[str, Any] = {k: v for k, v in family.items() if k != "qkv_bias"}
+    window = get("attention.sliding_window", int, None, required=False)
+    if window:
+        pattern = field_value(reader, f"{arch}.attention.sliding_window_pattern")  # per layer: true = local
+        if isinstance(pattern, list) and len(pattern) == layers:
+            types = tuple(SLIDING if x else FULL for x in pattern)
+        elif a.swa_pattern:
+            types = tuple(SLIDING if (j + 1) % a.swa_pattern else FULL for j in range(layers))
+        else:
+            types = None
+        extra.update(sliding_window=window, layer_types=types)
+    if a.family in ("gemma2", "gemma3"):
+        scale = get("attention.scale", float, None, required=False)  # a file's own query scale wins over llama.cpp's
+        extra["query_pre_attn_scalar"] = (float(str(np.float32(1.0 / float(scale) ** 2))) if scale else
+                                          float(hidden // heads if layers == a.big_layers else head_dim))
+        for key, field in (("attn_logit_softcapping", "attn_logit_softcap"),
+                           ("final_logit_softcapping", "final_logit_softcap")):
+            v = get(key, float, None, required=False)
+            extra[field] = _f32(v) if v else None
+    base = get("rope.freq_base_swa", float, a.swa_base, required=False)
+    if base is not None:
+        extra["rope_local_theta"] = _f32(base)
+    return ModelConfig(
+        **{**extra, **moe}, pad_token_id=pad,
+        name=path.stem, source=str(path), family=MOE_FAMILY[arch] if experts else a.family,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=get("feed_forward_length", int),
+        num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv", int, heads, required=False),
+        head_dim=head_dim if head_dim != hidden // max(heads, 1) else 0,
+        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", float, 1e-5, required=False)),
+        rope_theta=_f32(get("rope.freq_base", float, 10000.0, required=False)), rope_scaling=scaling,
+        rope_layout=a.rope_layout, max_position_embeddings=get("context_length", int, 2048, required=False),
+        tie_word_embeddings="output.weight" not in names,  # llama.cpp leaves the tied lm_head out
+        qkv_bias="blk.0.attn_q.bias" in names, o_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_up.bias" in names,
+        bos_token_id=bos if bos is not None else 1, eos_token_id=eos if eos is not None else 2,
+    )
+
+
+def _f32(value: Any) -> float:
+    """A float32 field as the shortest decimal that is the same float32 (1e-05, not 9.999999747378752e-06)."""
+    import numpy as np
+
+    return float(str(np.float32(value)))

@@ -1,0 +1,342 @@
+"""Write a GGUF file (llama.cpp's one-file checkpoint) with the gguf library's GGUFWriter: `convert --to gguf`.
+
+What is written is what llama.cpp's converter writes and what this package reads back, each from one registry:
+- the architecture: architectures.ARCHITECTURES (family -> general.architecture), which also says the q/k row order
+  (llama's rows interleaved by llama.cpp's permutation) and whether norm gains are stored as 1 + γ (Gemma's);
+- the metadata keys: the gguf library's own (GGUFWriter.add_* formats gguf.Keys with the architecture);
+- the tensor names: formats.FORMATS["gguf"] (token_embd, blk.N.attn_q, ..., output_norm, output), the reader's table;
+- the vocabulary as tokenizer.ggml.*: vocabulary.py's (a tokenizer.model, a byte-level tokenizer.json, a GGUF's own).
+Matrices are stored in the source's float type or --dtype's (F32, F16, BF16), 1-D tensors (norms, biases) in F32 as
+llama.cpp keeps them. One tensor at a time is converted (rows permuted, cast) and written; the file appears at once
+(files.atomic_file). Where a config departs from what llama.cpp fixes per architecture (Gemma's layer pattern, query
+scale, local RoPE base), the key config.py reads is written and a warning says that llama.cpp does not read it.
+No torch at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from ...modeling import dtypes
+from ...outputs import files, paths
+from ...modeling.config import ModelConfig
+from ...modeling.families import FAMILIES, FULL, SLIDING
+from ..formats import checkpoint_tensors
+from .architectures import ARCHITECTURES, GGUF, LLAMA3_ARCHITECTURES, MOE_FAMILY, ROPE_FREQS, GgufArchitecture
+from .rope_freqs import PUBLISHED, llama3_divisors
+from .vocabulary import Vocabulary, write_vocabulary
+
+if TYPE_CHECKING:
+    import torch
+
+# Family -> the general.architecture llama.cpp writes it as (one per family in the registry).
+ARCH_OF_FAMILY = {**{a.family: name for name, a in ARCHITECTURES.items()},
+                  **{family: name for name, family in MOE_FAMILY.items()}}  # Mixtral: 'llama' with experts
+# Our float dtypes -> the GGML type a matrix of it is stored as; any other dtype is stored as F32.
+FLOAT_TYPES = {dtypes.FLOAT32.name: "F32", dtypes.FLOAT16.name: "F16", dtypes.BFLOAT16.name: "BF16"}
+# llama.cpp's general.file_type (LlamaFileType) of a file whose matrices are all of one GGML type.
+_FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16"}
+# The architectures whose GGUF holds a query scale and soft caps, as config.gguf_config reads them (Gemma 2/3).
+_SCALED = ("gemma2", "gemma3")
+UINT32_MAX = 2**32 - 1  # GGUF's sizes and token ids are uint32
+# ModelConfig fields the reader takes from the architecture's family, not from the file.
+_FAMILY_FIELDS = ("qk_norm", "norm_plus_one", "embed_scale", "hidden_act", "sandwich_norms")
+
+
+@dataclass
+class GgufWritten:
+    """What write_gguf wrote."""
+
+    architecture: str
+    tensors: int
+    params: int
+    bytes: int  # tensor data, as stored
+    warnings: list[str] = field(default_factory=list)
+
+
+# --- What a config needs, checked before any weight is read ---------------------------------------------------
+
+def architecture(cfg: ModelConfig) -> tuple[str, GgufArchitecture]:
+    """cfg's GGUF architecture (name, registry entry); ValueError naming the family and the ones written."""
+    name = ARCH_OF_FAMILY.get(cfg.family)
+    if name is None:
+        raise ValueError(f"config {cfg.source or cfg.name!r}: family {cfg.family!r} has no GGUF architecture here; "
+                         f"llama-tools writes GGUF for {', '.join(ARCH_OF_FAMILY)}; convert it with --to hf")
+    return name, ARCHITECTURES[name]
+
+
+def check_config(cfg: ModelConfig) -> None:
+    """ValueError naming the first thing of cfg a GGUF (as llama.cpp writes it, this package reads it) cannot hold."""
+    arch, a = architecture(cfg)
+    where = f"config {cfg.source or cfg.name!r}"
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    family = {**defaults, **FAMILIES[a.family].defaults}
+    s = cfg.rope_scaling
+    problems = [what for what, bad in (
+        (f"a mixture of experts in {arch} (llama.cpp's {', '.join(MOE_FAMILY)} holds Mixtral's)",
+         cfg.is_moe and cfg.family not in MOE_FAMILY.values()),
+        ("experts of another width than the FFN's (Mixtral's are n7 wide)",
+         cfg.is_moe and cfg.moe_intermediate_size != cfg.intermediate_size),
+        ("ALiBi", cfg.position_encoding != "rope"), ("Baichuan2's NormHead", cfg.norm_head),
+        (f"rope_scaling {s.type if s else ''!r} (a GGUF holds linear scaling, and Llama 3's as rope_freqs.weight "
+         f"with low/high frequency factors 1/4 over 8192 positions)", s is not None and not (
+             s.type == "linear" or (_llama3(cfg) and arch in LLAMA3_ARCHITECTURES))),
+        *((f"{f} {getattr(cfg, f)!r} (GGUF's {arch} has {family[f]!r})", getattr(cfg, f) != family[f])
+          for f in _FAMILY_FIELDS),
+        *((f"{f} (GGUF's {arch} has none)", arch not in _SCALED and getattr(cfg, f) is not None)
+          for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap")),
+    ) if bad]
+    if problems:
+        raise ValueError(f"{where}: a GGUF cannot express {problems[0]}; convert it with --to hf")
+    sizes = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+             "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+             "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+             "max_position_embeddings": cfg.max_position_embeddings, "sliding_window": cfg.sliding_window or 0,
+             "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id or 0,
+             "rope_scaling.original_max_position_embeddings": s.original_max_position_embeddings if s else 0}
+    big = next(((k, v) for k, v in sizes.items() if v > UINT32_MAX), None)
+    if big:
+        raise ValueError(f"{where}: field {big[0]} is {big[1]:,}; a GGUF stores it as a uint32 (at most "
+                         f"{UINT32_MAX:,})")
+
+
+def _llama3(cfg: ModelConfig) -> bool:
+    """Whether cfg's RoPE scaling is Llama 3's with published band parameters: stored as rope_freqs.weight, which
+    rope_freqs.llama3_scaling reads back."""
+    s = cfg.rope_scaling
+    return s is not None and s.type == "llama3" and (
+        s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings) in PUBLISHED
+
+
+def check_destination(dst: str | Path) -> Path:
+    """Cheap checks of DST before any work: a new file (or a stream, device or FIFO to write through)."""
+    path = paths.check_output_path(dst)
+    if not paths.written_through(path) and os.path.lexists(paths.resolve_output(path)):
+        raise ValueError(f"{dst}: already exists; choose a new destination")
+    return path
+
+
+def stored_float(path: str | Path) -> str | None:
+    """The float dtype all of a GGUF's matrices are stored in (F32, F16, BF16), None for quantized or mixed ones."""
+    from .tensors import read_gguf_tensors
+
+    kinds = {t.dtype for t in read_gguf_tensors(path).tensors if len(t.shape) > 1}
+    ours = {ggml: name for name, ggml in FLOAT_TYPES.items()}
+    return ours.get(next(iter(kinds))) if len(kinds) == 1 else None
+
+
+# --- Metadata -------------------------------------------------------------------------------------------------
+
+def _layer_rule(a: GgufArchitecture, layers: int) -> tuple[str, ...] | None:
+    """The layer types config.py gives a file that names no pattern: llama.cpp's n - 1 local, 1 global."""
+    if not a.swa_pattern:
+        return None
+    return tuple(SLIDING if (j + 1) % a.swa_pattern else FULL for j in range(layers))
+
+
+def _hparams(w: Any, cfg: ModelConfig, arch: str, a: GgufArchitecture) -> list[str]:
+    """cfg's <arch>.* metadata on the writer; warnings for what llama.cpp fixes otherwise for this architecture."""
+    import gguf
+
+    said = []
+    n = cfg.num_hidden_layers
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(n)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)  # llama.cpp's Gemma 2/3 converters always write them; readers derive n2/n5 else
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)  # whole heads rotate (check_config refuses nothing else here)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    s = cfg.rope_scaling
+    if cfg.is_moe:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    if s is not None and s.type == "linear":  # llama3: rope_freqs.weight, no keys (llama.cpp's converter)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(s.factor)
+        w.add_rope_scaling_orig_ctx_len(s.original_max_position_embeddings)
+    if cfg.sliding_window is not None:
+        w.add_sliding_window(cfg.sliding_window)
+        if cfg.layer_types != _layer_rule(a, n):
+            w.add_sliding_window_pattern([cfg.slides(j) for j in range(n)])
+            if a.swa_pattern:
+                said.append(f"{arch}: local layers {[j for j in range(n) if cfg.slides(j)]} are not llama.cpp's "
+                            f"pattern ({a.swa_pattern - 1} local, 1 global); written as "
+                            f"{arch}.attention.sliding_window_pattern, which llama.cpp does not read for {arch}")
+        if not a.swa_pattern:
+            said.append(f"{arch}: llama.cpp attends to all positions for {arch}; the sliding window of "
+                        f"{cfg.sliding_window} is read back by llama-tools only")
+    elif a.swa_pattern:
+        said.append(f"{arch}: no sliding window in the config; llama.cpp's {arch} expects one "
+                    f"({arch}.attention.sliding_window)")
+    if arch in _SCALED:
+        # llama.cpp's query scale (config.py reads the same rule): n2 / n5 for the 27B sizes, else n6.
+        rule = float(cfg.hidden_size // cfg.num_attention_heads if n == a.big_layers else cfg.head_dim)
+        if cfg.attention_scale != rule:
+            scale = _query_scale(cfg.attention_scale)
+            w.add_attention_scale(scale)
+            said.append(f"{arch}: scores are divided by sqrt({cfg.attention_scale:g}), llama.cpp's rule gives "
+                        f"sqrt({rule:g}); written as {arch}.attention.scale, which llama.cpp does not read for {arch}")
+            back = _f32(1.0 / scale ** 2)
+            if back != cfg.attention_scale:  # no float32 scale gives it back: said, with what is read
+                said.append(f"{arch}.attention.scale {scale!r} (float32) reads back as query_pre_attn_scalar "
+                            f"{back!r}, not {cfg.attention_scale!r}")
+        if cfg.attn_logit_softcap:
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcap)
+        if cfg.final_logit_softcap:
+            w.add_final_logit_softcapping(cfg.final_logit_softcap)
+    local = cfg.rope_local_theta if cfg.rope_local_theta is not None else (
+        cfg.rope_theta if a.swa_base is not None else None)  # None: the local layers use the global base
+    if local is not None and local != a.swa_base:
+        w.add_rope_freq_base_swa(local)
+        said.append(f"{arch}: the local layers' RoPE base {local:g} is written as {arch}.rope.freq_base_swa; "
+                    f"llama.cpp " + (f"fixes it at {a.swa_base:g}" if a.swa_base is not None else "has none")
+                    + f" for {arch}")
+    return said
+
+
+def _f32(value: float) -> float:
+    """VALUE rounded to float32, as the shortest decimal that is that float32 (as config.py reads floats)."""
+    import numpy as np
+
+    return float(str(np.float32(value)))
+
+
+def _query_scale(q: float) -> float:
+    """attention.scale for scores divided by sqrt(q): the float32 nearest 1 / sqrt(q) whose 1 / scale², rounded to
+    float32 as config.py reads it, is q (a neighbour when rounding moves it: q = 1000 reads back exactly too)."""
+    import numpy as np
+
+    lo = hi = np.float32(1.0 / math.sqrt(q))
+    near = [lo]
+    for _ in range(16):  # a few float32 steps either side: one step of s moves 1 / s² by about 2 steps of q
+        lo, hi = np.nextafter(lo, np.float32(0)), np.nextafter(hi, np.float32(np.inf))
+        near += [lo, hi]
+    want = np.float32(q)
+    return float(next((s for s in near if np.float32(1.0 / float(s) ** 2) == want), near[0]))
+
+
+# --- Tensors ------------------------------------------------------------------------------------------------
+
+def _ggml_type(w: torch.Tensor, dtype: str | None) -> str:
+    """The GGML type a tensor is stored as: 1-D ones F32 (llama.cpp's kernels read norms and biases only so),
+    matrices in `dtype`, else in their own float type."""
+    if w.dim() < 2:
+        return "F32"
+    return FLOAT_TYPES.get(dtype or dtypes.get(w.dtype).name, "F32")
+
+
+def _stored(name: str, w: torch.Tensor, cfg: ModelConfig, a: GgufArchitecture, qtype: str) -> Any:
+    """One module-named tensor as the file stores it: q/k rows in the architecture's order, Gemma's gains as 1 + γ,
+    cast; a numpy array of its bytes (BF16 as int16 bits)."""
+    import torch
+
+    from ..layouts import permute_rope_rows
+
+    if cfg.position_encoding == "rope" and cfg.rope_layout != a.rope_layout:
+        w = permute_rope_rows({name: w}, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rope_layout,
+                              a.rope_layout)[name]
+    if a.gains_plus_one and name.endswith("norm.weight"):
+        w = w.to(torch.float32) + 1.0  # in fp32: 1 + γ rounded once (llama.cpp adds in the source's dtype)
+    w = w.detach().to(device="cpu", dtype=dtypes.to_torch({"F32": "float32", "F16": "float16",
+                                                             "BF16": "bfloat16"}[qtype])).contiguous()
+    return w.view(torch.int16).numpy() if qtype == "BF16" else w.numpy()
+
+
+@contextlib.contextmanager
+def _target(dst: str | Path) -> Iterator[Path]:
+    """The path GGUFWriter writes: a temp renamed onto DST (files.atomic_file); for a FIFO, a temp file whose bytes
+    are then sent through it (GGUFWriter asks the file its position between tensors, which a FIFO cannot say)."""
+    try:
+        fifo = stat.S_ISFIFO(os.stat(dst).st_mode) and paths.stream_fd(dst) is None
+    except OSError:
+        fifo = False
+    if not fifo:
+        with files.atomic_file(dst) as tmp:
+            yield tmp
+        return
+    with files.temp_dir("gguf") as d:
+        yield d / "out.gguf"
+        files.write_chunks(dst, _chunks(d / "out.gguf"))
+
+
+def _chunks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            yield chunk
+
+
+def write_gguf(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str | Path, *, dtype: str | None = None,
+               vocabulary: Vocabulary | None = None) -> GgufWritten:
+    """Module-named tensors (q/k rows in cfg.rope_layout) as one GGUF file at DST, atomically, a tensor at a time.
+
+    dtype: the matrices' float type (default: each one's own; types other than F32/F16/BF16 become F32).
+    """
+    import gguf
+    import numpy as np
+
+    check_config(cfg)
+    arch, a = architecture(cfg)
+    dtype = dtypes.model_dtype(dtype).name if dtype is not None else None
+    plan = []  # (stored name, module names, shape, GGML type): every tensor checked before the file is opened
+    for ct in checkpoint_tensors(cfg, GGUF):
+        stacked = len(ct.shape) == 3  # a layer's experts, one projection: [experts, rows, columns]
+        want = ct.shape[1:] if stacked else ct.shape
+        for part in ct.parts:
+            t = state.get(part)
+            if t is None:
+                raise ValueError(f"tensor {part} of the {cfg.family} model {cfg.name!r} is missing")
+            if tuple(t.shape) != want:
+                raise ValueError(f"tensor {part} has shape {list(t.shape)}, the config predicts {list(want)}")
+        plan.append((ct.name, ct.parts, ct.shape, _ggml_type(state[ct.parts[0]], dtype)))
+    odd = sorted({dtypes.get(state[p[0]].dtype).name for _, p, s, _ in plan if len(s) > 1} - set(FLOAT_TYPES))
+    params = sum(math.prod(s) for _, _, s, _ in plan)
+    if _llama3(cfg):  # llama.cpp's place for it: first
+        divisors = llama3_divisors(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling)  # type: ignore[arg-type]
+        plan.insert(0, (ROPE_FREQS, (), (len(divisors),), "F32"))
+    warnings = [f"{', '.join(odd)} matrices written as F32 (a GGUF's float types here: F32, F16, BF16)"] if odd else []
+    sizes = {q: gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[q]] for *_, q in plan}
+    nbytes = [math.prod(shape) * sizes[q][1] // sizes[q][0] for _, _, shape, q in plan]
+    with _target(dst) as path:
+        w = gguf.GGUFWriter(path, arch)
+        try:
+            w.add_type(gguf.GGUFType.MODEL)
+            w.add_name(cfg.name)
+            first = next(q for _, parts, _, q in plan if parts)  # the embedding's names the file's (file_type)
+            w.add_file_type(int(getattr(gguf.LlamaFileType, _FILE_TYPES[first])))
+            w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            warnings += _hparams(w, cfg, arch, a)
+            write_vocabulary(w, cfg, vocabulary)
+            for (name, _, shape, q), size in zip(plan, nbytes):
+                w.add_tensor_info(name, shape, np.dtype(np.float32), size, raw_dtype=gguf.GGMLQuantizationType[q])
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            for name, parts, shape, q in plan:  # one converted tensor in memory at a time
+                if not parts:  # rope_freqs.weight
+                    w.write_tensor_data(np.asarray(divisors, np.float32))
+                    continue
+                t = _stack([state[p] for p in parts]) if len(shape) == 3 else state[parts[0]]
+                w.write_tensor_data(_stored(parts[0], t, cfg, a, q))
+        finally:
+            w.close()
+    return GgufWritten(arch, len(plan), params, sum(nbytes), warnings)
+
+
+def _stack(experts: list[torch.Tensor]) -> torch.Tensor:
+    """One projection's experts as GGUF stacks them: [experts, rows, columns]."""
+    import torch
+
+    return torch.stack(experts)

@@ -1,0 +1,1 @@
+"""The model and its facts: the config, presets and families, the PyTorch LLaMA, RoPE, dtypes, every weight, memory."""
