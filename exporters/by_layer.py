@@ -20,6 +20,9 @@ offset, and onnxruntime reads them from the export's own .data file (the session
 Peak memory is one layer on each side (the graph's session; the reference's layer, whose float64 pass keeps
 the matrices in fp32 and widens one at a time) or the embedding / lm_head block, for a checkpoint source (a
 seeded source is built whole in memory first). Prefill only: the whole-graph check covers the decode steps.
+
+(Over 500 lines on purpose: the cut into blocks and the feeding of each share one reading of the graph's
+names and inputs; split, each half would lean on the other's private conventions.)
 """
 
 from __future__ import annotations

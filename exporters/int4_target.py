@@ -19,6 +19,9 @@ so one matrix kept 8-bit removes nearly all of its error; which ones matter is a
 (SmolLM2-135M loses "Paris" at all-int4), found on real text, not guessed by name. The emulation of onnxruntime's
 symmetric RTN (`fake_quant`) equals its MatMulNBits output to fp32 rounding (tests/test_int4_target.py), so the
 ranking sees the error the graph will have; the loop then judges the real graph, never the emulation.
+
+(Over 500 lines on purpose: the sensitivity pass and the choice it feeds share the int4 emulation and its
+bounds; split, the choice would import the pass's private state.)
 """
 
 from __future__ import annotations

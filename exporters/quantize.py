@@ -13,6 +13,9 @@ int4 cannot meet fp32 tolerances (a 4-bit weight is off by up to half a step, ~3
 its parity is measured, not passed against them: top-1 agreement over a greedy decode and the KL divergence
 and perplexity change of the next-token distributions on a fixed token sequence, judged against the
 thresholds of `QuantThresholds` (see there for why those numbers).
+
+(Over 500 lines on purpose: the quantizer, run one weight at a time, and the measurement of what it made are
+one promise about the int4 graph; the quality target that chooses 8-bit matrices lives in int4_target.py.)
 """
 
 from __future__ import annotations

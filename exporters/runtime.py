@@ -15,6 +15,9 @@ Three facts measured on an H100 with onnxruntime-gpu 1.31.1 shape this module:
     step t:  ids, mask, positions (host, small) --bind_cpu_input--> +---------+ --> logits (host)
              past.i.key/value (OrtValues on the device) ----------> | session | --> present.i.* (device)
     step t+1: past := present (no copy)                              +---------+
+
+(Over 500 lines on purpose: sessions, feeding inputs (growing, static and sliding-window KV buffers) and the
+messages of onnxruntime's refusals are one runner's contract.)
 """
 
 from __future__ import annotations
