@@ -96,7 +96,7 @@ def test_builder_graph_faults_are_located(checkpoint, tmp_path):
     hf.mkdir()
     for f in checkpoint.iterdir():
         (hf / f.name).symlink_to(f)
-    tok = Path(presets.__file__).parent / "data"
+    tok = Path(presets.__file__).parent.parent / "data"  # llama_tools/data
     for f in tok.glob("*/tokenizer*"):  # tiny's tokenizer.model: the builder writes the client files from it
         (hf / f.name).symlink_to(f)
     bf.builder(hf, tmp_path / "builder", tmp_path / "work")

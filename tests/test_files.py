@@ -270,7 +270,7 @@ CHILD = r"""
 import signal, sys, time
 from pathlib import Path
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a foreground shell, even under a background runner
-from llama_tools import files
+from llama_tools.outputs import files
 
 dest, how = Path(sys.argv[1]), sys.argv[2]
 
