@@ -24,7 +24,7 @@ from llama_tools.modeling import dtypes
 from llama_tools.modeling.config import ModelConfig
 from llama_tools.modeling.rope_layouts import HALF, INTERLEAVED
 
-from .graph_io import ATTENTION_MASK, INPUT_IDS, LOGITS, POSITION_IDS
+from .graph_io import ATTENTION_MASK, GQA, INPUT_IDS, LOGITS, POSITION_IDS
 from .rope_ops import ATTR_INTERLEAVED, OP_TYPE
 from .runtime import OnnxLM, StepOutput
 
@@ -111,10 +111,10 @@ def describe_graph(path: str | Path) -> GraphIO:
     k = _dims(inputs[past[0].format(i=0, kv="key")])
     elem = inputs[past[0].format(i=0, kv="key")].type.tensor_type.elem_type
     logits = _dims(outputs[LOGITS])
-    gqa = [n for n in g.node if n.op_type == "GroupQueryAttention"]
+    gqa = [n for n in g.node if n.op_type == GQA]
     # GQA's own rotary says "rotary_interleaved"; the RotaryEmbedding ops (ours, contrib, ONNX) ATTR_INTERLEAVED
     interleaved = any(a.name in ("rotary_interleaved", ATTR_INTERLEAVED) and a.i for n in g.node
-                      if n.op_type in ("GroupQueryAttention", OP_TYPE) for a in n.attribute)
+                      if n.op_type in (GQA, OP_TYPE) for a in n.attribute)
     producer = ("onnxruntime-genai builder" if (Path(path).parent / "genai_config.json").is_file() and gqa
                 else "Optimum" if model.producer_name == "pytorch" and POSITION_IDS in inputs else
                 model.producer_name or "unknown")

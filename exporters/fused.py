@@ -57,7 +57,7 @@ from llama_tools.checkpoints.source import ModelSource, resolve
 from llama_tools.modeling.weights import weight_specs
 
 from . import rope_ops
-from .graph_io import io_names
+from .graph_io import GQA, MS_DOMAIN, io_names
 from .onnx_export import META, TABLE_NAMES, ExportResult, real_weights, save_model, set_metadata
 from .preflight import DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD_BYTES, check_args
 
@@ -233,7 +233,7 @@ def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
         v.type, v.shape = ir.TensorType(t), ir.Shape(["batch", kv_heads, present_slots, hd])
     graph = ir.Graph([input_ids, mask, position_ids, *pasts], [logits, *presents], nodes=g.nodes,
                      initializers=g.initializers, name=f"{cfg.name} (fused)",
-                     opset_imports={"": opset, "com.microsoft": 1})
+                     opset_imports={"": opset, MS_DOMAIN: 1})
     model = ir.Model(graph, ir_version=10, producer_name="llama-tools")
     if rope_op == rope_ops.OURS.name:  # our op's body rides along, so stock onnxruntime runs it on any provider
         function = ir.serde.deserialize_function(rope_ops.rope_function(opset))
@@ -317,7 +317,7 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
             else:
                 qkv_in.append(g.op(attn, rope_ops.OP_TYPE, [x, position_ids, cos_cache, sin_cache],
                                    {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads,
-                                    "rotary_embedding_dim": cfg.head_dim}, domain="com.microsoft", name=f"rope_{which}"))
+                                    "rotary_embedding_dim": cfg.head_dim}, domain=MS_DOMAIN, name=f"rope_{which}"))
         qkv_in.append(v)
     elif rope_op == rope_ops.OURS.name:
         # One node rotates the q and k heads of the packed projection and passes v through; GQA takes it packed.
@@ -330,7 +330,7 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
         q, k, v = g.op(attn, "Split", [qkv, split], {"axis": -1}, outputs=3)  # [b, s, q], [b, s, kv], [b, s, kv]
         qkv_in = [g.op(attn, rope_ops.OP_TYPE, [x, position_ids, cos_cache, sin_cache],
                        {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads, "rotary_embedding_dim": cfg.head_dim},
-                       domain="com.microsoft", name=f"rope_{which}") for which, x, heads in (("q", q, nq), ("k", k, nkv))]
+                       domain=MS_DOMAIN, name=f"rope_{which}") for which, x, heads in (("q", q, nq), ("k", k, nkv))]
         qkv_in.append(v)
     gqa = {"num_heads": nq, "kv_num_heads": nkv, "do_rotary": 0}
     if cfg.query_pre_attn_scalar is not None:  # Gemma 2/3: scores / sqrt(query_pre_attn_scalar)
@@ -340,9 +340,9 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
     if cfg.slides(j):  # GQA's window counts the query's own slot: local_window_size = W keys, as the mask's
         gqa["local_window_size"] = cfg.sliding_window
     u, present_k, present_v = g.op(
-        attn, "GroupQueryAttention",
+        attn, GQA,
         [*qkv_in, past_k, past_v, seqlens_k, total, None, None, None, attention_bias],
-        gqa, domain="com.microsoft",
+        gqa, domain=MS_DOMAIN,
         outputs=[None, out_names[1 + 2 * j], out_names[2 + 2 * j]])
     w, b = linear("self_attn", ["o_proj"], cfg.o_bias)
     r = matmul("self_attn/o_proj", u, w, b)  # [b, s, n2]
@@ -353,7 +353,7 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
         norm = f"{pre}.pre_feedforward_layernorm.weight"
     ybar, _, _, y = g.op(
         f"{path}/{norm.split('.')[-2]}", "SkipSimplifiedLayerNormalization", [r, z, _gain(g, cfg, read, shapes, norm)],
-        {"epsilon": float(cfg.rms_norm_eps)}, domain="com.microsoft",
+        {"epsilon": float(cfg.rms_norm_eps)}, domain=MS_DOMAIN,
         outputs=[None, "", "", None])  # (normalized, -, -, the sum z + r)
 
     # --- SwiGLU ---
@@ -380,7 +380,7 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
                             (f"/model/layers.{j + 1}/input_layernorm", f"model.layers.{j + 1}.input_layernorm.weight"))
     zbar_next, _, _, z_next = g.op(
         norm_path, "SkipSimplifiedLayerNormalization", [d, y, _gain(g, cfg, read, shapes, norm_name)],
-        {"epsilon": float(cfg.rms_norm_eps)}, domain="com.microsoft",
+        {"epsilon": float(cfg.rms_norm_eps)}, domain=MS_DOMAIN,
         outputs=[None, "", "", None])
     return zbar_next, z_next, [present_k, present_v]
 

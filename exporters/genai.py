@@ -32,10 +32,10 @@ from typing import Any
 from llama_tools.outputs import files
 from llama_tools.modeling.config import ModelConfig
 from llama_tools.checkpoints.config_files import config_to_hf
-from llama_tools.checkpoints.header_readers import open_regular
+from llama_tools.checkpoints.header_readers import json_object, open_regular
 from llama_tools.checkpoints.source_files import (
     MAX_TOKENIZER_FILE_BYTES, SAMPLING_KEYS, TOP_K_WHEN_SAMPLING, SourceFiles, agreeing_ids,
-    checked_tokenizer_config, json_object, read_bounded, read_source_files, template_of_config, tokenizer_files)
+    checked_tokenizer_config, read_bounded, read_source_files, template_of_config, tokenizer_files)
 from llama_tools.checkpoints.tokenizer import JsonTokenizer, find_tokenizer, kind_of
 from llama_tools.checkpoints.tokenizer_files import sentencepiece_files
 

@@ -1,9 +1,12 @@
-"""The exported graph's input and output names, as Optimum and onnxruntime-genai use them: typed here once."""
+"""The exported graph's names, typed here once: inputs and outputs as Optimum and onnxruntime-genai use them, and
+the onnxruntime contrib ops the fused and int4 graphs hold."""
 
 from __future__ import annotations
 
 INPUT_IDS, ATTENTION_MASK, POSITION_IDS, LOGITS = "input_ids", "attention_mask", "position_ids", "logits"
 KV = ("key", "value")
+MS_DOMAIN = "com.microsoft"  # onnxruntime's contrib ops
+GQA = "GroupQueryAttention"  # its attention with a KV cache, which fused.py writes and runtime.py feeds
 
 
 def past_name(layer: int, kv: str) -> str:

@@ -32,6 +32,7 @@ import numpy as np
 
 from llama_tools.outputs import files
 
+from .graph_io import MS_DOMAIN
 from .quant_options import ACCURACY_LEVEL, BLOCK_SIZE, INT4_ALGORITHMS, PROMPT_IDS
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def share_tied_embedding(model: Any, block_size: int) -> bool:
                                                              f"{p}/zero_points_3d"))
             gathered.append(f"{p}/zero_points_3d")
         rows = helper.make_node("GatherBlockQuantized", gathered,
-                                [f"{p}/blocks"], name=f"{p}/GatherBlockQuantized", domain="com.microsoft",
+                                [f"{p}/blocks"], name=f"{p}/GatherBlockQuantized", domain=MS_DOMAIN,
                                 gather_axis=0, quantize_axis=2, block_size=block_size, bits=bits)  # [b, s, n2/block, block]
         flat = helper.make_node("Reshape", [f"{p}/blocks", f"{p}/row_shape"], [gather.output[0]],
                                 name=f"{p}/Reshape_rows")  # [b, s, n2/block, block] -> [b, s, n2]
@@ -320,8 +321,8 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     assert quantized == len(candidates) - len(exclude), (
         f"{quantized} MatMulNBits for {len(candidates) - len(exclude)} quantizable MatMuls")
     share_tied_embedding(model, block_size)  # a tied lm_head with no zero point or uint8 ones (not HQQ's floats)
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     _save_streamed(model, base, output)
     return QuantizeResult(source=source, path=output, bytes_before=_disk_bytes(source), bytes_after=_disk_bytes(output),
                           quantized=quantized, left_fp=list(exclude), folded_transposes=folded,

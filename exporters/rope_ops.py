@@ -12,6 +12,8 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .graph_io import MS_DOMAIN
+
 if TYPE_CHECKING:  # onnx and torch load inside the functions: the CLI reads ROPE_OPS without them
     import onnx
 
@@ -37,7 +39,7 @@ class RopeOp:
 ROPE_OPS: dict[str, RopeOp] = {op.name: op for op in [
     RopeOp("llama_tools", DOMAIN, f"{DOMAIN}.{OP_TYPE}", 18, True,
            "our node, with its ONNX function body: any onnxruntime runs it"),
-    RopeOp("contrib", "com.microsoft", f"com.microsoft.{OP_TYPE}", 18, False, "onnxruntime's fused contrib op"),
+    RopeOp("contrib", MS_DOMAIN, f"{MS_DOMAIN}.{OP_TYPE}", 18, False, "onnxruntime's fused contrib op"),
     RopeOp("onnx", "", f"{OP_TYPE} (opset 23)", 23, False, "the standard op of opset 23"),
 ]}
 OURS = ROPE_OPS["llama_tools"]
@@ -87,7 +89,7 @@ def our_schema() -> "onnx.defs.OpSchema":
 def ort_schema() -> "onnx.defs.OpSchema":
     """As onnxruntime's ContribOperators.md documents it: input 3-D or 4-D, tables of the input's type."""
     return _schema(
-        OP_TYPE, "com.microsoft", "onnxruntime's fused RotaryEmbedding (contrib op)",
+        OP_TYPE, MS_DOMAIN, "onnxruntime's fused RotaryEmbedding (contrib op)",
         [("input", "T"), ("position_ids", "tensor(int64)"), ("cos_cache", "T"), ("sin_cache", "T")],
         ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"],
         [(ATTR_INTERLEAVED, False), ("is_packed_batching", False), ("num_heads", False), ("rotary_embedding_dim", False)],
@@ -222,7 +224,7 @@ def translation_table(rope_op: str, head_dim: int) -> dict:
         # ORT's op takes 4-D [batch, heads, seq, head_dim] as is; it wants the tables in x's type (the
         # exporter hands them over so, and the optimizer drops the no-op CastLike) and num_heads whenever
         # rotary_embedding_dim is given (heads differ for q and k under GQA).
-        ort_rope = onnxscript.values.Op(onnxscript.values.Opset("com.microsoft", 1), OP_TYPE, ort_schema())
+        ort_rope = onnxscript.values.Op(onnxscript.values.Opset(MS_DOMAIN, 1), OP_TYPE, ort_schema())
         return ort_rope(x, position_ids, op.CastLike(cos_cache, x), op.CastLike(sin_cache, x),
                         interleaved=int(interleaved), num_heads=int(x.shape[1]), rotary_embedding_dim=head_dim)
 

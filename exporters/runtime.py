@@ -31,7 +31,7 @@ import numpy as np
 
 from llama_tools.modeling import dtypes
 
-from .graph_io import LOGITS, past_name, present_name
+from .graph_io import GQA, LOGITS, past_name, present_name
 
 PROVIDERS = ("auto", "cpu", "cuda")
 IO_MODES = ("device", "numpy")
@@ -307,7 +307,7 @@ def windowed_pasts(nodes: Any, where: str = "the graph") -> dict[str, int]:
     """
     out: dict[str, int] = {}
     for n in nodes:
-        if n.op_type != "GroupQueryAttention":
+        if n.op_type != GQA:
             continue
         attrs = {a.name: a.i for a in n.attribute if a.name in ("local_window_size", "sliding_window_cache")}
         window = attrs.get("local_window_size", -1)

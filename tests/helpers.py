@@ -90,8 +90,9 @@ def train_tiny_tokenizer(texts: list[str], prefix: str | Path, vocab_size: int =
     return path
 
 
-def add_llama_hparams(w: Any, cfg: ModelConfig, block_count: int | None = None) -> None:
-    """cfg's llama.* hyperparameters on a gguf.GGUFWriter, as llama.cpp's converter writes them."""
+def add_llama_hparams(w: Any, cfg: Any, block_count: int | None = None) -> None:
+    """cfg's llama.* hyperparameters on a gguf.GGUFWriter, as llama.cpp's converter writes them (cfg: our
+    ModelConfig or a transformers config, which name these fields alike)."""
     w.add_block_count(cfg.num_hidden_layers if block_count is None else block_count)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -100,7 +101,21 @@ def add_llama_hparams(w: Any, cfg: ModelConfig, block_count: int | None = None) 
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
+def export_and_verify(path: Path, tmp_path: Path) -> None:
+    """`export onnx PATH` then `verify parity` of the graph against PATH itself: exit 0 and a PASS."""
+    from click.testing import CliRunner
+
+    from llama_tools.cli import cli
+
+    out = tmp_path / "m.onnx"
+    r = CliRunner().invoke(cli, ["export", "onnx", str(path), "-o", str(out), "--no-client-files", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, ["verify", "parity", str(out), "--source", str(path), "--ids", "1 5 9 33",
+                                 "--steps", "2"])
+    assert r.exit_code == 0 and r.output.strip().splitlines()[-1].startswith("PASS"), r.output
 
 
 def finish_gguf(w: Any) -> None:

@@ -29,7 +29,7 @@ from llama_tools.checkpoints.gguf.tensors import GgufReader  # noqa: E402
 from llama_tools.checkpoints.loading import load_model  # noqa: E402
 from llama_tools.checkpoints.source import resolve  # noqa: E402
 from llama_tools.modeling.weights import weight_specs  # noqa: E402
-from helpers import add_llama_hparams, finish_gguf  # noqa: E402
+from helpers import add_llama_hparams, export_and_verify, finish_gguf  # noqa: E402
 
 Q8_0, F32 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F32
 TOKENS = (["<unk>", "<s>", "</s>"] + [chr(c) for c in range(97, 123)] + [chr(c) for c in range(65, 91)] + ["Ġ"]
@@ -329,12 +329,7 @@ def test_streamed_reference_reads_gguf(tiny_gguf, tmp_path):
 def test_export_onnx_and_verify_parity_from_gguf(tiny_gguf, tmp_path):
     pytest.importorskip("onnxruntime")
     path, _ = tiny_gguf
-    out = tmp_path / "m.onnx"
-    r = CliRunner().invoke(cli, ["export", "onnx", str(path), "-o", str(out), "--no-client-files", "--format", "json"])
-    assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(cli, ["verify", "parity", str(out), "--source", str(path), "--ids", "1 5 9 33",
-                                 "--steps", "2"])
-    assert r.exit_code == 0 and r.output.strip().splitlines()[-1].startswith("PASS"), r.output
+    export_and_verify(path, tmp_path)
 
 
 # --- the real file (SmolLM2-135M-Instruct Q4_1) ------------------------------------------------------------

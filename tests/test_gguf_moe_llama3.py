@@ -25,7 +25,7 @@ from llama_tools.cli import cli  # noqa: E402
 from llama_tools.checkpoints.convert import convert  # noqa: E402
 from llama_tools.checkpoints.gguf.tensors import GgufReader, load_gguf_model  # noqa: E402
 from llama_tools.checkpoints.loading import load_model  # noqa: E402
-from helpers import QK_SCALE  # noqa: E402
+from helpers import QK_SCALE, add_llama_hparams, export_and_verify, finish_gguf  # noqa: E402
 from test_gguf import TOKENS, llama_cpp_permute  # noqa: E402
 
 T = gguf.GGMLQuantizationType
@@ -79,15 +79,7 @@ def write_llama_cpp_gguf(model, path, *, expert_type=T.F32, expert_count: int | 
     n = hp.num_hidden_layers
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n)
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(n)
-    w.add_context_length(hp.max_position_embeddings)
-    w.add_embedding_length(hp.hidden_size)
-    w.add_feed_forward_length(hp.intermediate_size)
-    w.add_head_count(hp.num_attention_heads)
-    w.add_head_count_kv(hp.num_key_value_heads)
-    w.add_rope_freq_base(hp.rope_theta)
-    w.add_layer_norm_rms_eps(hp.rms_norm_eps)
-    w.add_rope_dimension_count(hp.hidden_size // hp.num_attention_heads)
+    add_llama_hparams(w, hp)
     w.add_vocab_size(hp.vocab_size)
     w.add_tokenizer_model("gpt2")  # test_gguf's vocabulary: convert carries it as tokenizer.json
     w.add_tokenizer_pre("default")
@@ -123,10 +115,7 @@ def write_llama_cpp_gguf(model, path, *, expert_type=T.F32, expert_count: int | 
         w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), gguf.quants.quantize(a, q), raw_dtype=q)
     for name, a in legacy.items():
         w.add_tensor(name, gguf.quants.quantize(a, expert_type), raw_dtype=expert_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 def hf_logits(model) -> torch.Tensor:
@@ -234,12 +223,7 @@ def test_mixtral_gguf_converts_to_hf_and_back(moe, tmp_path):
 def test_mixtral_export_and_verify_parity_from_gguf(moe, tmp_path):
     pytest.importorskip("onnxruntime")
     _, path = moe
-    out = tmp_path / "m.onnx"
-    r = CliRunner().invoke(cli, ["export", "onnx", str(path), "-o", str(out), "--no-client-files", "--format", "json"])
-    assert r.exit_code == 0, r.output
-    r = CliRunner().invoke(cli, ["verify", "parity", str(out), "--source", str(path), "--ids", "1 5 9 33",
-                                 "--steps", "2"])
-    assert r.exit_code == 0 and r.output.strip().splitlines()[-1].startswith("PASS"), r.output
+    export_and_verify(path, tmp_path)
 
 
 @pytest.mark.parametrize("count, used, layers, said", [

@@ -17,7 +17,7 @@ from ..modeling import dtypes
 from ..modeling.config import INT64_MAX, LAYER_LIST_LIMIT, ROPE_FACTOR_LIMIT, SIZE_LIMITS, ModelConfig, RopeScaling
 from ..modeling.families import FAMILIES, FULL, HF_NAMES, SLIDING
 from .formats import FORMATS
-from .header_readers import MAX_HEADER_BYTES, open_regular, real_path
+from .header_readers import MAX_HEADER_BYTES, json_object, open_regular, real_path
 from ..modeling.presets import get_preset
 
 # HF `architectures` entry (or `model_type`) -> our family.
@@ -42,21 +42,7 @@ def read_json(path: Path) -> dict[str, Any]:
         raw = f.read(min(os.fstat(f.fileno()).st_size, MAX_HEADER_BYTES) + 1)
     if len(raw) > MAX_HEADER_BYTES:
         raise ValueError(f"{path}: over {MAX_HEADER_BYTES} bytes: not a config or index file")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); a config must be a JSON file") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
-    except ValueError as e:  # Python's own bound: an integer of more than 4300 digits
-        raise ValueError(f"{path}: {str(e).splitlines()[0]}") from None
-    except RecursionError:
-        raise ValueError(f"{path}: JSON nested too deeply to be a config") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object at the top level")
-    return data
+    return json_object(raw, path)
 
 
 def is_config_file(path: Path) -> bool:

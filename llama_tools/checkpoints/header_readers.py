@@ -146,23 +146,25 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return d
 
 
-def _parse_header_json(raw: bytes, path: Path) -> dict[str, Any]:
+def json_object(raw: bytes, path: Path | str, what: str = "", error: type[ValueError] = ValueError,
+                **loads: Any) -> dict[str, Any]:
+    """RAW (PATH's bytes) as a JSON object, or one `error` line naming PATH (and WHAT: "safetensors header: ")."""
+    where = f"{path}: {what}"
     try:
-        text = raw.decode("utf-8")
+        value = json.loads(raw.decode("utf-8"), **loads)
     except UnicodeDecodeError as e:
-        raise HeaderError(f"{path}: safetensors header is not UTF-8 (byte {e.start})") from None
-    try:
-        header = json.loads(text, parse_int=_bounded_int, parse_float=_no_float, parse_constant=_no_float,
-                            object_pairs_hook=_unique_pairs)
-    except HeaderError as e:
-        raise HeaderError(f"{path}: safetensors header holds {e}") from None
+        raise error(f"{where}not UTF-8 text (byte {e.start})") from None
+    except HeaderError as e:  # a hook of `loads` refused a value: a float, a duplicate key, an integer past its bound
+        raise error(f"{where}holds {e}") from None
     except json.JSONDecodeError as e:
-        raise HeaderError(f"{path}: safetensors header is not valid JSON ({e.msg} at byte {e.pos})") from None
+        raise error(f"{where}not valid JSON (line {e.lineno}: {e.msg})") from None
+    except ValueError as e:  # Python's own bound: an integer of more than 4300 digits
+        raise error(f"{where}{str(e).splitlines()[0]}") from None
     except RecursionError:
-        raise HeaderError(f"{path}: safetensors header nests too deeply (a header is 3 levels deep)") from None
-    if not isinstance(header, dict):
-        raise HeaderError(f"{path}: safetensors header is a JSON {type(header).__name__}, not an object")
-    return header
+        raise error(f"{where}JSON nested too deeply") from None
+    if not isinstance(value, dict):
+        raise error(f"{where}a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def _utf8(s: str) -> bool:
@@ -249,7 +251,8 @@ def read_safetensors_extent(path: str | Path) -> tuple[list[TensorInfo], FileExt
         raw = f.read(n)
     if len(raw) != n:
         raise HeaderError(f"{path}: file shrank while its header was read")
-    header = _parse_header_json(raw, path)
+    header = json_object(raw, path, "safetensors header: ", HeaderError, parse_int=_bounded_int,
+                         parse_float=_no_float, parse_constant=_no_float, object_pairs_hook=_unique_pairs)
     meta = header.get("__metadata__")
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) and _utf8(k) and _utf8(v)
                                                                 for k, v in meta.items())):

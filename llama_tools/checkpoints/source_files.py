@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..modeling.config import ModelConfig
-from .header_readers import MAX_HEADER_BYTES, open_regular
+from .header_readers import MAX_HEADER_BYTES, json_object, open_regular
 
 ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # What onnxruntime-genai's model builder takes from generation_config.json into genai_config.json's `search`
@@ -56,21 +56,6 @@ def read_bounded(path: Path, limit: int) -> bytes:
     if len(data) > limit:
         raise ValueError(f"{path}: over {limit:,} bytes: not a file of this kind")
     return data
-
-
-def json_object(data: bytes, path: Path) -> dict[str, Any]:
-    """DATA (PATH's bytes) as a JSON object; a one-line ValueError naming PATH when it is not one."""
-    try:
-        value = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except RecursionError:
-        raise ValueError(f"{path}: JSON nested too deeply") from None
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({str(e).splitlines()[0]})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a JSON object at the top level")
-    return value
 
 
 def _is_id(v: Any, vocab_size: int) -> bool:

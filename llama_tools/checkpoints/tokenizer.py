@@ -27,7 +27,8 @@ from typing import Any
 from . import tokenizer_files
 from .tokenizer_files import library_errors
 from .header_readers import MAX_HEADER_BYTES
-from .source_files import MAX_GENERATION_CONFIG_BYTES, MAX_TOKENIZER_FILE_BYTES, json_object, read_bounded, special_ids
+from .header_readers import json_object
+from .source_files import MAX_GENERATION_CONFIG_BYTES, MAX_TOKENIZER_FILE_BYTES, read_bounded, special_ids
 
 # Ordinary text that every usable tokenizer encodes to at least one id: one that gives none (an empty vocabulary, a
 # BPE whose pieces match nothing) would turn every prompt into nothing, and is refused when it is opened.

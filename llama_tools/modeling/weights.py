@@ -47,22 +47,21 @@ def _layer_specs(cfg: ModelConfig, j: int, experts: int | None = None) -> list[W
     n2, n7, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     hf, meta = f"model.layers.{j}.", f"layers.{j}."
     s = lambda *a, **k: WeightSpec(*a, layer=j, **k)  # noqa: E731
+
+    def paper(hf_name: str, meta_name: str, i: int, shape: tuple[int, ...], component: str, shard: int) -> WeightSpec:
+        """W^{ji}, one of the paper's matrices: its HF and Meta names and the dimension Meta's shards split."""
+        return s(hf + hf_name, meta + meta_name, f"W^{{{j}{i}}}", shape, component, in_paper=True, meta_shard_dim=shard)
     out = [
         s(hf + "input_layernorm.weight", meta + "attention_norm.weight", f"γ^{{{j},1}}", (n2,), "norm",
           in_paper=False),
-        # W^{j1}: n2 x n2 in the paper; with GQA, K and V shrink to kv_heads * n6 rows.
-        s(hf + "self_attn.q_proj.weight", meta + "attention.wq.weight", f"W^{{{j}1}}", (q, n2), "attn.q",
-          in_paper=True, meta_shard_dim=0),
-        s(hf + "self_attn.k_proj.weight", meta + "attention.wk.weight", f"W^{{{j}2}}", (kv, n2), "attn.k",
-          in_paper=True, meta_shard_dim=0),
-        s(hf + "self_attn.v_proj.weight", meta + "attention.wv.weight", f"W^{{{j}3}}", (kv, n2), "attn.v",
-          in_paper=True, meta_shard_dim=0),
+        # W^{j1}, W^{j2}, W^{j3}: n2 x n2 in the paper; with GQA, K and V shrink to kv_heads * n6 rows.
+        *(paper(f"self_attn.{p}_proj.weight", f"attention.w{p}.weight", i, rows, f"attn.{p}", 0)
+          for p, i, rows in (("q", 1, (q, n2)), ("k", 2, (kv, n2)), ("v", 3, (kv, n2)))),
     ]
     if cfg.qkv_bias:
         out += [s(hf + f"self_attn.{p}_proj.bias", None, f"b^{{{j}{i}}}", (size,), "attn.bias", in_paper=False)
                 for p, i, size in (("q", 1, q), ("k", 2, kv), ("v", 3, kv))]
-    out.append(s(hf + "self_attn.o_proj.weight", meta + "attention.wo.weight", f"W^{{{j}4}}", (n2, q), "attn.o",
-                 in_paper=True, meta_shard_dim=1))
+    out.append(paper("self_attn.o_proj.weight", "attention.wo.weight", 4, (n2, q), "attn.o", 1))
     if cfg.o_bias:
         out.append(s(hf + "self_attn.o_proj.bias", None, f"b^{{{j}4}}", (n2,), "attn.bias", in_paper=False))
     if cfg.qk_norm:  # Qwen3, Gemma 3: one gain of n6 for all q heads, one for all k heads
@@ -77,14 +76,9 @@ def _layer_specs(cfg: ModelConfig, j: int, experts: int | None = None) -> list[W
                      in_paper=False))
     if not cfg.is_moe:
         # W^{j5} gate: n7 x n2, W^{j7} up: n7 x n2, W^{j6} down: n2 x n7 (HF order: gate, up, down).
-        out += [
-            s(hf + "mlp.gate_proj.weight", meta + "feed_forward.w1.weight", f"W^{{{j}5}}", (n7, n2), "mlp.gate",
-              in_paper=True, meta_shard_dim=0),
-            s(hf + "mlp.up_proj.weight", meta + "feed_forward.w3.weight", f"W^{{{j}7}}", (n7, n2), "mlp.up",
-              in_paper=True, meta_shard_dim=0),
-            s(hf + "mlp.down_proj.weight", meta + "feed_forward.w2.weight", f"W^{{{j}6}}", (n2, n7), "mlp.down",
-              in_paper=True, meta_shard_dim=1),
-        ]
+        out += [paper(f"mlp.{p}_proj.weight", f"feed_forward.{w}.weight", i, shape, f"mlp.{p}", shard)
+                for p, w, i, shape, shard in (("gate", "w1", 5, (n7, n2), 0), ("up", "w3", 7, (n7, n2), 0),
+                                              ("down", "w2", 6, (n2, n7), 1))]
         if cfg.mlp_bias:
             out += [s(hf + f"mlp.{p}_proj.bias", None, f"b^{{{j}{i}}}", (size,), "mlp.bias", in_paper=False)
                     for p, i, size in (("gate", 5, n7), ("up", 7, n7), ("down", 6, n2))]

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...modeling.config import ModelConfig
-from ..source_files import MAX_TOKENIZER_FILE_BYTES, json_object, read_bounded, template_problem
+from ..header_readers import json_object
+from ..source_files import MAX_TOKENIZER_FILE_BYTES, read_bounded, template_problem
 from ..tokenizer_files import CONTROL, NORMAL, PRE_TOKENIZERS, UNUSED, USER_DEFINED
 from .architectures import KIND
 
