@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,6 +53,17 @@ def quant_type(hf_name: str, ndim: int) -> "gguf.GGMLQuantizationType":
     return Q8_0 if ndim == 2 and not any(p in hf_name for p in (".q_proj.", ".k_proj.")) else F32
 
 
+def add_vocabulary(w: Any) -> None:
+    """TOKENS as a byte-level BPE vocabulary (tokenizer.ggml.*) with <s> 1 and </s> 2, as llama.cpp writes one."""
+    w.add_tokenizer_model("gpt2")  # convert carries it as tokenizer.json
+    w.add_tokenizer_pre("default")
+    w.add_token_list(TOKENS)
+    w.add_token_types([3, 3, 3] + [1] * 61)
+    w.add_token_merges([f"{t[0]} {t[1]}" for t in TOKENS[-8:]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
 def write_gguf(path: Path, *, tied: bool = True, arch: str = "llama", seed: int = 3, block_count: int | None = None,
                extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """A seeded tiny model as a GGUF file; returns its HF-named fp32 weights (as the model holds them)."""
@@ -62,13 +74,7 @@ def write_gguf(path: Path, *, tied: bool = True, arch: str = "llama", seed: int 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), arch)
     add_llama_hparams(w, cfg, block_count)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_types([3, 3, 3] + [1] * 61)
-    w.add_token_merges([f"{t[0]} {t[1]}" for t in TOKENS[-8:]])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    add_vocabulary(w)
     for s in weight_specs(cfg):
         if tied and s.name == "lm_head.weight":
             continue  # llama.cpp leaves a tied lm_head out

@@ -26,7 +26,7 @@ from llama_tools.checkpoints.convert import convert  # noqa: E402
 from llama_tools.checkpoints.gguf.tensors import GgufReader, load_gguf_model  # noqa: E402
 from llama_tools.checkpoints.loading import load_model  # noqa: E402
 from helpers import QK_SCALE, add_llama_hparams, export_and_verify, finish_gguf  # noqa: E402
-from test_gguf import TOKENS, llama_cpp_permute  # noqa: E402
+from test_gguf import add_vocabulary, llama_cpp_permute  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 IDS = torch.tensor([[1, 5, 9, 33, 60, 7, 2, 17, 40, 11, 3, 59] * 8])  # 96 positions: slow RoPE pairs turn too
@@ -81,13 +81,7 @@ def write_llama_cpp_gguf(model, path, *, expert_type=T.F32, expert_count: int | 
     w = gguf.GGUFWriter(str(path), "llama")
     add_llama_hparams(w, hp)
     w.add_vocab_size(hp.vocab_size)
-    w.add_tokenizer_model("gpt2")  # test_gguf's vocabulary: convert carries it as tokenizer.json
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_types([3, 3, 3] + [1] * 61)
-    w.add_token_merges([f"{t[0]} {t[1]}" for t in TOKENS[-8:]])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    add_vocabulary(w)
     experts = getattr(hp, "num_local_experts", 0)
     if experts:
         w.add_expert_count(experts if expert_count is None else expert_count)
