@@ -161,7 +161,7 @@ def json_object(raw: bytes, path: Path | str, what: str = "", error: type[ValueE
     except ValueError as e:  # Python's own bound: an integer of more than 4300 digits
         raise error(f"{where}{str(e).splitlines()[0]}") from None
     except RecursionError:
-        raise error(f"{where}JSON nests too deeply") from None
+        raise error(f"{where}JSON nests too deeply (nested deeper than Python can parse)") from None
     if not isinstance(value, dict):
         raise error(f"{where}a JSON {type(value).__name__}, not an object")
     return value
