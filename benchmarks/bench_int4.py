@@ -7,7 +7,8 @@ For each model (tests/realmodels.py: SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-I
 graphs, each made by its own command in a fresh process:
 
     ours, default        llama-tools export onnx HF -o OUT --quantize int4          (the default quality target)
-    ours, all int4       llama-tools export onnx HF -o OUT --quantize int4 --max-kl none
+    ours, imatrix int4   llama-tools export onnx HF -o OUT --quantize int4 --max-kl none
+    ours, RTN int4       llama-tools export onnx HF -o OUT --quantize int4 --max-kl none --int4-algorithm rtn
     builder int4         python -m onnxruntime_genai.models.builder -i HF -o OUT -p int4 -e cpu   (its defaults)
 
 and for each: the file's bytes; decode ms/token through onnxruntime-genai's own loop (64 prompt tokens, 64 greedy
@@ -18,7 +19,7 @@ checkpoint; the built-in prompts' 16 greedy tokens against PyTorch fp32's; `veri
 and on the held-out text); the export's peak RSS (its own high-water mark, the command's JSON) against
 max(1 GB, 0.5x the fp32 weights). Ratios are to the builder's row. The goal column holds our default to:
 answers kept on every prompt, KL <= 0.5x the builder's, bytes <= 1.3x, decode <= 1.1x, verify FAITHFUL.
---hqq adds `--int4-algorithm hqq` (every matrix HQQ); --variants the older block-size/asymmetric rows.
+--hqq adds `--int4-algorithm hqq` (every matrix HQQ); --variants RTN to the target, asymmetric and block-16 rows.
 """
 
 from __future__ import annotations
@@ -58,9 +59,9 @@ PROMPTS = ("The capital of France is", "Water freezes at a temperature of", "The
            "William Shakespeare wrote the play", "def add(a, b):\n    return", "The chemical symbol for gold is")
 STEPS = 16
 MODELS = {"smollm2": "smollm2_hf", "qwen2.5-coder-0.5b": "qwen2_hf", "gemma3": "gemma3_hf"}
-VARIANTS = {"asymmetric, block 32": ["--int4-asymmetric", "--max-kl", "none"],
-            "symmetric, block 16": ["--int4-block-size", "16", "--max-kl", "none"],
-            "symmetric, block 64": ["--int4-block-size", "64", "--max-kl", "none"]}
+VARIANTS = {"RTN to the target (--int4-algorithm rtn)": ["--int4-algorithm", "rtn"],
+            "RTN asymmetric, block 32": ["--int4-algorithm", "rtn", "--int4-asymmetric", "--max-kl", "none"],
+            "RTN symmetric, block 16": ["--int4-algorithm", "rtn", "--int4-block-size", "16", "--max-kl", "none"]}
 GOAL = {"size": 1.3, "kl": 0.5, "decode": 1.1}
 
 
@@ -102,30 +103,11 @@ def export_ours(hf: Path, out: Path, extra: list[str]) -> Row | str:
         return Row("", out, graph_bytes(out), json.loads(saved.read_text()))
     t = time.time()
     code, rep, err = llama_tools("export", "onnx", str(hf), "-o", str(out), "--quantize", "int4", "-q", *extra)
-    if code and extra == ["--max-kl", "none"] and "'none'" in err:  # a CLI without `--max-kl none` yet
-        code, rep, err = export_library(hf, out, {"max_kl": "none"})
     if code != 0:
         return (err.strip().splitlines() or ["no output"])[-1]
     rep["bench_wall_s"] = time.time() - t
     saved.write_text(json.dumps(rep))
     return Row("", out, graph_bytes(out), rep)
-
-
-# The pipeline's own call in a fresh process, for what the CLI cannot ask yet: its bytes and peak RSS as JSON.
-_EXPORT = """
-import json, resource, sys
-from llama_tools.exporters.pipeline import export
-from llama_tools.checkpoints.source import resolve
-rep = export(resolve(sys.argv[1]), sys.argv[2], quantize="int4", int4=json.loads(sys.argv[3]), client_files=True)
-print(json.dumps({"bytes": rep.bytes, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "int4_target": None}))
-"""
-
-
-def export_library(hf: Path, out: Path, int4: dict[str, Any]) -> tuple[int, dict, str]:
-    done = subprocess.run([sys.executable, "-c", _EXPORT, str(hf), str(out), json.dumps(int4)], capture_output=True,
-                          text=True, cwd=ROOT)
-    return done.returncode, json.loads(done.stdout) if done.returncode == 0 else {}, done.stderr
 
 
 def export_builder(hf: Path, tmp: Path) -> Row:
@@ -254,7 +236,8 @@ def bench_model(key: str, args: argparse.Namespace, out: list[str]) -> None:
     tmp.mkdir(parents=True, exist_ok=True)
     try:
         rows: list[Row] = []
-        plan = [("ours, default", []), ("ours, all int4 (--max-kl none)", ["--max-kl", "none"])]
+        plan = [("ours, default", []), ("ours, imatrix all int4 (--max-kl none)", ["--max-kl", "none"]),
+                ("ours, RTN all int4 (--int4-algorithm rtn --max-kl none)", ["--int4-algorithm", "rtn", "--max-kl", "none"])]
         if args.hqq:
             plan.append(("ours, HQQ all int4", ["--int4-algorithm", "hqq"]))
         if args.variants:

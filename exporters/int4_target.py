@@ -97,7 +97,7 @@ TOP_K = 128  # next-token candidates per position the KL estimate sums over (a t
 
 def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
                   progress: Callable[[int, int, str], None] = lambda *a: None,
-                  states: list[Any] | None = None) -> dict[str, float]:
+                  states: list[Any] | None = None, emulate: Emulate | None = None) -> dict[str, float]:
     """KL_m: the mean next-token KL (nats) with matrix m alone in int4, for every matrix, in one streamed pass.
 
     Each matrix's perturbed residual stream is spawned where the matrix acts and carried through every later
@@ -105,10 +105,13 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
     once). At the end, each stream's change of the final normed state δ is turned into KL by the Fisher form on
     the clean distribution's TOP_K candidates: KL ≈ ½ Var_p(δ · w_v) (second order, exact for small δ). The lm_head
     itself is measured exactly; a tied embedding read through the same int4 blocks adds its own stream.
+    emulate: the quantizer's int4 (default: symmetric RTN, `rtn_emulation`).
     """
     import torch
 
-    from llama_tools.modeling.model import layer_masks, layer_tables
+    from llama_tools.modeling.model import layer_masks
+
+    emulate = emulate or rtn_emulation(block)
 
     cfg = ref.cfg
     by_half: dict[tuple[int, str], list[Matrix]] = {}
@@ -126,25 +129,20 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
             names.append(HEAD + " (embedding)")
             rows = ref.reader.rows("model.embed_tokens.weight", [(i, i + 1) for i in ids]).float()  # D[t]: [n3, n2]
             scale = math.sqrt(cfg.hidden_size) if cfg.embed_scale else 1.0  # Gemma's sqrt(n2)
-            streams = (fake_quant(rows, 4, block) * torch.tensor(scale, dtype=z.dtype))[None]  # [1, n3, n2]
+            streams = (emulate(rows, HEAD) * torch.tensor(scale, dtype=z.dtype))[None]  # [1, n3, n2]
         masks = layer_masks(cfg, n3, 0, torch.ones_like(x), z.dtype, z.device)
         batch = stream_batch(cfg, n3)
         for j in range(cfg.num_hidden_layers):
             for attention, module in ((True, "self_attn"), (False, "mlp")):
                 half = ref._half(j, attention)
-
-                def run(zin: Any, h: Any = half, att: bool = attention) -> Any:
-                    if att:
-                        pos = torch.arange(n3).expand(zin.shape[0], n3)  # [b, n3]
-                        return h.attend(zin, masks[h.sliding], pos, layer_tables(ref._tables, h.sliding), None)[0]
-                    return h.feed_forward(zin)
+                run = _runner(ref, half, attention, masks, n3)
                 clean = run(z)
                 moved = [run(streams[a:a + batch]) for a in range(0, len(streams), batch)]  # a few at a time
                 owner = getattr(half, module)
                 for m in by_half.get((j, module), []):
                     saved = {p: getattr(owner, p).weight.data for p in m.parts}
                     for p in m.parts:
-                        getattr(owner, p).weight.data = fake_quant(saved[p], 4, block)
+                        getattr(owner, p).weight.data = emulate(saved[p], m.node)
                     moved.append(run(z))
                     names.append(m.node)
                     for p in m.parts:
@@ -157,7 +155,80 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
             states.append(z)
         out = dict(zip(names, _fisher_kl(ref, z, streams)))
         if head:
-            out[HEAD] = _head_kl(ref, z, block) + out.pop(HEAD + " (embedding)", 0.0)
+            out[HEAD] = _head_kl(ref, z, emulate) + out.pop(HEAD + " (embedding)", 0.0)
+    return out
+
+
+def _runner(ref: Any, half: Any, attention: bool, masks: Any, n3: int) -> Callable[[Any], Any]:
+    """The half-layer as a function of its input stream [b, n3, n2] (positions 0..n3-1, no cache)."""
+    import torch
+
+    from llama_tools.modeling.model import layer_tables
+
+    def run(zin: Any) -> Any:
+        if attention:
+            pos = torch.arange(n3).expand(zin.shape[0], n3)  # [b, n3]
+            return half.attend(zin, masks[half.sliding], pos, layer_tables(ref._tables, half.sliding), None)[0]
+        return half.feed_forward(zin)
+    return run
+
+
+# (W [out, in], the MatMul node it belongs to) -> W as the int4 graph will hold it
+Emulate = Callable[[Any, str], Any]
+
+
+def rtn_emulation(block: int) -> Emulate:
+    """onnxruntime's symmetric RTN, whatever the node."""
+    return lambda w, node: fake_quant(w, 4, block)
+
+
+def imatrix_emulation(importance: dict[str, Any], block: int) -> Emulate:
+    """int4_blocks' search with each node's importance (the same call quantize_int4 makes)."""
+    from . import int4_blocks
+
+    return lambda w, node: int4_blocks.fake_quant(w, importance.get(node), block=block)
+
+
+def importance(ref: Any, ids: list[int], nodes: list[str],
+               progress: Callable[[int, int, str], None] = lambda *a: None) -> dict[str, Any]:
+    """node -> a_k = the mean square of the k-th input of its matrix on `ids` (int4_blocks' importance), for every
+    node that is a decoder projection or the lm_head (others get none: uniform), in one clean streamed pass."""
+    import torch
+
+    from llama_tools.modeling.model import layer_masks
+
+    mats = []
+    for node in nodes:
+        try:
+            mats += matrices([node])
+        except ValueError:  # an expert's matrix: no single input to measure it on
+            pass
+    by_half: dict[tuple[int, str], list[Matrix]] = {}
+    for m in mats:
+        if m.layer is not None:
+            by_half.setdefault((m.layer, m.module), []).append(m)
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        x = torch.tensor([ids])  # [1, n3]
+        n3 = len(ids)
+        z = ref._embed(x)  # Z^0: [1, n3, n2]
+        masks = layer_masks(ref.cfg, n3, 0, torch.ones_like(x), z.dtype, z.device)
+        for j in range(ref.cfg.num_hidden_layers):
+            for attention, module in ((True, "self_attn"), (False, "mlp")):
+                half = ref._half(j, attention)
+                owner, hooks = getattr(half, module, None), []
+                for m in by_half.get((j, module), []) if owner is not None else []:  # a MoE layer has no `mlp`
+                    def seen(mod: Any, inp: Any, _out: Any, node: str = m.node) -> None:
+                        x2 = inp[0].detach().double().reshape(-1, inp[0].shape[-1]) ** 2  # [n3, in]
+                        out[node] = x2.mean(0).float()
+                    hooks.append(getattr(owner, m.parts[0]).register_forward_hook(seen))
+                z = _runner(ref, half, attention, masks, n3)(z)
+                for h in hooks:
+                    h.remove()
+                del half
+            progress(j + 1, ref.cfg.num_hidden_layers, "int4 importance (streamed)")
+        if any(m.layer is None for m in mats):
+            out[HEAD] = (_final(ref)(z)[0].double() ** 2).mean(0).float()  # the lm_head reads the final normed state
     return out
 
 
@@ -189,9 +260,9 @@ def _head_rows(ref: Any) -> tuple[str, int]:
         max(1, (16 * 2**20) // (4 * cfg.hidden_size))
 
 
-def _head_chunks(ref: Any, h: Any, quantized_block: int | None = None) -> Any:
+def _head_chunks(ref: Any, h: Any, emulate: Emulate | None = None) -> Any:
     """(H, H') a row chunk of W^8 at a time: h W^{8T} on `step` vocabulary rows [n3, step], and the same with W^8
-    int4-emulated (None unless quantized_block); W^8 is read once per chunk and dropped."""
+    int4-emulated (None unless `emulate`); W^8 is read once per chunk and dropped."""
     import torch
 
     name, step = _head_rows(ref)
@@ -200,7 +271,7 @@ def _head_chunks(ref: Any, h: Any, quantized_block: int | None = None) -> Any:
         w = ref.reader.rows(name, [(a, min(a + step, cfg.vocab_size))]).float()  # [rows, n2]
         if cfg.norm_head:
             w = torch.nn.functional.normalize(w, dim=-1)
-        yield h @ w.T, (h @ fake_quant(w, 4, quantized_block).T if quantized_block else None)
+        yield h @ w.T, (h @ emulate(w, HEAD).T if emulate else None)
 
 
 def _fisher_kl(ref: Any, z: Any, streams: Any) -> list[float]:
@@ -246,7 +317,7 @@ def _fisher_kl(ref: Any, z: Any, streams: Any) -> list[float]:
     return out
 
 
-def _head_kl(ref: Any, z: Any, block: int) -> float:
+def _head_kl(ref: Any, z: Any, emulate: Emulate) -> float:
     """KL(p || p') of the lm_head alone in int4, exactly, on the final states z [1, n3, n2]: two passes over W^8's
     chunks (the two log-normalizers, then sum p (log p - log p')), so no [n3, n1] tensor is held."""
     import torch
@@ -256,11 +327,11 @@ def _head_kl(ref: Any, z: Any, block: int) -> float:
     cap = ref.cfg.final_logit_softcap
     h = _final(ref)(z)[0]  # Zbar: [n3, n2]
     lse = [torch.full((h.shape[0],), -math.inf, dtype=torch.float64) for _ in range(2)]
-    for x, q in _head_chunks(ref, h, block):
+    for x, q in _head_chunks(ref, h, emulate):
         for i, y in enumerate((x, q)):
             lse[i] = torch.logaddexp(lse[i], torch.logsumexp(softcap(y, cap).double(), -1))
     kl = torch.zeros(h.shape[0], dtype=torch.float64)
-    for x, q in _head_chunks(ref, h, block):
+    for x, q in _head_chunks(ref, h, emulate):
         lp = softcap(x, cap).double() - lse[0][:, None]
         kl += (lp.exp() * (lp - (softcap(q, cap).double() - lse[1][:, None]))).sum(-1)
     return float(kl.mean())
@@ -291,6 +362,7 @@ class TargetResult:
     fraction: float | None = None  # a relative target: max_kl is this times the all-int4 graph's KL
     size_cap: float | None = None  # the result weighs at most this times the all-int4 graph
     chosen: int = -1  # the round whose graph was written (the last, unless a capped loop's closest was earlier)
+    baseline_kl: float | None = None  # round-to-nearest int4's KL, what a relative target is a fraction of (imatrix)
 
     @property
     def calibration_kl(self) -> float:
@@ -331,18 +403,20 @@ def _order(sens: dict[str, float], cost: dict[str, int] | None) -> list[str]:
 
 def choose(sens: dict[str, float], max_kl: float | None, build: Callable[[list[str]], tuple[float, int]], *,
            fraction: float | None = None, cost: dict[str, int] | None = None,
-           size_cap: float | None = None, base: int | None = None) -> TargetResult:
+           size_cap: float | None = None, base: int | None = None,
+           baseline_kl: float | None = None) -> TargetResult:
     """The loop of the module docstring. build(kept) quantizes with `kept` 8-bit -> (KL on calibration, bytes).
 
     alpha: measured KL / the sum of the int4 matrices' own KL_m, at least 1 (errors compound, and onnxruntime's
     int8 activations add their own), refitted on each graph that misses the target.
-    fraction: the target is this times the all-int4 graph's measured KL (max_kl is then None).
+    fraction: the target is this times baseline_kl (given: round-to-nearest int4's measured KL), else times the
+    all-int4 graph's measured KL (max_kl is then None).
     cost, size_cap, base: the bytes keeping each matrix 8-bit adds, and the most they may add together: (size_cap - 1)
     x base, the int4 matrices' own bytes (what a decode step reads; None: the all-int4 file's); when no graph within
     the cap meets the target, the closest one built is the answer (not met).
     """
     result = TargetResult(max_kl=max_kl if max_kl is not None else math.nan, kept_8bit=[], sensitivity=sens,
-                          alpha=1.0, fraction=fraction, size_cap=size_cap)
+                          alpha=1.0, fraction=fraction, size_cap=size_cap, baseline_kl=baseline_kl)
     kept: list[str] = []
     budget = math.inf
     tried: list[list[str]] = []
@@ -352,7 +426,7 @@ def choose(sens: dict[str, float], max_kl: float | None, build: Callable[[list[s
         rest = sum(v for n, v in sens.items() if n not in kept)
         if not result.rounds:  # the all-int4 graph: what a relative target and the cap are measured against
             if fraction is not None:
-                result.max_kl = fraction * kl
+                result.max_kl = fraction * (kl if baseline_kl is None else baseline_kl)
             if size_cap is not None:
                 budget = (size_cap - 1) * (base or size)
         result.rounds.append(Round(len(kept), result.alpha * rest, kl, size))
@@ -474,23 +548,29 @@ def reference_logits(ref: Any, ids: list[int]) -> np.ndarray:
     return ref(x, torch.ones_like(x)).logits[0].float().numpy()
 
 
-def untargetable(full: Path, int4: dict[str, Any]) -> str | None:
-    """Why the graph at FULL cannot take a target (a MatMul that is no decoder projection), or None."""
+def quantize_nodes(full: Path, int4: dict[str, Any]) -> list[str]:
+    """The MatMuls of the graph at FULL that int4 quantizes (a constant weight, not excluded)."""
     import onnx
 
     from .quantize import _weights_of
 
     exclude = set(int4.get("exclude") or ())
+    return [n for n in _weights_of(onnx.load(str(full), load_external_data=False)) if n not in exclude]
+
+
+def untargetable(full: Path, int4: dict[str, Any]) -> str | None:
+    """Why the graph at FULL cannot take a target (a MatMul that is no decoder projection), or None."""
     try:
-        matrices([n for n in _weights_of(onnx.load(str(full), load_external_data=False)) if n not in exclude])
+        matrices(quantize_nodes(full, int4))
     except ValueError as e:
         return str(e).removeprefix("--max-kl: ")
     return None
 
 
-def extra_bytes(model: Any, nodes: list[str], block: int) -> dict[str, int]:
+def extra_bytes(model: Any, nodes: list[str], block: int, zero_points: bool = False) -> dict[str, int]:
     """node -> the bytes keeping its matrix 8-bit adds to the int4 graph: N rows of ceil(K / block) blocks, each
-    `block` bytes at 8 bits instead of block / 2 (the scales are the same)."""
+    `block` bytes at 8 bits instead of block / 2 (the scales are the same), less the int4 zero points (two blocks'
+    per byte) when the int4 has them and the 8-bit, symmetric, does not."""
     from .quantize import _weights_of
 
     inits = {t.name: t for t in model.graph.initializer}
@@ -500,7 +580,8 @@ def extra_bytes(model: Any, nodes: list[str], block: int) -> dict[str, int]:
         name, transposed = weights[n]
         dims = [int(d) for d in inits[name].dims]
         k, rows = (dims[1], dims[0]) if transposed else (dims[0], dims[1])  # stored [out, in] behind a Transpose
-        out[n] = rows * -(-k // block) * block // 2
+        blocks = -(-k // block)
+        out[n] = rows * blocks * block // 2 - (rows * -(-blocks // 2) if zero_points else 0)
     return out
 
 
@@ -522,7 +603,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, tokenizer: Any, goal:
     from llama_tools.outputs import paths
 
     from .graph_meta import read_metadata
-    from .quant_options import Int4Target
+    from .quant_options import DEFAULT_ALGORITHM, Int4Target
     from .quantize import _weights_of, quantize_int4
 
     quantize = quantize or quantize_int4
@@ -540,14 +621,22 @@ def quantize_to_target(full: Path, target: Path, ref: Any, tokenizer: Any, goal:
     nodes = [n for n in _weights_of(model) if n not in exclude]
     mats = matrices(nodes)
     block = int4.get("block_size", 32)
-    cost = extra_bytes(model, nodes, block)
+    algorithm = int4.get("algorithm", DEFAULT_ALGORITHM)
+    zero_points = algorithm == "imatrix" or (algorithm == "rtn" and not int4.get("symmetric", True))
+    cost = extra_bytes(model, nodes, block, zero_points)
     del model
     ids, _ = calibration_ids(tokenizer, cfg.vocab_size)
     room = read_metadata(full).static_kv or cfg.max_position_embeddings  # a static-KV graph holds that many
     ids = ids[: min(len(ids), room)]
+    emulate = None
+    if algorithm == "imatrix":
+        say(f"measuring each matrix's inputs on {len(ids)} calibration tokens")
+        weights = importance(ref, ids, nodes, progress)
+        int4 = {**int4, "importance": weights}
+        emulate = imatrix_emulation(weights, block)
     say(f"measuring each of {len(mats)} matrices' int4 error on {len(ids)} calibration tokens")
     states: list[Any] = []
-    sens = sensitivities(ref, ids, mats, block, progress, states)
+    sens = sensitivities(ref, ids, mats, block, progress, states, emulate)
     p = states_logits(ref, states[0])
     through = paths.written_through(target)
     work = full.parent / "int4-candidates"
@@ -559,9 +648,15 @@ def quantize_to_target(full: Path, target: Path, ref: Any, tokenizer: Any, goal:
         last[0], last[1] = quantize(full, where, **{**int4, "keep_8bit": tuple(kept)}), list(kept)
         return onnx_kl(where, cfg, ids, p), last[0].bytes_after
     try:
+        baseline = None
+        if emulate is not None and goal.fraction is not None:  # the fraction is of what round to nearest gives
+            say("int4 by round to nearest, for the target's baseline")
+            rtn = {k: v for k, v in int4.items() if k not in ("importance", "algorithm", "symmetric")}
+            quantize(full, where, **rtn)
+            baseline = onnx_kl(where, cfg, ids, p)
         int4_bytes = sum(cost.values()) * (block + 8) // block  # the packed nibbles plus an fp32 scale per block
         result = choose(sens, goal.max_kl, build, fraction=goal.fraction, cost=cost, size_cap=goal.size_cap,
-                        base=int4_bytes)
+                        base=int4_bytes, baseline_kl=baseline)
         if through or last[1] != result.kept_8bit:  # the answer is not what is at TARGET now
             say(f"writing int4 with {len(result.kept_8bit)} of {len(mats)} matrices 8-bit")
             last[0] = quantize(full, target, **{**int4, "keep_8bit": tuple(result.kept_8bit)})

@@ -31,7 +31,7 @@ from .fused import check_fusable, export_fused
 from .genai import ClientFiles, plan_client_files
 from .onnx_export import ExportResult, export_onnx
 from .preflight import check_output
-from .quant_options import QUANTIZE, int4_target
+from .quant_options import DEFAULT_ALGORITHM, QUANTIZE, int4_target
 from .quantize import QUALITY_TEXT, QuantizeResult, QuickQuality, quantize_int4, quick_quality
 
 
@@ -95,11 +95,19 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
         why = untargetable(full, opts) if goal is not None and "max_kl" not in (int4 or {}) else None
         if why:  # the default target, on a graph it cannot place: every matrix int4, said
             notes.append(f"int4 without the default quality target: {why}")
-        if goal is None or why:
-            say("quantizing to int4 (onnxruntime MatMulNBits)")
-            return quantize_int4(full, target, **opts)
         from llama_tools.inference.reference import reference_model
         from llama_tools.checkpoints.source import load_tokenizer
+
+        if goal is None or why:
+            if opts.get("algorithm", DEFAULT_ALGORITHM) == "imatrix":  # its blocks fit the inputs' measured scale
+                from .int4_target import calibration_ids, importance, quantize_nodes
+
+                ids, _ = calibration_ids(load_tokenizer(source), source.cfg.vocab_size)
+                say(f"measuring each matrix's inputs on {len(ids)} calibration tokens")
+                opts["importance"] = importance(reference_model(source, seed=seed), ids, quantize_nodes(full, opts),
+                                                progress)
+            say("quantizing to int4 (MatMulNBits)")
+            return quantize_int4(full, target, **opts)
 
         say(f"int4 to a quality target: {goal.describe()}")
         made, how = quantize_to_target(full, target, reference_model(source, seed=seed), load_tokenizer(source),

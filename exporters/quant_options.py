@@ -11,23 +11,25 @@ QUANTIZE = ("int4",)
 INT4_ALGORITHMS = {
     "rtn": "round to nearest, one scale per block (onnxruntime's C++ kernel; symmetric unless --int4-asymmetric)",
     "hqq": "half-quadratic: scales and zero points fitted per block (onnxruntime's HQQ; always asymmetric)",
+    "imatrix": "each block's scale and zero point searched to fit the weights its inputs use most on calibration "
+               "text (ours; asymmetric, the fast kernel's format)",
 }
 BLOCK_SIZE = 32
 # MLAS's int4 kernels on the CPU: accuracy level 4 quantizes the activations to int8 per block and runs
 # an int8 dot product (the fast path); 0/1 dequantize to fp32 first.
 ACCURACY_LEVEL = 4
 # What runs without --int4-algorithm (quantize_int4's default; tests/test_cli_contract.py holds the two equal).
-DEFAULT_ALGORITHM = "rtn"
+DEFAULT_ALGORITHM = "imatrix"
 # `verify int4` without --prompt/--ids starts its greedy decode from this many seeded ids.
 PROMPT_IDS = 8
 
 
 # --- What int4 aims at (--max-kl) ------------------------------------------------------------------------------
-# Measured (benchmarks/bench_int4.py, held-out text): every matrix int4 is the builder's int4 to within noise
-# (SmolLM2-135M KL 0.371 vs 0.372 nats; it loses " Paris"). Keeping the matrices with the most KL per extra byte
-# 8-bit until the calibration KL is half the all-int4 graph's gave 0.142 nats (0.38x the builder's) at 1.25x its
-# bytes on SmolLM2, 1.12x on Gemma 3 270M, 1.11x on Qwen2.5-Coder-0.5B; the cap bounds what the default may spend.
-DEFAULT_FRACTION = 0.5  # of the all-int4 graph's own KL on the calibration text
+# Measured (benchmarks/bench_int4.py, held-out text): every matrix int4 by round to nearest is the builder's int4 to
+# within noise (SmolLM2-135M KL 0.371 vs 0.372 nats; it loses " Paris"). The target is half of that: imatrix blocks
+# (int4_blocks) come most of the way at int4's own size and speed, and the matrices with the most KL per extra byte
+# are kept 8-bit until it holds; the cap bounds what the default may spend.
+DEFAULT_FRACTION = 0.5  # of round-to-nearest int4's KL on the calibration text
 DEFAULT_SIZE_CAP = 1.3  # 8-bit may add at most 0.3x the int4 matrices' own bytes (what a decode step reads)
 MAX_NATS = 10.0  # an absolute target above this is no target (uniform over 22,000 tokens is 10 nats)
 NO_TARGET = "none"  # every matrix int4: the plain quantizer
@@ -36,16 +38,17 @@ AUTO = "auto"  # the default below
 
 @dataclass(frozen=True)
 class Int4Target:
-    """What int4 aims at: a mean KL in nats, or a fraction of the all-int4 graph's own KL, under a size cap."""
+    """What int4 aims at: a mean KL in nats, or a fraction of round-to-nearest int4's KL, under a size cap."""
 
     max_kl: float | None = None  # nats, absolute
-    fraction: float | None = None  # of the all-int4 graph's KL, measured on the calibration text
+    # of round-to-nearest int4's KL (the all-int4 graph's when that is what the algorithm makes), on calibration text
+    fraction: float | None = None
     size_cap: float | None = None  # the quantized matrices at most this times their all-int4 bytes (None: no cap)
 
     def describe(self) -> str:
         """One line: what the target is."""
         what = f"mean KL <= {self.max_kl:g} nats" if self.max_kl is not None else \
-            f"mean KL <= {self.fraction:g}x the all-int4 graph's"
+            f"mean KL <= {self.fraction:g}x round-to-nearest int4's"
         return what + (f", its matrices at most {self.size_cap:g}x their int4 bytes" if self.size_cap else "")
 
 
@@ -81,10 +84,11 @@ def parse_max_kl(value: Any) -> Int4Target | None:
 def int4_target(options: dict[str, Any]) -> Int4Target | None:
     """The target an int4 export runs to, from quantize_int4's options plus "max_kl" (absent: the default).
 
-    The default applies to symmetric RTN only (the default quantizer): the sensitivity pass emulates it, not HQQ's
-    fitted scales nor asymmetric zero points, so those without --max-kl are every matrix int4, as asked.
+    The default applies to what the sensitivity pass emulates exactly: symmetric RTN and imatrix. HQQ's fitted
+    scales and RTN's asymmetric zero points are not emulated, so those without --max-kl are every matrix int4.
     """
     if "max_kl" not in options:
-        plain = options.get("algorithm", DEFAULT_ALGORITHM) == "rtn" and options.get("symmetric", True)
-        return DEFAULT_TARGET if plain else None
+        algorithm = options.get("algorithm", DEFAULT_ALGORITHM)
+        emulated = algorithm == "imatrix" or (algorithm == "rtn" and options.get("symmetric", True))
+        return DEFAULT_TARGET if emulated else None
     return parse_max_kl(options["max_kl"])

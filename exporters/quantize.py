@@ -32,8 +32,9 @@ import numpy as np
 
 from llama_tools.outputs import files
 
+from . import int4_blocks
 from .graph_io import MS_DOMAIN
-from .quant_options import ACCURACY_LEVEL, BLOCK_SIZE, INT4_ALGORITHMS, PROMPT_IDS
+from .quant_options import ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, INT4_ALGORITHMS, PROMPT_IDS
 
 @dataclass(frozen=True)
 class QuantizeResult:
@@ -50,7 +51,7 @@ class QuantizeResult:
     symmetric: bool
     accuracy_level: int
     seconds: float
-    algorithm: str = "rtn"
+    algorithm: str = DEFAULT_ALGORITHM
     kept_8bit: list[str] = field(default_factory=list)  # MatMuls quantized to 8 bits, not 4 (a --max-kl target)
 
     @property
@@ -240,15 +241,17 @@ def _node_quantizer(algorithm: str, block_size: int, symmetric: bool, accuracy_l
 
 def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = BLOCK_SIZE,
                   symmetric: bool = True, accuracy_level: int = ACCURACY_LEVEL,
-                  exclude: tuple[str, ...] = (), algorithm: str = "rtn",
-                  keep_8bit: tuple[str, ...] = ()) -> QuantizeResult:
+                  exclude: tuple[str, ...] = (), algorithm: str = DEFAULT_ALGORITHM,
+                  keep_8bit: tuple[str, ...] = (), importance: dict[str, Any] | None = None) -> QuantizeResult:
     """SOURCE .onnx (plain or fused) -> OUTPUT with every constant-weight MatMul as int4 MatMulNBits, atomically.
 
     symmetric=True (the default): int4 in [-8, 7] times one scale per block of 32 weights, no zero point.
     LLaMA's linear weights are centred on zero, so a zero point buys little (measured: see
     benchmarks/bench_fused.py and tests/test_genai.py) and costs 1/64 byte per weight and a subtraction.
-    exclude: node names to keep in full precision (e.g. "/lm_head/MatMul"). algorithm: "rtn" or "hqq"
-    (always with zero points). keep_8bit: node names quantized to 8 bits (symmetric RTN, the same blocks) instead.
+    exclude: node names to keep in full precision (e.g. "/lm_head/MatMul"). algorithm: "rtn", "hqq" (always with
+    zero points) or "imatrix" (int4_blocks: ours, always with zero points; importance: node name -> the mean square of
+    its input per column on calibration text, uniform where absent). keep_8bit: node names quantized to 8 bits
+    (symmetric RTN, the same blocks) instead.
 
     In bounded memory: the graph is read without its weights; each MatMul's weight is read from SOURCE's
     .data file, quantized by onnxruntime's own node quantizer on a one-node graph and dropped, so one
@@ -271,7 +274,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
         raise ValueError(f"block_size must be a power of two >= 16 (MatMulNBits), got {block_size}")
     if algorithm not in INT4_ALGORITHMS:
         raise ValueError(f"algorithm {algorithm!r}: choose one of {', '.join(INT4_ALGORITHMS)}")
-    symmetric = symmetric and algorithm != "hqq"
+    symmetric = symmetric and algorithm == "rtn"
     try:
         model = onnx.load(str(source), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError and friends  # noqa: BLE001
@@ -289,7 +292,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     if not [n for n in candidates if n not in exclude]:
         raise ValueError(f"{source}: no MatMul with a constant 2-D weight to quantize to int4 "
                          f"(already quantized, or every one excluded)")
-    quantizer = _node_quantizer(algorithm, block_size, symmetric, accuracy_level)
+    quantizer = _node_quantizer(algorithm, block_size, symmetric, accuracy_level) if algorithm != "imatrix" else None
     # A tied lm_head (MatMul on the Gather's table, transposed) serves the embedding too (share_tied_embedding),
     # which GatherBlockQuantized can only read without a zero point: with HQQ it is quantized symmetric RTN.
     gathered = {n.input[0] for n in graph.node if n.op_type == "Gather"}
@@ -310,6 +313,10 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
             made_nodes, made = _quantize_matmul(eight, node, name, k, n, cols, chunked=True)
         elif tied_rtn is not None and through_transpose and weights[node.name][0] in gathered:
             made_nodes, made = _quantize_matmul(tied_rtn, node, name, k, n, cols, chunked=True)
+        elif quantizer is None:
+            made_nodes, made = int4_blocks.matmul_nbits(node, name, k, n, cols, (importance or {}).get(node.name),
+                                                        block=block_size, bits=4, accuracy_level=accuracy_level,
+                                                        chunk_bytes=CHUNK_BYTES)
         else:
             made_nodes, made = _quantize_matmul(quantizer, node, name, k, n, cols, chunked=algorithm == "rtn")
         nodes += made_nodes

@@ -74,10 +74,12 @@ def test_quick_quality_by_hand_and_a_bad_graph_warns(tmp_path):
 
 @pytest.mark.slow
 def test_a_trained_models_int4_warns(smollm2_hf, tmp_path):
-    """SmolLM2-135M's symmetric int4 loses answers (" Paris." becomes " capital of France."): the export says so."""
+    """SmolLM2-135M's round-to-nearest int4 loses answers (" Paris." becomes " capital of France."): the export
+    says so."""
     out = tmp_path / "int4" / "model.onnx"
     r = CliRunner().invoke(cli, ["export", "onnx", str(smollm2_hf), "-o", str(out), "--quantize", "int4",
-                                 "--format", "json", "--no-client-files"])
+                                 "--int4-algorithm", "rtn", "--max-kl", "none", "--format", "json",
+                                 "--no-client-files"])
     assert r.exit_code == 0, r.output
     q = json.loads(r.stdout)["int4_quality"]
     assert q["mean_kl"] > QUALITY_WARN_KL and "warning: int4 moves this model's answers" in r.stderr
@@ -94,7 +96,9 @@ def test_quantizer_options_reach_the_graph(tmp_path):
     nodes = onnx.load(str(out)).graph.node
     nbits = [n for n in nodes if n.op_type == "MatMulNBits"]
     attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nbits]
-    assert nbits and all(a["block_size"] == 64 for a in attrs) and all(len(n.input) == 4 for n in nbits)  # zero points
+    assert nbits and all(a["block_size"] == 64 for a in attrs)
+    four = [n for n, a in zip(nbits, attrs) if a["bits"] == 4]  # the target may keep some 8-bit (symmetric)
+    assert four and all(len(n.input) == 4 for n in four)  # zero points
     assert [n.name for n in nodes if n.op_type == "MatMul" and n.name == "/lm_head/MatMul"] == ["/lm_head/MatMul"]
 
 

@@ -1,0 +1,170 @@
+"""Our own MatMulNBits blocks: each block's scale and zero point searched to fit the weights the inputs use most.
+
+Round to nearest (onnxruntime's RTN, the builder's) takes each block of 32 weights' range as it is and rounds every
+weight to the nearest of 16 levels. "imatrix" (llama.cpp's name for the same idea) instead chooses each block's
+scale s and integer zero point z, over a few trimmed ranges and least-squares refits, to minimize
+
+    sum_k  a_k (w_k - s (q_k - z))^2,     q_k = clamp(round(w_k / s + z), 0, 2^bits - 1)
+
+where a_k = E[x_k^2] is the mean square of the matrix's k-th input on calibration text (its importance): an error
+on an input that is always large costs more than one on an input that is nearly always zero. The result is the
+format onnxruntime's fast kernel reads (uint4 codes and zero points, fp32 scales: an asymmetric MatMulNBits runs
+as fast as a symmetric one, measured 49 us vs 49 us for 896 x 4864 on one thread; float zero points, HQQ's, fall
+back to dequantizing, 100x slower), so the graph costs what an RTN graph costs and only the rounding differs.
+
+    W [n, k] ──blocks of 32 along k──► search (s, z) per block ──► codes [n, k/32, 32] ──pack──► B [n, k/32, 16] uint8
+    a [k] (importance) ─────────────────────┘                      scales [n, k/32] fp32, zero points [n, ceil(k/64)]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+ALGORITHM = "imatrix"
+# Trimmed ranges tried per block (fraction cut from the low end, from the high end), and then the symmetric range:
+# the full range and the symmetric one are round to nearest's two choices, so the search is never worse than either
+# on the weighted error, in any block (tests/test_int4_blocks.py).
+TRIMS = ((0.0, 0.0), (0.05, 0.0), (0.0, 0.05), (0.05, 0.05), (0.1, 0.1))
+REFITS = 2  # least-squares refits of the scale per trimmed range (the codes re-rounded after each)
+ROWS_BYTES = 16 * 2**20  # fp32 bytes of W rows searched at once: the search's temporaries stay a few of these
+
+
+@dataclass
+class Blocks:
+    """One matrix in MatMulNBits' terms: W[n, k] ≈ scales[n, b] * (codes[n, b, i] - zeros[n, b]), k = b * block + i."""
+
+    codes: np.ndarray  # uint8 [n, blocks, block], each in [0, 2^bits)
+    scales: np.ndarray  # float32 [n, blocks]
+    zeros: np.ndarray  # uint8 [n, blocks], each in [0, 2^bits)
+    bits: int
+    k: int  # columns before padding to whole blocks
+
+    def dequantize(self) -> np.ndarray:
+        """W's approximation, float32 [n, k]."""
+        w = (self.codes.astype(np.float32) - self.zeros[..., None]) * self.scales[..., None]
+        return w.reshape(w.shape[0], -1)[:, : self.k]
+
+
+def search(w: Any, importance: Any = None, *, bits: int = 4, block: int = 32) -> Blocks:
+    """W [n, k] (torch or numpy) -> its blocks, each block's (scale, zero point) the best of TRIMS x REFITS on the
+    importance-weighted squared error (uniform importance when None). A few rows at a time (ROWS_BYTES)."""
+    import torch
+
+    assert bits in (4, 8), f"MatMulNBits holds 4 or 8 bits here, got {bits}"
+    w = torch.as_tensor(w)
+    n, k = w.shape
+    pad = (-k) % block
+    nb = (k + pad) // block
+    a = torch.ones(k) if importance is None else torch.as_tensor(importance, dtype=torch.float32).reshape(-1)
+    assert a.numel() == k, f"importance has {a.numel()} values for {k} columns"
+    a = torch.nn.functional.pad(a.float(), (0, pad)).reshape(1, nb, block)  # padding weighs nothing
+    a = a + 1e-6 * a.mean().clamp_min(1e-30)  # an input never seen still counts a little: no block is free
+    codes = np.empty((n, nb, block), np.uint8)
+    scales = np.empty((n, nb), np.float32)
+    zeros = np.empty((n, nb), np.uint8)
+    step = max(1, ROWS_BYTES // (4 * (k + pad)))
+    for r in range(0, n, step):
+        x = torch.nn.functional.pad(w[r:r + step].float(), (0, pad)).reshape(-1, nb, block)  # [rows, nb, block]
+        q, s, z = _search_rows(x, a, 2**bits - 1)
+        codes[r:r + step], scales[r:r + step], zeros[r:r + step] = q.numpy(), s.numpy(), z.numpy()
+    return Blocks(codes, scales, zeros, bits, k)
+
+
+def _search_rows(x: Any, a: Any, qmax: int) -> tuple[Any, Any, Any]:
+    """x [rows, nb, block], a [1, nb, block] -> (codes uint8, scales fp32 [rows, nb], zero points uint8 [rows, nb])."""
+    import torch
+
+    lo = x.amin(-1, keepdim=True).clamp(max=0)  # an integer zero point needs 0 inside the range
+    hi = x.amax(-1, keepdim=True).clamp(min=0)
+    width = hi - lo
+    starts = []
+    for cut_lo, cut_hi in TRIMS:  # asymmetric: a trimmed range onto [0, qmax]
+        s = (width * (1 - cut_lo - cut_hi) / qmax).clamp_min(1e-30)  # [rows, nb, 1]
+        starts.append((s, torch.clamp(torch.round(-(lo + cut_lo * width) / s), 0, qmax)))
+    half = (qmax + 1) // 2  # symmetric, as onnxruntime's RTN: the largest magnitude onto -half, zero point half
+    peak = x.gather(-1, x.abs().argmax(-1, keepdim=True))
+    starts.append((torch.where(peak == 0, torch.full_like(peak, 1e-30), peak / -half), torch.full_like(peak, half)))
+    best_err = best_q = best_s = best_z = None
+    for s, z in starts:
+        for refit in range(REFITS + 1):
+            q = torch.clamp(torch.round(x / s + z), 0, qmax)
+            c = q - z  # [rows, nb, block]: the level each weight sits on
+            err = (a * (x - s * c) ** 2).sum(-1, keepdim=True)
+            if best_err is None:
+                best_err, best_q, best_s, best_z = err, q, s, z
+            else:
+                better = err < best_err
+                best_err = torch.where(better, err, best_err)
+                best_q, best_s, best_z = (torch.where(better, q, best_q), torch.where(better, s, best_s),
+                                          torch.where(better, z, best_z))
+            if refit < REFITS:  # s minimizing the weighted error for these levels (z fixed); kept where undefined
+                num, den = (a * x * c).sum(-1, keepdim=True), (a * c * c).sum(-1, keepdim=True)
+                fit = num / den.clamp_min(1e-30)
+                s = torch.where((den > 0) & (fit.abs() > 1e-30), fit, s)
+    return best_q.to(torch.uint8), best_s[..., 0].float(), best_z[..., 0].to(torch.uint8)
+
+
+def fake_quant(w: Any, importance: Any = None, *, bits: int = 4, block: int = 32) -> Any:
+    """W [n, k] torch tensor -> what the searched blocks hold, same dtype (the sensitivity pass's emulation)."""
+    import torch
+
+    return torch.from_numpy(search(w, importance, bits=bits, block=block).dequantize()).to(w.dtype)
+
+
+def pack(blocks: Blocks) -> dict[str, np.ndarray]:
+    """Blocks -> MatMulNBits' initializers (ContribOperators.md): B uint8 [n, blocks, block * bits / 8] (two 4-bit
+    codes per byte, the even one in the low nibble), scales [n, blocks], zero_points uint8 [n, ceil(blocks * bits / 8)]
+    (4-bit: two blocks' zero points per byte, the even block's in the low nibble)."""
+    n, nb, block = blocks.codes.shape
+    if blocks.bits == 8:
+        return {"B": blocks.codes.copy(), "scales": blocks.scales, "zero_points": blocks.zeros.copy()}
+    c = blocks.codes
+    b = (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)  # [n, nb, block / 2]
+    z = blocks.zeros if nb % 2 == 0 else np.concatenate([blocks.zeros, np.zeros((n, 1), np.uint8)], axis=1)
+    zp = (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8)  # [n, ceil(nb / 2)]
+    return {"B": b, "scales": blocks.scales, "zero_points": zp}
+
+
+def unpack(b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, *, bits: int, k: int) -> np.ndarray:
+    """MatMulNBits' initializers -> W [n, k] float32 (zero_points None: the kernel's default, 2^(bits-1))."""
+    n, nb = b.shape[0], b.shape[1]
+    b = b.reshape(n, nb, -1)
+    if bits == 4:
+        codes = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(n, nb, -1)
+    else:
+        codes = b
+    if zero_points is None:
+        zeros = np.full((n, nb), 2 ** (bits - 1), np.uint8)
+    elif bits == 4:
+        zp = zero_points.reshape(n, -1)
+        zeros = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(n, -1)[:, :nb]
+    else:
+        zeros = zero_points.reshape(n, nb)
+    return Blocks(codes, scales.reshape(n, nb).astype(np.float32), zeros, bits, k).dequantize()
+
+
+def matmul_nbits(node: Any, name: str, k: int, n: int, cols: Any, importance: Any, *, block: int, bits: int,
+                 accuracy_level: int, chunk_bytes: int) -> tuple[list[Any], list[Any]]:
+    """MatMul(x, W^T [k, n]) -> ([MatMulNBits], its initializers), named as onnxruntime's quantizer names them
+    (NAME_Q4, NAME_scales, NAME_zero_points). cols(a, b) gives W^T[:, a:b]; rows of W are searched chunk_bytes of
+    fp32 at a time (each output row's blocks are its own, so the pieces join along n)."""
+    from onnx import helper, numpy_helper
+
+    step = max(1, chunk_bytes // (4 * k))
+    parts, dtype = [], np.float32
+    for a in range(0, n, step):
+        w = cols(a, min(a + step, n))  # [k, rows]
+        dtype = w.dtype  # the scales take the graph's float type (fp16 graphs read fp16 scales)
+        parts.append(pack(search(np.ascontiguousarray(w.T, dtype=np.float32), importance, bits=bits, block=block)))
+    joined = {key: np.concatenate([p[key] for p in parts], axis=0) for key in parts[0]}
+    assert dtype in (np.float32, np.float16), f"{name}: int4 blocks of a {dtype} weight"
+    joined["scales"] = joined["scales"].astype(dtype)
+    names = {"B": f"{name}_Q{bits}", "scales": f"{name}_scales", "zero_points": f"{name}_zero_points"}
+    inits = [numpy_helper.from_array(joined[key], names[key]) for key in ("B", "scales", "zero_points")]
+    made = helper.make_node("MatMulNBits", [node.input[0], *names.values()], list(node.output),
+                            name=node.name + f"_Q{bits}", domain="com.microsoft", K=k, N=n, bits=bits,
+                            block_size=block, accuracy_level=accuracy_level)
+    return [made], inits

@@ -1,0 +1,132 @@
+"""imatrix int4 blocks (exporters/int4_blocks.py): onnxruntime's MatMulNBits kernel reads them as we mean them,
+the search is never worse than round to nearest, and the importance decides which weights it fits best."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from llama_tools.exporters import int4_blocks as ib
+
+
+def kernel(b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, x: np.ndarray, *, k: int, n: int,
+           bits: int) -> np.ndarray:
+    """onnxruntime's MatMulNBits on x [m, k] (accuracy level 0: fp32 arithmetic, no int8 activations)."""
+    inputs, inits = ["X", "B", "S"], [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales, "S")]
+    if zero_points is not None:
+        inputs.append("Z")
+        inits.append(numpy_helper.from_array(zero_points, "Z"))
+    node = helper.make_node("MatMulNBits", inputs, ["Y"], domain="com.microsoft", K=k, N=n, bits=bits, block_size=32,
+                            accuracy_level=0)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, list(x.shape))],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [x.shape[0], n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"X": x})[0]
+
+
+@pytest.mark.parametrize("k, n, bits", [(96, 40, 4), (80, 8, 4), (64, 24, 8)])  # 80: 3 blocks, the last zero point alone
+def test_the_kernel_reads_our_blocks_as_we_mean_them(k, n, bits):
+    rng = np.random.default_rng(k + n + bits)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    blocks = ib.search(w, rng.random(k).astype(np.float32), bits=bits)
+    assert blocks.codes.shape == (n, -(-k // 32), 32) and blocks.codes.dtype == np.uint8
+    assert blocks.scales.shape == blocks.zeros.shape == (n, -(-k // 32)) and blocks.scales.dtype == np.float32
+    assert blocks.codes.max() < 2**bits and blocks.zeros.max() < 2**bits
+    t = ib.pack(blocks)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    want = x.astype(np.float64) @ blocks.dequantize().T.astype(np.float64)
+    np.testing.assert_allclose(kernel(t["B"], t["scales"], t["zero_points"], x, k=k, n=n, bits=bits), want,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(ib.unpack(t["B"], t["scales"], t["zero_points"], bits=bits, k=k), blocks.dequantize())
+    if bits == 4:  # negative: the nibbles the other way round is another matrix
+        swapped = ((t["B"] >> 4) | (t["B"] << 4)).astype(np.uint8)
+        assert not np.allclose(kernel(swapped, t["scales"], t["zero_points"], x, k=k, n=n, bits=bits), want, atol=1e-3)
+
+
+def ort_rtn(w: np.ndarray, symmetric: bool) -> tuple[dict[str, np.ndarray], int]:
+    """onnxruntime's own RTN quantizer (the builder's) on W [n, k] -> its MatMulNBits tensors by role."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    q = mnq.DefaultWeightOnlyQuantizer(mnq.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=symmetric,
+                                                                        accuracy_level=0))
+    graph = helper.make_graph([], "g", [], [], initializer=[numpy_helper.from_array(np.ascontiguousarray(w.T), "W")])
+    made = q.quantize(helper.make_node("MatMul", ["X", "W"], ["Y"], name="mm"), [graph])
+    node = next(m for m in made if m.op_type == "MatMulNBits")
+    by_name = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    roles = dict(zip(("B", "scales", "zero_points"), node.input[1:]))
+    return {r: by_name[name] for r, name in roles.items() if name}, w.shape[1]
+
+
+def test_unpack_reads_onnxruntimes_own_tensors():
+    """An independent writer: onnxruntime's quantizer's tensors, unpacked by us, are what its kernel computes."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((24, 96)).astype(np.float32)
+    x = rng.standard_normal((2, 96)).astype(np.float32)
+    for symmetric in (True, False):
+        t, k = ort_rtn(w, symmetric)
+        ours = ib.unpack(t["B"], t["scales"], t.get("zero_points"), bits=4, k=k)
+        np.testing.assert_allclose(x @ ours.T, kernel(t["B"], t["scales"], t.get("zero_points"), x, k=k, n=24, bits=4),
+                                   rtol=1e-5, atol=1e-5)
+        assert np.abs(ours - w).max() < np.abs(w).max() / 7  # within a step of a block's range
+
+
+def block_errors(w: np.ndarray, wq: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """The importance-weighted squared error of each block of 32: [n, k / 32]."""
+    return ((w - wq) ** 2 * a).reshape(w.shape[0], -1, 32).sum(-1)
+
+
+def test_never_worse_than_round_to_nearest_in_any_block():
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((64, 128)) * rng.gamma(1.0, 1.0, (64, 1))).astype(np.float32)
+    w[:, 5] *= 8  # an outlier column, as trained weights have
+    a = rng.gamma(0.5, 1.0, 128).astype(np.float32)
+    ours = block_errors(w, ib.search(w, a).dequantize(), a)
+    for symmetric in (True, False):
+        t, k = ort_rtn(w, symmetric)
+        theirs = block_errors(w, ib.unpack(t["B"], t["scales"], t.get("zero_points"), bits=4, k=k), a)
+        assert (ours <= theirs * (1 + 1e-5) + 1e-12).all()
+        assert ours.sum() < 0.9 * theirs.sum()  # and better overall: the search finds something
+
+
+def test_a_block_on_an_integer_grid_is_held_exactly():
+    """Weights that are s (q - z) for integer codes: the search finds s and z; symmetric RTN cannot."""
+    rng = np.random.default_rng(11)
+    codes = rng.integers(0, 16, (4, 64))
+    codes[:, ::32], codes[:, 1::32] = 0, 15  # every block spans the whole grid
+    z = rng.integers(1, 15, (4, 2)).repeat(32, axis=1)
+    w = (0.013 * (codes - z)).astype(np.float32)
+    np.testing.assert_allclose(ib.search(w).dequantize(), w, atol=1e-6)
+    t, k = ort_rtn(w, True)
+    assert np.abs(ib.unpack(t["B"], t["scales"], None, bits=4, k=k) - w).max() > 1e-3
+
+
+def test_the_importance_decides_which_weights_fit_best():
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((256, 64)).astype(np.float32)
+    a = np.ones(64, np.float32)
+    a[3], a[40] = 1000.0, 1000.0  # two inputs that are always large
+    weighted, uniform = ib.search(w, a).dequantize(), ib.search(w).dequantize()
+    err = lambda wq: np.abs(wq - w)[:, [3, 40]].mean()  # noqa: E731
+    assert err(weighted) < 0.5 * err(uniform)
+    assert block_errors(w, weighted, a).sum() < block_errors(w, uniform, a).sum()
+
+
+def test_fake_quant_is_the_search_and_keeps_the_dtype():
+    w = torch.randn(16, 64, dtype=torch.float64)
+    got = ib.fake_quant(w, torch.rand(64))
+    assert got.dtype == torch.float64 and got.shape == w.shape and not torch.equal(got, w)
+    a = torch.rand(64)
+    np.testing.assert_array_equal(ib.fake_quant(w.float(), a).numpy(), ib.search(w.float(), a).dequantize())
+
+
+def test_a_few_rows_at_a_time_changes_nothing(monkeypatch):
+    w = torch.randn(300, 64)
+    a = torch.rand(64)
+    whole = ib.search(w, a)
+    monkeypatch.setattr(ib, "ROWS_BYTES", 64 * 4 * 7)  # 7 rows per step
+    part = ib.search(w, a)
+    for f in ("codes", "scales", "zeros"):
+        np.testing.assert_array_equal(getattr(part, f), getattr(whole, f))
