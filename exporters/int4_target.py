@@ -334,7 +334,7 @@ def _head_kl(ref: Any, z: Any, emulate: Emulate) -> float:
     for x, q in _head_chunks(ref, h, emulate):
         lp = softcap(x, cap).double() - lse[0][:, None]
         kl += (lp.exp() * (lp - (softcap(q, cap).double() - lse[1][:, None]))).sum(-1)
-    return float(kl.mean())
+    return float(kl.mean().detach())
 
 
 @dataclass

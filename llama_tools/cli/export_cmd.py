@@ -123,8 +123,8 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
     for warning in rep.client_files.warnings if rep.client_files else []:
         click.echo(f"warning: {warning}", err=True)
     if rep.quality and rep.quality.warning:
-        hqq = "" if (int4 or {}).get("algorithm") == "hqq" else "try --int4-algorithm hqq (closer, slower on the CPU), "
-        click.echo(f"warning: int4 moves this model's answers ({rep.quality.warning}); {hqq}measure it on your text "
+        tighter = "try --max-kl 0.05 (more matrices kept 8-bit, a bigger file), "
+        click.echo(f"warning: int4 moves this model's answers ({rep.quality.warning}); {tighter}measure it on your text "
                    f"with `llama-tools verify int4 {output} --text FILE`, or keep fp16/the fused graph", err=True)
     res = rep.result
     mb = lambda n: f"{n / 1e6:,.1f} MB"  # noqa: E731
