@@ -155,10 +155,11 @@ def _dequantize(q: np.ndarray, scales: np.ndarray, k: int, block: int) -> np.nda
     return w[:, :k].T  # [K, N], as MatMul's B
 
 
-def test_int4_weights_are_block32_symmetric(plain, int4):
-    """Each quantized weight, dequantized by hand, is within half a step of the fp32 weight it replaced."""
+def test_int4_weights_are_block32_symmetric(plain, tmp_path):
+    """Round to nearest (--int4-algorithm rtn): each quantized weight, dequantized by hand, is within half a step of
+    the fp32 weight it replaced."""
     src = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(plain)).graph.initializer}
-    model = onnx.load(str(int4))
+    model = onnx.load(str(quantize_int4(plain, tmp_path / "rtn.onnx", algorithm="rtn").path))
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     assert len(nodes) == 7 * CFG.num_hidden_layers + 1  # q k v o gate up down per layer, and lm_head
@@ -198,19 +199,24 @@ def test_a_tied_int4_embedding_is_the_lm_heads_blocks(graph, tmp_path):
     full = tmp_path / "full.onnx"
     (export_fused if graph == "fused" else export_onnx)(model, full)
     sizes = {}
-    for symmetric in (True, False):
-        out = tmp_path / f"int4-{symmetric}.onnx"
-        quantize_int4(full, out, symmetric=symmetric)
-        sizes[symmetric] = out.stat().st_size
+    for algorithm, symmetric in (("rtn", True), ("rtn", False), ("imatrix", False)):
+        out = tmp_path / f"int4-{algorithm}-{symmetric}.onnx"
+        quantize_int4(full, out, symmetric=symmetric, algorithm=algorithm)
+        sizes[algorithm, symmetric] = out.stat().st_size
         m = onnx.load(str(out))
         ops = [n.op_type for n in m.graph.node]
         tables = [t.name for t in m.graph.initializer if list(t.dims) == [cfg.vocab_size, cfg.hidden_size]]
         assert "GatherBlockQuantized" in ops and tables == [], tables
-        if not symmetric:
+        if algorithm == "rtn" and not symmetric:
             continue
         head = next(n for n in m.graph.node if n.op_type == "MatMulNBits" and n.output[0] == "logits")
         inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
-        w = _dequantize(inits[head.input[1]], inits[head.input[2]], cfg.hidden_size, 32)  # [n2, n1]
+        if symmetric:
+            w = _dequantize(inits[head.input[1]], inits[head.input[2]], cfg.hidden_size, 32)  # [n2, n1]
+        else:  # imatrix: zero points, unpacked by the module's own reader (tested against onnxruntime's kernel)
+            from llama_tools.exporters.int4_blocks import unpack
+
+            w = unpack(inits[head.input[1]], inits[head.input[2]], inits[head.input[3]], bits=4, k=cfg.hidden_size).T
         gathered = next(n for n in m.graph.node if n.op_type == "Reshape" and n.name.endswith("Reshape_rows")).output[0]
         m.graph.output.append(helper.make_tensor_value_info(gathered, onnx.TensorProto.FLOAT, None))
         sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -222,7 +228,8 @@ def test_a_tied_int4_embedding_is_the_lm_heads_blocks(graph, tmp_path):
         rows = sess.run([gathered], feeds)[0]  # [1, 4, n2]
         np.testing.assert_allclose(rows[0], w.T[ids[0]], rtol=0, atol=1e-6)
     # Zero points add 1/64 byte per weight (and the Gather's unpacked copy 1/32 per head weight): never a table.
-    assert sizes[True] < sizes[False] < sizes[True] + cfg.vocab_size * cfg.hidden_size
+    assert sizes["rtn", True] < sizes["rtn", False] < sizes["rtn", True] + cfg.vocab_size * cfg.hidden_size
+    assert sizes["imatrix", False] == sizes["rtn", False]  # the same tensors, other values
 
 
 def test_int4_bytes_and_refusals(plain, int4, tmp_path):

@@ -77,7 +77,7 @@ def test_int4_node_by_node_equals_onnxruntimes_whole_graph_quantizer(tmp_path, m
         monkeypatch.setattr(quantize, "CHUNK_BYTES", chunk_bytes)
     full = tmp_path / "full.onnx"
     (export_fused if graph == "fused" else export_onnx)("tiny", full)
-    ours = quantize_int4(full, tmp_path / "ours.onnx", symmetric=symmetric)
+    ours = quantize_int4(full, tmp_path / "ours.onnx", symmetric=symmetric, algorithm="rtn")
 
     # The library on the whole graph: Transpose(W) folded into W^T by hand first (its quantizer needs that).
     m = onnx.load(str(full))
@@ -106,6 +106,14 @@ def test_int4_node_by_node_equals_onnxruntimes_whole_graph_quantizer(tmp_path, m
     assert sorted(o_nodes) == sorted(t_nodes)
     attrs = lambda m: sorted((n.name, str(n.attribute)) for n in m.graph.node if n.op_type == "MatMulNBits")  # noqa: E731
     assert attrs(onnx.load(str(ours.path))) == attrs(theirs), "K, N, bits, block_size, accuracy_level as theirs"
+    if not symmetric:  # imatrix writes the asymmetric quantizer's very tensors and nodes; only the values differ
+        imatrix = quantize_int4(full, tmp_path / "imatrix.onnx", algorithm="imatrix")
+        i_inits = _inits(imatrix.path)
+        assert {k: (v.dtype, v.shape) for k, v in i_inits.items()} == {k: (v.dtype, v.shape) for k, v in t_inits.items()}
+        assert any(not np.array_equal(i_inits[n], t_inits[n]) for n in quantized)
+        i_model = onnx.load(str(imatrix.path))
+        assert sorted((n.op_type, list(n.input)) for n in i_model.graph.node) == sorted(t_nodes)
+        assert attrs(i_model) == attrs(theirs)
 
 
 def test_int4_hqq_runs_and_scores(tmp_path):
