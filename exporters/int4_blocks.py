@@ -29,7 +29,7 @@ ALGORITHM = "imatrix"
 # on the weighted error, in any block (tests/test_int4_blocks.py).
 TRIMS = ((0.0, 0.0), (0.05, 0.0), (0.0, 0.05), (0.05, 0.05), (0.1, 0.1))
 REFITS = 2  # least-squares refits of the scale per trimmed range (the codes re-rounded after each)
-ROWS_BYTES = 16 * 2**20  # fp32 bytes of W rows searched at once: the search's temporaries stay a few of these
+ROWS_BYTES = 4 * 2**20  # fp32 bytes of W rows searched at once: the search's temporaries are a dozen of these
 
 
 @dataclass
@@ -87,24 +87,23 @@ def _search_rows(x: Any, a: Any, qmax: int) -> tuple[Any, Any, Any]:
     half = (qmax + 1) // 2  # symmetric, as onnxruntime's RTN: the largest magnitude onto -half, zero point half
     peak = x.gather(-1, x.abs().argmax(-1, keepdim=True))
     starts.append((torch.where(peak == 0, torch.full_like(peak, 1e-30), peak / -half), torch.full_like(peak, half)))
-    best_err = best_q = best_s = best_z = None
+    best_err = best_s = best_z = None
     for s, z in starts:
         for refit in range(REFITS + 1):
-            q = torch.clamp(torch.round(x / s + z), 0, qmax)
-            c = q - z  # [rows, nb, block]: the level each weight sits on
+            c = torch.clamp(torch.round(x / s + z), 0, qmax) - z  # [rows, nb, block]: the level each weight sits on
             err = (a * (x - s * c) ** 2).sum(-1, keepdim=True)
             if best_err is None:
-                best_err, best_q, best_s, best_z = err, q, s, z
-            else:
+                best_err, best_s, best_z = err, s, z
+            else:  # per block: [rows, nb, 1]
                 better = err < best_err
-                best_err = torch.where(better, err, best_err)
-                best_q, best_s, best_z = (torch.where(better, q, best_q), torch.where(better, s, best_s),
-                                          torch.where(better, z, best_z))
+                best_err, best_s, best_z = (torch.where(better, err, best_err), torch.where(better, s, best_s),
+                                            torch.where(better, z, best_z))
             if refit < REFITS:  # s minimizing the weighted error for these levels (z fixed); kept where undefined
                 num, den = (a * x * c).sum(-1, keepdim=True), (a * c * c).sum(-1, keepdim=True)
                 fit = num / den.clamp_min(1e-30)
                 s = torch.where((den > 0) & (fit.abs() > 1e-30), fit, s)
-    return best_q.to(torch.uint8), best_s[..., 0].float(), best_z[..., 0].to(torch.uint8)
+    q = torch.clamp(torch.round(x / best_s + best_z), 0, qmax)  # the codes of the best (s, z): what err measured
+    return q.to(torch.uint8), best_s[..., 0].float(), best_z[..., 0].to(torch.uint8)
 
 
 def fake_quant(w: Any, importance: Any = None, *, bits: int = 4, block: int = 32) -> Any:
