@@ -130,3 +130,55 @@ def test_a_few_rows_at_a_time_changes_nothing(monkeypatch):
     part = ib.search(w, a)
     for f in ("codes", "scales", "zeros"):
         np.testing.assert_array_equal(getattr(part, f), getattr(whole, f))
+
+
+def test_the_export_measures_importance_and_the_graph_holds_the_emulation(tmp_path):
+    """importance(): each projection's a_k is the mean square of its input on the ids, as forward hooks on the
+    in-memory model see it (an independent run); quantize_int4 with it writes what fake_quant emulates."""
+    import onnx
+
+    from llama_tools.checkpoints.source import resolve
+    from llama_tools.exporters.fused import export_fused
+    from llama_tools.exporters.int4_target import HEAD, importance, quantize_nodes
+    from llama_tools.exporters.quantize import _weights_of, quantize_int4
+    from llama_tools.inference.reference import reference_model
+    from llama_tools.modeling.model import build_model
+
+    src = resolve("tiny")
+    full = tmp_path / "full.onnx"
+    export_fused("tiny", full)
+    nodes = quantize_nodes(full, {})
+    ids = list(range(5, 45))
+    got = importance(reference_model(src), ids, nodes)
+    model = build_model(src.cfg, seed=0).eval()
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda mod, inp, out, n=n: seen.__setitem__(n, inp[0].double()[0] ** 2))
+             for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    hooks.append(model.model.norm.register_forward_hook(lambda mod, inp, out: seen.__setitem__("head", out.double()[0] ** 2)))
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    want = {"/model/layers.1/self_attn/qkv_proj/MatMul": "model.layers.1.self_attn.q_proj",
+            "/model/layers.0/self_attn/o_proj/MatMul": "model.layers.0.self_attn.o_proj",
+            "/model/layers.1/mlp/gate_up_proj/MatMul": "model.layers.1.mlp.gate_proj",
+            "/model/layers.0/mlp/down_proj/MatMul": "model.layers.0.mlp.down_proj", HEAD: "head"}
+    assert set(want) <= set(got) and len(got) == len(nodes)
+    for node, module in want.items():
+        assert got[node].shape == (seen[module].shape[-1],) and got[node].dtype == torch.float32
+        np.testing.assert_allclose(got[node].numpy(), seen[module].mean(0).numpy(), rtol=2e-4, atol=1e-7)
+    # negative: another layer's input is another measurement (the check can tell them apart)
+    assert not np.allclose(got["/model/layers.0/self_attn/qkv_proj/MatMul"].numpy(), seen[want[
+        "/model/layers.1/self_attn/qkv_proj/MatMul"]].mean(0).numpy(), rtol=2e-4, atol=1e-7)
+    out = quantize_int4(full, tmp_path / "int4.onnx", algorithm="imatrix", importance=got)
+    m = onnx.load(str(out.path))
+    inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    weights = _weights_of(onnx.load(str(full)))
+    fp = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(full)).graph.initializer}
+    node = "/model/layers.0/mlp/down_proj/MatMul"
+    nb = next(n for n in m.graph.node if n.op_type == "MatMulNBits" and n.name.startswith(node))
+    name, transposed = weights[node]
+    w = fp[name] if transposed else fp[name].T  # [out, in]
+    held = ib.unpack(inits[nb.input[1]], inits[nb.input[2]], inits[nb.input[3]], bits=4, k=w.shape[1])
+    np.testing.assert_array_equal(held, ib.fake_quant(torch.from_numpy(w.copy()), got[node]).numpy())
+    assert not np.array_equal(held, ib.fake_quant(torch.from_numpy(w.copy()), None).numpy())  # the importance counted
