@@ -601,6 +601,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, tokenizer: Any, goal:
     import onnx
 
     from llama_tools.outputs import paths
+    from llama_tools.outputs.progress import release_freed_memory
 
     from .graph_meta import read_metadata
     from .quant_options import DEFAULT_ALGORITHM, Int4Target
@@ -637,6 +638,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, tokenizer: Any, goal:
     say(f"measuring each of {len(mats)} matrices' int4 error on {len(ids)} calibration tokens")
     states: list[Any] = []
     sens = sensitivities(ref, ids, mats, block, progress, states, emulate)
+    release_freed_memory()  # the perturbed streams are gone
     p = states_logits(ref, states[0])
     through = paths.written_through(target)
     work = full.parent / "int4-candidates"
@@ -646,13 +648,17 @@ def quantize_to_target(full: Path, target: Path, ref: Any, tokenizer: Any, goal:
     def build(kept: list[str]) -> tuple[float, int]:
         say(f"int4 with {len(kept)} of {len(mats)} matrices 8-bit")
         last[0], last[1] = quantize(full, where, **{**int4, "keep_8bit": tuple(kept)}), list(kept)
-        return onnx_kl(where, cfg, ids, p), last[0].bytes_after
+        release_freed_memory()  # the quantizer's garbage is not the session's floor (as the pipeline does)
+        kl = onnx_kl(where, cfg, ids, p)
+        release_freed_memory()  # nor the session's the next candidate's
+        return kl, last[0].bytes_after
     try:
         baseline = None
         if emulate is not None and goal.fraction is not None:  # the fraction is of what round to nearest gives
             say("int4 by round to nearest, for the target's baseline")
             rtn = {k: v for k, v in int4.items() if k not in ("importance", "algorithm", "symmetric")}
             quantize(full, where, **rtn)
+            release_freed_memory()
             baseline = onnx_kl(where, cfg, ids, p)
         int4_bytes = sum(cost.values()) * (block + 8) // block  # the packed nibbles plus an fp32 scale per block
         result = choose(sens, goal.max_kl, build, fraction=goal.fraction, cost=cost, size_cap=goal.size_cap,

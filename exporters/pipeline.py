@@ -106,6 +106,7 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
                 say(f"measuring each matrix's inputs on {len(ids)} calibration tokens")
                 opts["importance"] = importance(reference_model(source, seed=seed), ids, quantize_nodes(full, opts),
                                                 progress)
+                release_freed_memory()  # the streamed reference's layers are gone
             say("quantizing to int4 (MatMulNBits)")
             return quantize_int4(full, target, **opts)
 
