@@ -16,9 +16,12 @@ graphs' logits a chunk of positions at a time (no [n3, n1] tensor: Gemma's vocab
 
 Why this shape: a 4-bit weight is off by up to half a step (~6% of a block's range), an 8-bit one by 1/16 of that,
 so one matrix kept 8-bit removes nearly all of its error; which ones matter is a property of the trained weights
-(SmolLM2-135M loses "Paris" at all-int4), found on real text, not guessed by name. The emulation of onnxruntime's
-symmetric RTN (`fake_quant`) equals its MatMulNBits output to fp32 rounding (tests/test_int4_target.py), so the
-ranking sees the error the graph will have; the loop then judges the real graph, never the emulation.
+(SmolLM2-135M loses "Paris" at all-int4), found on real text, not guessed by name. The emulation is the
+algorithm's own: onnxruntime's symmetric RTN (`fake_quant`, equal to its MatMulNBits output to fp32 rounding,
+tests/test_int4_target.py), or int4_blocks' search with the importance measured by `importance` (the very blocks
+the graph holds, tests/test_int4_blocks.py), so the ranking sees the error the graph will have; the loop then
+judges the real graph, never the emulation. With imatrix, a relative target is a fraction of round to nearest's
+KL (one more graph, built first): what the builder's int4 gives is the yardstick.
 
 (Over 500 lines on purpose: the sensitivity pass and the choice it feeds share the int4 emulation and its
 bounds; split, the choice would import the pass's private state.)
