@@ -245,9 +245,10 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
                   keep_8bit: tuple[str, ...] = (), importance: dict[str, Any] | None = None) -> QuantizeResult:
     """SOURCE .onnx (plain or fused) -> OUTPUT with every constant-weight MatMul as int4 MatMulNBits, atomically.
 
-    symmetric=True (the default): int4 in [-8, 7] times one scale per block of 32 weights, no zero point.
-    LLaMA's linear weights are centred on zero, so a zero point buys little (measured: see
-    benchmarks/bench_fused.py and tests/test_genai.py) and costs 1/64 byte per weight and a subtraction.
+    symmetric (rtn only; default True): int4 in [-8, 7] times one scale per block of 32 weights, no zero point.
+    For round to nearest a zero point buys little on LLaMA's centred weights (measured: see
+    benchmarks/bench_fused.py); imatrix's searched zero points do (docs/export.md), at 1/64 byte per weight and no
+    measurable kernel time.
     exclude: node names to keep in full precision (e.g. "/lm_head/MatMul"). algorithm: "rtn", "hqq" (always with
     zero points) or "imatrix" (int4_blocks: ours, always with zero points; importance: node name -> the mean square of
     its input per column on calibration text, uniform where absent). keep_8bit: node names quantized to 8 bits
