@@ -57,7 +57,7 @@ DEFAULT_TARGET = Int4Target(fraction=DEFAULT_FRACTION, size_cap=DEFAULT_SIZE_CAP
 
 def parse_max_kl(value: Any) -> Int4Target | None:
     """--max-kl's value -> the target: "auto" the default, "none" every matrix int4 (None), NATS an absolute KL,
-    "Fx" (0 < F < 1) F times the all-int4 graph's KL; ValueError naming the option otherwise."""
+    "Fx" (0 < F < 1) F times round-to-nearest int4's KL; ValueError naming the option otherwise."""
     if value is None or isinstance(value, Int4Target):
         return value
     text = str(value).strip().lower()
@@ -72,7 +72,7 @@ def parse_max_kl(value: Any) -> Int4Target | None:
         number = math.nan
     if relative:
         if not 0 < number < 1:
-            raise ValueError(f"--max-kl {value!r}: a relative target is F x the all-int4 graph's KL with 0 < F < 1, "
+            raise ValueError(f"--max-kl {value!r}: a relative target is F x round-to-nearest int4's KL with 0 < F < 1, "
                              f"e.g. 0.5x")
         return Int4Target(fraction=number)
     if not 0 < number <= MAX_NATS:  # NaN fails too

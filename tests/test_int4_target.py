@@ -134,7 +134,7 @@ def test_cli_max_kl(tmp_path):
         assert not (tmp_path / "b").exists()
 
 
-# --- The default target: half the all-int4 graph's KL, under 1.3x its bytes -------------------------------------
+# --- The default target: half round-to-nearest int4's KL, under 1.3x the int4 bytes ----------------------------
 
 def test_parse_max_kl():
     from llama_tools.exporters.quant_options import DEFAULT_TARGET, Int4Target, int4_target, parse_max_kl

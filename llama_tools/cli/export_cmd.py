@@ -67,8 +67,9 @@ def export() -> None:
 @click.option("--max-kl", type=MaxKl(), default=None, metavar="NATS|Fx|auto|none",
               help="With --quantize int4: a quality target. The matrices whose int4 error moves the next-token "
                    "distribution most per extra byte (measured on built-in text) stay 8-bit until the mean KL to the "
-                   "full-precision model is at most NATS, or F times the all-int4 graph's own KL (e.g. 0.5x); none: "
-                   f"every matrix int4 [default: auto = {DEFAULT_TARGET.describe()}; symmetric RTN only].")
+                   "full-precision model is at most NATS, or F times round-to-nearest int4's KL (e.g. 0.5x); none: "
+                   f"every matrix int4 [default: auto = {DEFAULT_TARGET.describe()}; imatrix and symmetric RTN "
+                   "only].")
 @click.option("--no-client-files", is_flag=True, help="Do not write config.json, genai_config.json and the "
                                                       "tokenizer files beside OUTPUT.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Random init of a preset or config.json.")
