@@ -317,7 +317,7 @@ def _fisher_kl(ref: Any, z: Any, streams: Any) -> list[float]:
         d = (final(zs[None])[0] - h).double()  # δh: [n3, n2]
         s = torch.einsum("tkd,td->tk", w, d.float()).double() * slope  # δ logit of each candidate: [n3, K]
         mean = (top_p * s).sum(-1, keepdim=True)
-        out.append(float((0.5 * (top_p * (s - mean) ** 2).sum(-1)).mean()))
+        out.append(float((0.5 * (top_p * (s - mean) ** 2).sum(-1)).mean().detach()))
     return out
 
 
