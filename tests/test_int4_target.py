@@ -304,7 +304,7 @@ def test_the_head_is_read_in_chunks_without_changing_a_figure(monkeypatch):
     monkeypatch.setattr(t, "_head_rows", lambda r: (whole[0], 7))
     many = (t._head_kl(ref, z, t.rtn_emulation(32)), t._fisher_kl(ref, z, streams))
     assert many[0] == pytest.approx(one[0], rel=1e-5) and many[1] == pytest.approx(one[1], rel=1e-5)  # fp32 matmul shapes
-    h = t._final(ref)(z)[0]
+    h = t._final(ref)(z)[0].detach()  # the final norm's gain is a parameter: no autograd in the textbook side
     w = ref.reader.rows(whole[0], [(0, cfg.vocab_size)]).float()
     lp = torch.log_softmax(softcap(h @ w.T, cfg.final_logit_softcap).double(), -1)
     lq = torch.log_softmax(softcap(h @ t.fake_quant(w, 4, 32).T, cfg.final_logit_softcap).double(), -1)
