@@ -571,21 +571,42 @@ def untargetable(full: Path, int4: dict[str, Any]) -> str | None:
     return None
 
 
-def extra_bytes(model: Any, nodes: list[str], block: int, zero_points: bool = False) -> dict[str, int]:
-    """node -> the bytes keeping its matrix 8-bit adds to the int4 graph: N rows of ceil(K / block) blocks, each
-    `block` bytes at 8 bits instead of block / 2 (the scales are the same), less the int4 zero points (two blocks'
-    per byte) when the int4 has them and the 8-bit, symmetric, does not."""
+def _shapes(model: Any, nodes: list[str]) -> dict[str, tuple[int, int, bool]]:
+    """node -> (K, N, whether its weight is a tied embedding's table)."""
     from .quantize import _weights_of
 
     inits = {t.name: t for t in model.graph.initializer}
     weights = _weights_of(model)
+    gathered = {n.input[0] for n in model.graph.node if n.op_type == "Gather"}
     out = {}
     for n in nodes:
         name, transposed = weights[n]
         dims = [int(d) for d in inits[name].dims]
         k, rows = (dims[1], dims[0]) if transposed else (dims[0], dims[1])  # stored [out, in] behind a Transpose
+        out[n] = k, rows, transposed and name in gathered
+    return out
+
+
+def int4_bytes(model: Any, nodes: list[str], block: int, zero_points: bool = False) -> dict[str, int]:
+    """node -> its int4 matrix's bytes: N rows of ceil(K / block) blocks of block / 2 bytes and an fp32 scale, and
+    the zero points (two blocks' per byte) when it has them."""
+    out = {}
+    for n, (k, rows, _) in _shapes(model, nodes).items():
         blocks = -(-k // block)
-        out[n] = rows * blocks * block // 2 - (rows * -(-blocks // 2) if zero_points else 0)
+        out[n] = rows * (blocks * (block // 2 + 4) + (-(-blocks // 2) if zero_points else 0))
+    return out
+
+
+def extra_bytes(model: Any, nodes: list[str], block: int, zero_points: bool = False) -> dict[str, int]:
+    """node -> the bytes keeping its matrix 8-bit adds to the int4 graph: N rows of ceil(K / b8) blocks of b8 bytes
+    and an fp32 scale (b8 = quantize.eight_bit_block; symmetric, no zero points), less its int4 bytes."""
+    from .quantize import eight_bit_block
+
+    four = int4_bytes(model, nodes, block, zero_points)
+    out = {}
+    for n, (k, rows, tied) in _shapes(model, nodes).items():
+        b8 = eight_bit_block(k, tied, block)
+        out[n] = rows * -(-k // b8) * (b8 + 4) - four[n]
     return out
 
 
@@ -629,6 +650,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, tokenizer: Any, goal:
     algorithm = int4.get("algorithm", DEFAULT_ALGORITHM)
     zero_points = algorithm == "imatrix" or (algorithm == "rtn" and not int4.get("symmetric", True))
     cost = extra_bytes(model, nodes, block, zero_points)
+    base = sum(int4_bytes(model, nodes, block, zero_points).values())  # what a decode step reads of them at int4
     del model
     ids, _ = calibration_ids(tokenizer, cfg.vocab_size)
     room = read_metadata(full).static_kv or cfg.max_position_embeddings  # a static-KV graph holds that many
@@ -664,9 +686,8 @@ def quantize_to_target(full: Path, target: Path, ref: Any, tokenizer: Any, goal:
             quantize(full, where, **rtn)
             release_freed_memory()
             baseline = onnx_kl(where, cfg, ids, p)
-        int4_bytes = sum(cost.values()) * (block + 8) // block  # the packed nibbles plus an fp32 scale per block
         result = choose(sens, goal.max_kl, build, fraction=goal.fraction, cost=cost, size_cap=goal.size_cap,
-                        base=int4_bytes, baseline_kl=baseline)
+                        base=base, baseline_kl=baseline)
         if through or last[1] != result.kept_8bit:  # the answer is not what is at TARGET now
             say(f"writing int4 with {len(result.kept_8bit)} of {len(mats)} matrices 8-bit")
             last[0] = quantize(full, target, **{**int4, "keep_8bit": tuple(result.kept_8bit)})

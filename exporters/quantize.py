@@ -34,7 +34,8 @@ from llama_tools.outputs import files
 
 from . import int4_blocks
 from .graph_io import MS_DOMAIN
-from .quant_options import ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, INT4_ALGORITHMS, PROMPT_IDS
+from .quant_options import (ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, EIGHT_BIT_BLOCK, INT4_ALGORITHMS,
+                            PROMPT_IDS)
 
 @dataclass(frozen=True)
 class QuantizeResult:
@@ -64,7 +65,7 @@ def _disk_bytes(path: Path) -> int:
     return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
 
 
-def share_tied_embedding(model: Any, block_size: int) -> bool:
+def share_tied_embedding(model: Any) -> bool:
     """A tied embedding stored once, in int4: the lm_head's MatMulNBits blocks also serve the Gather.
 
     The full-precision table goes; the embedding becomes com.microsoft.GatherBlockQuantized over the very
@@ -96,6 +97,7 @@ def share_tied_embedding(model: Any, block_size: int) -> bool:
         if zp is not None and zp.data_type != onnx.TensorProto.UINT8:  # HQQ's float zero points
             continue
         n1, n2 = inits[table].dims
+        block_size = next(a.i for a in head.attribute if a.name == "block_size")  # an 8-bit head's may differ
         blocks = -(-n2 // block_size)
         if n2 % block_size:  # the last block would be padded: the Gather's row would be longer than n2
             return False
@@ -125,6 +127,13 @@ def share_tied_embedding(model: Any, block_size: int) -> bool:
             graph.initializer.remove(inits[table])
         return True
     return False
+
+
+def eight_bit_block(k: int, tied: bool, block_size: int) -> int:
+    """The blocks of a matrix kept 8-bit: the largest power of two up to EIGHT_BIT_BLOCK that tiles K exactly (no
+    padded bytes), else EIGHT_BIT_BLOCK, or block_size for a tied head (the embedding's Gather reads whole rows)."""
+    fits = [b for b in (EIGHT_BIT_BLOCK >> i for i in range(4)) if b >= 16 and k % b == 0]
+    return fits[0] if fits else block_size if tied else EIGHT_BIT_BLOCK
 
 
 def _weights_of(model: Any) -> dict[str, tuple[str, bool]]:
@@ -252,7 +261,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     exclude: node names to keep in full precision (e.g. "/lm_head/MatMul"). algorithm: "rtn", "hqq" (always with
     zero points) or "imatrix" (int4_blocks: ours, always with zero points; importance: node name -> the mean square of
     its input per column on calibration text, uniform where absent). keep_8bit: node names quantized to 8 bits
-    (symmetric RTN, the same blocks) instead.
+    (symmetric RTN in blocks of EIGHT_BIT_BLOCK, eight_bit_block) instead.
 
     In bounded memory: the graph is read without its weights; each MatMul's weight is read from SOURCE's
     .data file, quantized by onnxruntime's own node quantizer on a one-node graph and dropped, so one
@@ -298,7 +307,6 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     # which GatherBlockQuantized can only read without a zero point: with HQQ it is quantized symmetric RTN.
     gathered = {n.input[0] for n in graph.node if n.op_type == "Gather"}
     tied_rtn = _node_quantizer("rtn", block_size, True, accuracy_level) if algorithm == "hqq" else None
-    eight = _node_quantizer("rtn", block_size, True, accuracy_level, bits=8) if keep_8bit else None
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node
     inits = {t.name: t for t in graph.initializer}
     nodes, folded = [], 0
@@ -311,6 +319,8 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
         if through_transpose:
             name, folded = name + "_t", folded + 1  # the quantizer names its tensors after this: W_t_Q4, ...
         if node.name in keep_8bit:
+            eight = _node_quantizer("rtn", eight_bit_block(k, through_transpose and weights[node.name][0] in gathered,
+                                                           block_size), True, accuracy_level, bits=8)
             made_nodes, made = _quantize_matmul(eight, node, name, k, n, cols, chunked=True)
         elif tied_rtn is not None and through_transpose and weights[node.name][0] in gathered:
             made_nodes, made = _quantize_matmul(tied_rtn, node, name, k, n, cols, chunked=True)
@@ -328,7 +338,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     quantized = sum(n.op_type == "MatMulNBits" for n in graph.node)
     assert quantized == len(candidates) - len(exclude), (
         f"{quantized} MatMulNBits for {len(candidates) - len(exclude)} quantizable MatMuls")
-    share_tied_embedding(model, block_size)  # a tied lm_head with no zero point or uint8 ones (not HQQ's floats)
+    share_tied_embedding(model)  # a tied lm_head with no zero point or uint8 ones (not HQQ's floats)
     if not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     _save_streamed(model, base, output)

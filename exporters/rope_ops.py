@@ -107,14 +107,14 @@ def ort_schema() -> "onnx.defs.OpSchema":
 # j = head * d + i. With rotary_heads = r, the heads from r on (a packed QKV's V) get cos 1 and sin 0:
 # y = x * 1 + partner * 0 = x, unchanged. c and s depend only on the tables' shape and the attributes, cos and sin only on
 # position_ids: onnxruntime folds the first at load and computes the second once per run for every node of
-# the graph (common subexpressions). The partners come from one block swap: x viewed [.., h, X, 2, Y], the
-# two Y-wide blocks of each pair trade places (halves: X = 1, Y = d/2, each half moves as one block;
-# interleaved: X = d/2, Y = 1). What is left per node at run time: Reshape, Gather, Reshape, Mul, Mul, Add.
+# the graph (common subexpressions). The partners are one Gather over the last axis, by an index that is
+# folded at load too. What is left per node at run time: Gather, Mul, Mul, Add; at decode a node's cost is
+# its kernel count (a row of a few hundred channels), so fewer kernels is what makes it cheap.
 #
 #   position_ids [b, s] ──Gather(cos_cache) [b, s, d/2]──Gather c, axis -1──► [b, s, h d] ──Reshape──► cos
 #   position_ids [b, s] ──Gather(sin_cache)──Gather c──Mul s──Reshape──► sin     (signed)
 #       cos, sin: [b, s, h d] for 3-D x, [b, 1, s, d] for 4-D x [b, h, s, d] (broadcast over the heads)
-#   x ──Cast fp32──► xf ──Reshape [0, 0, h | 0, X, 2, Y]──Gather [1, 0], axis -2──Reshape x's shape──► partner
+#   x ──Cast fp32──► xf ──Gather head d + p(i), axis -1──► partner
 #   xf cos + partner sin ──CastLike x──► y, x's own shape
 _FUNCTION_TEXT = """
 <domain: "llama_tools", opset_import: ["": {opset}]>
@@ -173,23 +173,18 @@ RotaryEmbedding <interleaved, num_heads: int = 0, rotary_heads: int = 0> (x, pos
     cos = Reshape (cos_rotated, table_shape)
     sin = Reshape (sin_wide, table_shape)
 
-    # The partner of every channel, as a swap of blocks: x viewed [.., h, X, 2, Y], the two Y-wide blocks of
-    # each pair trade places. Halves: X = 1, Y = d/2 (each half moves as one block); interleaved: X = d/2, Y = 1.
-    lead_zeros = Constant <value_ints = [0, 0]> ()
-    heads_1d = Reshape (heads_attr, one_1d)  # h; 0 keeps 4-D x's third axis (its sequence)
-    two_1d = Constant <value_ints = [2]> ()
-    outer = Where (is_interleaved, half_1d, one_1d)  # X
-    inner = Where (is_interleaved, one_1d, half_1d)  # Y
-    pair_view = Concat <axis = 0> (lead_zeros, heads_1d, outer, two_1d, inner)  # [0, 0, h | 0, X, 2, Y]
-    back_full = Constant <value_ints = [0, 0, 0, -1]> ()
-    four_1d = Constant <value_ints = [4]> ()
-    back_shape = Slice (back_full, is_3d_1d, four_1d)  # x's own shape again: [0, 0, -1] for 3-D x
-    swap = Constant <value_ints = [1, 0]> ()
+    # The partner of every channel, one index over x's last axis (folded at load): head * d + p(i).
+    i_plus_one = Add (i, one)
+    odd_twice = Mul (i_mod_2, two)
+    pair_partner = Sub (i_plus_one, odd_twice)  # i xor 1
+    i_plus_half = Add (i, half)
+    half_partner = Mod (i_plus_half, dim)  # (i + d/2) mod d
+    partner_in_head = Where (is_interleaved, pair_partner, half_partner)  # p(i)
+    head_start = Mul (head, dim)
+    partner = Add (head_start, partner_in_head)
 
     xf = Cast <to = 1> (x)
-    pairs = Reshape (xf, pair_view)
-    swapped = Gather <axis = -2> (pairs, swap)
-    partner_x = Reshape (swapped, back_shape)  # channel j holds x_p(j)
+    partner_x = Gather <axis = -1> (xf, partner)  # channel j holds x_p(j)
     x_cos = Mul (xf, cos)
     partner_sin = Mul (partner_x, sin)
     rotated = Add (x_cos, partner_sin)
@@ -202,7 +197,7 @@ def rope_function(opset: int) -> "onnx.FunctionProto":
     """The FunctionProto of llama_tools::RotaryEmbedding, over the model's default-domain opset."""
     import onnx.parser
 
-    assert opset >= 18, f"the function body uses Split(num_outputs), opset 18+; got {opset}"
+    assert opset >= 18, f"our graphs are opset 18+ (the op's min_opset); got {opset}"
     return onnx.parser.parse_function(_FUNCTION_TEXT.format(opset=opset))
 
 

@@ -93,7 +93,7 @@ def test_int4_node_by_node_equals_onnxruntimes_whole_graph_quantizer(tmp_path, m
     q.process()
     theirs = q.model.model
     if symmetric:
-        share_tied_embedding(theirs, 32)
+        share_tied_embedding(theirs)
     t_inits = {t.name: numpy_helper.to_array(t) for t in theirs.graph.initializer}
     o_inits = _inits(ours.path)
     quantized = [n for n in t_inits if n.endswith("_Q4")]
@@ -208,3 +208,49 @@ def test_an_asymmetric_tied_head_serves_the_embedding_as_matmulnbits_reads_it(tm
     assert rows.shape == w.shape == (n1, n2)
     np.testing.assert_allclose(rows, w, rtol=0, atol=1e-6)
     assert not np.allclose(rows, np.round(rows)), "real dequantized values, not a degenerate table"
+
+
+def test_a_tied_head_kept_8bit_serves_the_embedding_in_its_own_blocks(tmp_path):
+    """A tied lm_head kept 8-bit takes the largest block up to 128 that tiles K (64 for tiny's 64): the embedding's
+    GatherBlockQuantized reads those very blocks, rows equal to W as MatMulNBits computes it (fed the identity)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from llama_tools.exporters.quantize import eight_bit_block
+
+    assert [eight_bit_block(k, False, 32) for k in (896, 4864, 576, 640, 64, 100)] == [128, 128, 64, 128, 64, 128]
+    assert eight_bit_block(100, True, 32) == 32  # nothing tiles 100: a tied head keeps the int4 block
+    cfg = get_preset("tiny").replace(tie_word_embeddings=True)
+    torch.manual_seed(0)
+    full = export_fused(build_model(cfg, dtype=torch.float32), tmp_path / "full.onnx").path
+    q = quantize_int4(full, tmp_path / "q.onnx", keep_8bit=("/lm_head/MatMul",))
+    m = onnx.load(str(q.path))
+    inits = {t.name: t for t in m.graph.initializer}
+    attrs = lambda n: {a.name: a.i for a in n.attribute if a.type == onnx.AttributeProto.INT}  # noqa: E731
+    gbq = next(n for n in m.graph.node if n.op_type == "GatherBlockQuantized")
+    head = next(n for n in m.graph.node if n.op_type == "MatMulNBits" and n.name.startswith("/lm_head"))
+    assert attrs(head)["bits"] == attrs(gbq)["bits"] == 8 and attrs(head)["block_size"] == attrs(gbq)["block_size"] == 64
+    n1, n2 = cfg.vocab_size, cfg.hidden_size
+    scales3 = numpy_helper.to_array(inits[head.input[2]]).reshape(n1, -1, 1)
+    opsets = [helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)]
+    run = lambda g, feeds: ort.InferenceSession(helper.make_model(g, opset_imports=opsets).SerializeToString(),  # noqa: E731
+                                                providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    rows = run(helper.make_graph(
+        [helper.make_node("GatherBlockQuantized", [gbq.input[0], "ids", "s3"], ["rows"], domain="com.microsoft",
+                          gather_axis=0, quantize_axis=2, block_size=64, bits=8)],
+        "rows", [helper.make_tensor_value_info("ids", TensorProto.INT64, [None])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, None)],
+        initializer=[inits[gbq.input[0]], numpy_helper.from_array(scales3, "s3")]), {"ids": np.arange(n1)})
+    w = run(helper.make_graph(
+        [helper.make_node("MatMulNBits", ["x", *head.input[1:]], ["y"], domain="com.microsoft", K=n2, N=n1, bits=8,
+                          block_size=64)],
+        "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n2, n2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[inits[i] for i in head.input[1:]]), {"x": np.eye(n2, dtype=np.float32)[None]})[0].T
+    assert rows.reshape(n1, n2).shape == w.shape == (n1, n2)
+    np.testing.assert_allclose(rows.reshape(n1, n2), w, rtol=0, atol=1e-6)
+    table = numpy_helper.to_array(next(t for t in onnx.load(str(full)).graph.initializer
+                                       if t.name == "model.embed_tokens.weight"))  # [n1, n2] fp32
+    peak = np.abs(table.reshape(n1, -1, 64)).max(-1, keepdims=True)  # each 64-block's largest magnitude
+    assert (np.abs(w - table).reshape(n1, -1, 64) <= peak / 127).all(), "within an 8-bit step of its block"
+    assert not np.allclose(w, table, rtol=0, atol=1e-7), "quantized, not the table itself"
