@@ -32,7 +32,8 @@ from .genai import ClientFiles, plan_client_files
 from .onnx_export import ExportResult, export_onnx
 from .preflight import check_output
 from .quant_options import DEFAULT_ALGORITHM, QUANTIZE, int4_target
-from .quantize import QUALITY_TEXT, QuantizeResult, QuickQuality, quantize_int4, quick_quality
+from .prompts import QUALITY_TEXT
+from .quantize import QuantizeResult, QuickQuality, quantize_int4, quick_quality
 
 
 @dataclass

@@ -157,3 +157,19 @@ def past_the_window(inputs: Inputs, tok: Any, vocab_size: int, length: int, seed
     else:
         row = np.random.default_rng(seed + 1).integers(3, vocab_size, size=length).tolist()
     return Inputs(inputs.rows + [row], inputs.what + f", and a row of {length} tokens past the sliding window")
+
+
+# What `export --quantize int4` scores on the spot (real English, ~100 tokens for a BPE vocabulary): a trained
+# model's int4 error shows on real text, where random ids hide it (SmolLM2: KL 0.39 nats on text).
+QUALITY_TEXT = ("Paris is the capital and largest city of France. The river Seine flows through the city, and its "
+                "banks are lined with bridges, museums and bookstalls. Water boils at one hundred degrees Celsius at "
+                "sea level. In 1969, two astronauts walked on the Moon while a third orbited above them. def add(a, "
+                "b):\n    return a + b\n")
+# `verify int4`'s start when none is given: QUALITY_TEXT's first sentence, the text itself scored.
+QUALITY_PROMPT = QUALITY_TEXT.split(". ")[0] + "."
+
+
+def default_int4_inputs(tokenizer: Any, context: int) -> tuple[list[int], list[int]]:
+    """(prompt, sequence) of `verify int4` with neither given, for a model with a tokenizer: QUALITY_PROMPT, and
+    QUALITY_TEXT (what the export's quality line scores, in no calibration passage) within `context` positions."""
+    return tokenizer.encode(QUALITY_PROMPT), tokenizer.encode(QUALITY_TEXT)[:context]

@@ -432,6 +432,7 @@ class QuantParity:
     max_abs_logit_error: float  # for scale only: no fp32 bound applies
     thresholds: QuantThresholds
     failures: list[str] = field(default_factory=list)
+    on: str = ""  # what the fixed sequence is: a text's name, or the prompt and fp32's continuation
 
     @property
     def ppl_change(self) -> float:
@@ -472,7 +473,7 @@ def kl_and_ppl(ref_logits: np.ndarray, got_logits: np.ndarray, ids: np.ndarray) 
 
 def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt: list[int] | None = None,
                          sequence: list[int] | None = None, steps: int = 32,
-                         thresholds: QuantThresholds = QuantThresholds()) -> QuantParity:
+                         thresholds: QuantThresholds = QuantThresholds(), on: str | None = None) -> QuantParity:
     """The int4 graph against the fp32 PyTorch model (the graph's source, or `reference`, a Llama).
 
     prompt: where the greedy decode starts (default: 8 seeded ids). sequence: the fixed token sequence for KL
@@ -577,15 +578,10 @@ def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt
         onnx_path=str(onnx_path), steps=steps, top1_agreement=top1, free_run_same=same, reference_ids=ref_ids,
         int4_ids=int4_ids, sequence_length=len(seq), mean_kl=float(kl.mean()), max_kl=float(kl.max()),
         ppl_reference=ppl_r, ppl_int4=ppl_g, max_abs_logit_error=float(np.abs(g - r).max()),
-        thresholds=thresholds, failures=failures)
+        thresholds=thresholds, failures=failures,
+        on=on or ("the given sequence" if sequence else "the prompt and fp32's greedy continuation"))
 
 
-# What `export --quantize int4` scores on the spot (real English, ~100 tokens for a BPE vocabulary): a trained
-# model's int4 error shows on real text, where random ids hide it (SmolLM2: KL 0.39 nats on text).
-QUALITY_TEXT = ("Paris is the capital and largest city of France. The river Seine flows through the city, and its "
-                "banks are lined with bridges, museums and bookstalls. Water boils at one hundred degrees Celsius at "
-                "sea level. In 1969, two astronauts walked on the Moon while a third orbited above them. def add(a, "
-                "b):\n    return a + b\n")
 # The warning is on KL alone: top-1 flips on near-ties (the seeded tiny model: KL 0.0002 nats yet top-1 87%), while a
 # trained model that loses answers shows in KL (SmolLM2-135M int4: 0.47 nats on the built-in text, "Paris" lost).
 QUALITY_WARN_KL = 0.1

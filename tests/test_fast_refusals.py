@@ -20,6 +20,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from llama_tools.checkpoints.source import load_tokenizer, resolve
+from llama_tools.exporters.prompts import QUALITY_PROMPT
 from llama_tools.modeling.presets import get_preset
 
 # Runs the CLI in a fresh interpreter, then reports the exit code and which heavy modules got imported.
@@ -100,6 +102,9 @@ def test_the_graphs_are_what_they_say(graphs):
 COMMANDS = [["count-params"], ["presets"], ["report", "shapes"], ["report", "regenerate"], ["convert"],
             ["tokenize"], ["generate"], ["export", "onnx"], ["verify", "parity"], ["verify", "int4"]]
 
+# verify int4 starts from the built-in text's first sentence (tiny's tokenizer: 34 tokens) in a context of 256
+_DEFAULT_PROMPT = len(load_tokenizer(resolve("tiny")).encode(QUALITY_PROMPT))
+
 # (argv, what the one line says, heavy modules allowed: onnx where the graph's metadata must be read)
 REFUSALS = [
     # usage errors in every command: an unknown option, a choice, a number out of its range
@@ -161,7 +166,7 @@ REFUSALS = [
     (["verify", "int4", "fp32.onnx"], "nothing in it is int4", ()),
     (["verify", "int4", "foreign.onnx"], "nothing in it is int4", ()),
     (["verify", "int4", "int4.onnx", "--prompt", "hi", "--ids", "1"], "at most one of --prompt", ()),
-    (["verify", "int4", "int4.onnx", "--steps", "1000000000"], "give --steps <= 248", GRAPH),
+    (["verify", "int4", "int4.onnx", "--steps", "1000000000"], f"give --steps <= {256 - _DEFAULT_PROMPT}", GRAPH),
     (["verify", "int4", "static.onnx", "--steps", "10"], "static KV buffer of 16 positions", GRAPH),
     (["verify", "int4", "int4.onnx", "--ids", "1 999"], "999 is outside the vocabulary", GRAPH),
     (["verify", "int4", "foreign-int4.onnx"], "was not written by llama-tools; pass --source", GRAPH),

@@ -45,3 +45,39 @@ def test_refusals_are_one_line(int4, tmp_path):
                        (["--text", str(tmp_path / "missing.txt")], "does not exist")):
         r = CliRunner().invoke(cli, ["verify", "int4", str(int4), *argv])
         assert r.exit_code != 0 and says in r.output and "Traceback" not in r.output, r.output
+
+
+def test_the_default_is_the_built_in_text(int4, tmp_path):
+    """No --prompt or --text: the export's own held-out text is scored and its first sentence starts the decode,
+    the very figures those given by hand give; a model with no tokenizer falls back to seeded ids."""
+    from llama_tools.exporters.prompts import QUALITY_PROMPT, QUALITY_TEXT
+
+    text = tmp_path / "quality.txt"
+    text.write_text(QUALITY_TEXT, encoding="utf-8")
+    runs = [CliRunner().invoke(cli, ["verify", "int4", str(int4), "--steps", "4", "--format", "json", *extra])
+            for extra in ([], ["--prompt", QUALITY_PROMPT, "--text", str(text)])]
+    default, by_hand = (json.loads(r.stdout) for r in runs)
+    assert default["on"] == "a built-in English text" and by_hand["on"] == "quality.txt"
+    assert default["sequence_length"] == len(load_tokenizer(resolve("tiny")).encode(QUALITY_TEXT)) > 50
+    for key in ("reference_ids", "int4_ids", "mean_kl", "top1_agreement", "ppl_reference"):
+        assert default[key] == by_hand[key], key
+
+
+def test_no_tokenizer_means_seeded_ids(tmp_path):
+    import torch
+
+    from llama_tools.checkpoints.convert import save_checkpoint
+    from llama_tools.exporters.quant_options import PROMPT_IDS
+    from llama_tools.modeling.model import build_model
+    from llama_tools.modeling.presets import get_preset
+
+    cfg = get_preset("tiny")
+    torch.manual_seed(0)
+    save_checkpoint(cfg, build_model(cfg, dtype=torch.float32).state_dict(), tmp_path / "hf", to="hf")
+    out = tmp_path / "int4" / "model.onnx"
+    r = CliRunner().invoke(cli, ["export", "onnx", str(tmp_path / "hf"), "-o", str(out), "--quantize", "int4", "-q",
+                                 "--max-kl", "none", "--no-client-files"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, ["verify", "int4", str(out), "--steps", "4", "--format", "json"])
+    rep = json.loads(r.stdout)
+    assert rep["on"] == "the prompt and fp32's greedy continuation" and rep["sequence_length"] == PROMPT_IDS + 4

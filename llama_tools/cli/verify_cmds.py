@@ -205,11 +205,13 @@ def parity_rows(rep: Any, all_layers: bool = False) -> list[dict[str, Any]]:
 @click.option("--steps", type=click.IntRange(min=1), default=32, show_default=True,
               help="Greedy decode steps for the top-1 agreement; the prompt and these must fit the model's context.")
 @click.option("--prompt", default=None, metavar="TEXT",
-              help=f"Start the greedy decode from this text (the source's tokenizer) [default: {PROMPT_IDS} seeded ids].")
+              help="Start the greedy decode from this text (the source's tokenizer) [default: the first sentence of the "
+                   f"built-in English text; {PROMPT_IDS} seeded ids for a model with no tokenizer].")
 @click.option("--ids", default=None, metavar="IDS", help="Raw prompt ids instead of --prompt, e.g. '1 450 29871'.")
 @click.option("--text", "text_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Score KL, perplexity and top-1 on this real text file (its first --max-tokens tokens) "
-                   "[default: the prompt plus fp32's own greedy continuation].")
+              help="Score KL and perplexity on this real text file (its first --max-tokens tokens) [default: the "
+                   "built-in English text the export's quality line scores; for a model with no tokenizer, the "
+                   "prompt plus fp32's own greedy continuation].")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=256, show_default=True,
               help="How many tokens of --text to score.")
 @output_options(("table", "json"))
@@ -236,10 +238,10 @@ def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: 
     # in the vocabulary, the prompt and --steps within the context, --text.
     model, room = int4_source(target, source)
     start = prompt_ids(model, prompt, ids)[0] if prompt is not None or ids is not None else None
-    room.check(len(start) if start else PROMPT_IDS, steps)
-    sequence = None
+    context = min(max_tokens, room.positions)  # a static KV buffer holds the scored text too
+    tok = load_tokenizer(model)
+    sequence, on = None, None
     if text_file is not None:
-        tok = load_tokenizer(model)
         if tok is None:
             raise no_tokenizer(model, "score --text")
         try:
@@ -247,14 +249,22 @@ def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: 
                 text = f.read().decode("utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"{text_file}: not UTF-8 text (byte {e.start}); --text takes a text file") from None
-        sequence = tok.encode(text)[:min(max_tokens, model.cfg.max_position_embeddings)]
+        sequence, on = tok.encode(text)[:context], text_file.name
         if len(sequence) < 2:
             raise click.BadParameter(f"{text_file} encodes to {len(sequence)} token(s); give some text", param_hint="--text")
+    if tok is not None:  # real text by default: random ids drive a trained model where no text goes
+        from ..exporters.prompts import default_int4_inputs
+
+        first, text_ids = default_int4_inputs(tok, context)
+        start = first if start is None else start
+        if sequence is None:
+            sequence, on = text_ids, "a built-in English text"
+    room.check(len(start) if start else PROMPT_IDS, steps)
     from ..exporters.quantize import measure_quant_parity  # numpy, torch and onnxruntime: the work itself
     from ..checkpoints.loading import load_model
 
     reference = load_model(source) if source is not None else None
-    rep = measure_quant_parity(target, reference, prompt=start, sequence=sequence, steps=steps)
+    rep = measure_quant_parity(target, reference, prompt=start, sequence=sequence, steps=steps, on=on)
     t = rep.thresholds
     rows = [("top-1 agreement (teacher-forced)", f"{rep.top1_agreement:.1%}", f">= {t.min_top1:.0%}"),
             ("own greedy tokens equal fp32's", f"{rep.free_run_same}/{rep.steps} steps", ""),
