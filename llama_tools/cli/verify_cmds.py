@@ -272,7 +272,8 @@ def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: 
             ("max KL", f"{rep.max_kl:.4f} nats", ""),
             ("perplexity fp32 -> int4", f"{rep.ppl_reference:.3f} -> {rep.ppl_int4:.3f} ({rep.ppl_change:+.1%})",
              f"within +/-{t.max_ppl_change:.0%}"),
-            ("max |logit error| (scale only)", f"{rep.max_abs_logit_error:.3g}", "no fp32 bound applies")]
+            ("max |logit error| (scale only)", f"{rep.max_abs_logit_error:.3g}", "no fp32 bound applies"),
+            ("KL and perplexity on", f"{rep.on} ({rep.sequence_length} tokens)", "")]
     if fmt == "json":
         click.echo(render([], "json", json_payload=rep.to_dict()))
     else:
