@@ -34,8 +34,8 @@ from llama_tools.outputs import files
 
 from . import int4_blocks
 from .graph_io import MS_DOMAIN
-from .quant_options import (ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, EIGHT_BIT_BLOCK, INT4_ALGORITHMS,
-                            PROMPT_IDS)
+from .quant_options import (ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, EIGHT_BIT_BLOCK, FAITHFUL_KL,
+                            INT4_ALGORITHMS, PROMPT_IDS)
 
 @dataclass(frozen=True)
 class QuantizeResult:
@@ -410,7 +410,7 @@ class QuantThresholds:
     """
 
     min_top1: float = 0.70  # teacher-forced greedy decode: steps whose argmax equals fp32's
-    max_mean_kl: float = 0.10  # nats per token on the fixed sequence
+    max_mean_kl: float = FAITHFUL_KL  # nats per token on the fixed sequence
     max_ppl_change: float = 0.10  # |ppl_int4 / ppl_fp32 - 1| on the fixed sequence
 
 
@@ -584,7 +584,7 @@ def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt
 
 # The warning is on KL alone: top-1 flips on near-ties (the seeded tiny model: KL 0.0002 nats yet top-1 87%), while a
 # trained model that loses answers shows in KL (SmolLM2-135M int4: 0.47 nats on the built-in text, "Paris" lost).
-QUALITY_WARN_KL = 0.1
+QUALITY_WARN_KL = FAITHFUL_KL
 
 
 @dataclass
