@@ -61,7 +61,7 @@ PROMPTS = ("The capital of France is", "Water freezes at a temperature of", "The
            "William Shakespeare wrote the play", "def add(a, b):\n    return", "The chemical symbol for gold is")
 STEPS = 16
 # fp32's answer is decisive when each of its tokens leads the runner-up by at least DECISIVE nats (1.65x as likely).
-# Every int4 graph measured moves fp32's lead on held-out positions by a median 0.6-0.8 nats (printed per row:
+# Every int4 graph measured moves fp32's lead on held-out positions by a median 0.4-0.8 nats (printed per row:
 # "gap moves"), so a smaller lead (SmolLM2's 0.02 nats between "100°C" and "100 °C") is kept or lost by chance:
 # the goal counts the decisive answers; every answer is counted beside them.
 DECISIVE = 0.5
