@@ -247,8 +247,12 @@ def test_a_signal_during_the_rename_lets_the_rename_finish(tmp_path, monkeypatch
         real(src, dst)
 
     monkeypatch.setattr(os, "replace", replace_then_signal)
-    with pytest.raises(SystemExit) as e:
-        files.write_text(dest, "new")
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a foreground shell, not a `cmd &` runner
+    try:
+        with pytest.raises(SystemExit) as e:
+            files.write_text(dest, "new")
+    finally:
+        signal.signal(signal.SIGINT, old)
     assert e.value.code == 128 + signal.SIGINT
     assert dest.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]
 

@@ -358,7 +358,9 @@ def test_the_namespace_tag_differs_in_a_real_other_pid_namespace():
 def signal_when(argv: list[str], cwd: Path, appears: Path, prefix: str, sig: int,
                 env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run argv; send `sig` as soon as an entry named prefix* appears in `appears`."""
-    p = subprocess.Popen(CLI + argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # SIGINT as in a foreground shell: a runner started in the background (`cmd &`) ignores it, and children inherit that
+    p = subprocess.Popen(CLI + argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen: list[str] = []
     deadline = time.monotonic() + 300
     while p.poll() is None and time.monotonic() < deadline:
