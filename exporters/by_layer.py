@@ -320,10 +320,17 @@ class LayerReference:
     def __init__(self, reader: Any, dtype: Any, reassociated: bool = False):
         import torch
 
+        self.reader, self.cfg, self.dtype, self.reassociated = reader, reader.cfg, dtype, reassociated
+        self._tables: dict[int, Any] = {}  # by length: the positions a pass reaches, not max_position_embeddings
+        self._table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def tables(self, length: int) -> Any:
+        """RoPE tables for positions 0..length-1 (the last length asked for is kept)."""
         from llama_tools.modeling.model import rope_tables_of
 
-        self.reader, self.cfg, self.dtype, self.reassociated = reader, reader.cfg, dtype, reassociated
-        self.tables = rope_tables_of(self.cfg, "cpu", torch.float64 if dtype == torch.float64 else torch.float32)
+        if length not in self._tables:
+            self._tables = {length: rope_tables_of(self.cfg, "cpu", self._table_dtype, length=length)}
+        return self._tables[length]
 
     def embed(self, ids: np.ndarray) -> Any:
         import torch
@@ -366,9 +373,10 @@ class LayerReference:
         m = torch.from_numpy(mask)
         bias = attention_bias(self.cfg, mask.shape[1], 0, m, torch.float32 if self.dtype == torch.float64
                               else self.dtype, z.device, sliding=layer.sliding).to(self.dtype)
+        pos = torch.from_numpy(positions(mask, mask.shape[1]))  # [b, n3]
         with torch.no_grad():
-            out, (k, v) = layer.eval()(z, bias, torch.from_numpy(positions(mask, mask.shape[1])),
-                                       layer_tables(self.tables, layer.sliding), None)
+            out, (k, v) = layer.eval()(z, bias, pos, layer_tables(self.tables(int(pos.max()) + 1), layer.sliding),
+                                       None)
         return out, k, v
 
     def head(self, z: Any) -> Any:

@@ -59,6 +59,7 @@ from llama_tools.modeling.weights import weight_specs
 from . import rope_ops
 from .graph_io import GQA, MS_DOMAIN, io_names
 from .onnx_export import META, TABLE_NAMES, ExportResult, real_weights, save_model, set_metadata
+from .onnx_save import Rows
 from .preflight import DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD_BYTES, check_args
 
 GRAPH = "fused"  # the llama_tools.graph metadata value
@@ -140,17 +141,23 @@ Read = Callable[[list[str]], dict[str, torch.Tensor]]  # HF names -> tensors (an
 
 
 def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
-                static_kv: int | None, opset: int = DEFAULT_OPSET) -> tuple[ir.Model, dict[str, Callable[[], Any]]]:
+                static_kv: int | None, opset: int = DEFAULT_OPSET,
+                rows: Callable[[str, int, int], torch.Tensor] | None = None,
+                ) -> tuple[ir.Model, dict[str, Callable[[], Any]]]:
     """The fused decoder, and for each weight initializer the recipe that reads and packs it.
 
     No weight is read here: `read` is called by a recipe when `onnx_save` writes that initializer, so an
     export holds one packed matrix at a time (the plain export's streaming, for the fused graph too).
+    rows(name, a, b): rows a..b of a 2-D weight; given, the embedding is written a slab of rows at a time.
     """
     g = _Graph(dtype)
     shapes = {spec.name: spec.shape for spec in weight_specs(cfg)}
 
     def stored(name: str) -> ir.Value:
-        """A checkpoint tensor as it is (the embedding)."""
+        """A checkpoint tensor as it is (the embedding), in row slabs when the source can hand them out."""
+        if rows is not None and len(shapes[name]) == 2:
+            shape = shapes[name]
+            return g.lazy(name, shape, lambda: Rows((shape[0], shape[1]), lambda a, b: rows(name, a, b)))
         return g.lazy(name, shapes[name], lambda: read([name])[name])
     gain = lambda name: _gain(g, cfg, read, shapes, name)  # noqa: E731
     t = _IR[dtype]
@@ -407,6 +414,7 @@ def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rop
         assert source.path is not None, "a checkpoint source has a path"
         reader = open_reader(source.path)
         cfg, read = reader.cfg, reader.read
+        rows = lambda name, a, b: reader.rows(name, [(a, b)])  # noqa: E731
         check_fusable(cfg)
         label, seed_used, params = source.label, None, sum(spec.numel for spec in weight_specs(cfg))
     else:  # a preset, config or module: its weights exist in memory once anyway
@@ -414,9 +422,10 @@ def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rop
         cfg, state = weights.cfg, weights.state
         check_fusable(cfg)
         read = lambda names: {n: state[n] for n in names}  # noqa: E731
+        rows = lambda name, a, b: state[name][a:b]  # noqa: E731
         label, seed_used, params = weights.source, weights.seed, weights.params
     max_length = _static_length(static_kv, cfg)
-    model, recipes = build_graph(cfg, read, torch_dtype, rope_op, max_length, opset)
+    model, recipes = build_graph(cfg, read, torch_dtype, rope_op, max_length, opset, rows)
     set_metadata(model, cfg, rope_op, dt.name, label, seed_used)
     model.metadata_props[META + "graph"] = GRAPH
     model.metadata_props[META + "static_kv"] = "" if max_length is None else str(max_length)

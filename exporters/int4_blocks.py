@@ -146,10 +146,11 @@ def unpack(b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, *,
 
 
 def matmul_nbits(node: Any, name: str, k: int, n: int, cols: Any, importance: Any, *, block: int, bits: int,
-                 accuracy_level: int, chunk_bytes: int) -> tuple[list[Any], list[Any]]:
+                 accuracy_level: int, chunk_bytes: int, spill: Any = None) -> tuple[list[Any], list[Any]]:
     """MatMul(x, W^T [k, n]) -> ([MatMulNBits], its initializers), named as onnxruntime's quantizer names them
     (NAME_Q4, NAME_scales, NAME_zero_points). cols(a, b) gives W^T[:, a:b]; rows of W are searched chunk_bytes of
-    fp32 at a time (each output row's blocks are its own, so the pieces join along n)."""
+    fp32 at a time (each output row's blocks are its own, so the pieces join along n). spill: quantize._Spill,
+    which writes the pieces one after another instead of joining them in memory."""
     from onnx import helper, numpy_helper
 
     step = max(1, chunk_bytes // (4 * k))
@@ -158,11 +159,15 @@ def matmul_nbits(node: Any, name: str, k: int, n: int, cols: Any, importance: An
         w = cols(a, min(a + step, n))  # [k, rows]
         dtype = w.dtype  # the scales take the graph's float type (fp16 graphs read fp16 scales)
         parts.append(pack(search(np.ascontiguousarray(w.T, dtype=np.float32), importance, bits=bits, block=block)))
-    joined = {key: np.concatenate([p[key] for p in parts], axis=0) for key in parts[0]}
     assert dtype in (np.float32, np.float16), f"{name}: int4 blocks of a {dtype} weight"
-    joined["scales"] = joined["scales"].astype(dtype)
+    for p in parts:
+        p["scales"] = p["scales"].astype(dtype)
     names = {"B": f"{name}_Q{bits}", "scales": f"{name}_scales", "zero_points": f"{name}_zero_points"}
-    inits = [numpy_helper.from_array(joined[key], names[key]) for key in ("B", "scales", "zero_points")]
+    if spill is not None:
+        inits = [spill.tensor(names[key], [p[key] for p in parts]) for key in ("B", "scales", "zero_points")]
+    else:
+        inits = [numpy_helper.from_array(np.concatenate([p[key] for p in parts], axis=0), names[key])
+                 for key in ("B", "scales", "zero_points")]
     made = helper.make_node("MatMulNBits", [node.input[0], *names.values()], list(node.output),
                             name=node.name + f"_Q{bits}", domain="com.microsoft", K=k, N=n, bits=bits,
                             block_size=block, accuracy_level=accuracy_level)

@@ -176,7 +176,7 @@ def _runner(ref: Any, half: Any, attention: bool, masks: Any, n3: int) -> Callab
     def run(zin: Any) -> Any:
         if attention:
             pos = torch.arange(n3).expand(zin.shape[0], n3)  # [b, n3]
-            return half.attend(zin, masks[half.sliding], pos, layer_tables(ref._tables, half.sliding), None)[0]
+            return half.attend(zin, masks[half.sliding], pos, layer_tables(ref.tables(n3), half.sliding), None)[0]
         return half.feed_forward(zin)
     return run
 
@@ -488,37 +488,20 @@ def calibration_ids(tokenizer: Any, vocab_size: int, limit: int = 192) -> tuple[
     return ids, f"{len(ids)} tokens of built-in prose (English, French, German) and Python code"
 
 
-PREFILL_CHUNK = 32  # positions per onnxruntime call: the logits held are [32, n1], not [n, n1]
-
-
-def _onnx_chunks(path: str | Path, cfg: Any, ids: list[int]) -> Any:
-    """The graph's logits on ids, PREFILL_CHUNK positions at a time through its own KV cache: [<= chunk, n1] fp32."""
-    from .prompts import positions
-    from .runtime import OnnxLM, create_session
-
-    lm = OnnxLM(create_session(Path(path), "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-    cache = lm.empty_cache(1)
-    for a in range(0, len(ids), PREFILL_CHUNK):
-        part = np.array([ids[a:a + PREFILL_CHUNK]], np.int64)  # [1, c]
-        mask = np.ones((1, a + part.shape[1]), np.int64)  # [1, past + c]
-        out = lm(part, mask, positions(mask, part.shape[1]), cache)
-        cache = out.cache
-        yield np.asarray(out.logits, np.float32)[0]
-    del lm
-
-
 def onnx_logits(path: str | Path, cfg: Any, ids: list[int]) -> np.ndarray:
     """The graph's prefill of ids on the CPU (in chunks, as onnx_kl runs it): logits [n, n1] in fp32."""
-    return np.concatenate(list(_onnx_chunks(path, cfg, ids)))
+    from .quantize import onnx_chunks
+
+    return np.concatenate(list(onnx_chunks(path, cfg, ids)))
 
 
 def onnx_kl(path: str | Path, cfg: Any, ids: list[int], p_logits: Any) -> float:
     """mean_kl(p_logits, onnx_logits(...)) without holding the graph's [n, n1] logits. p_logits: [n, n1], or
     p_logits(a, b) -> its rows a..b (the reference's, made a chunk at a time)."""
-    from .quantize import _kl_row
+    from .quantize import _kl_row, onnx_chunks
 
     rows, a = [], 0
-    for q in _onnx_chunks(path, cfg, ids):
+    for q in onnx_chunks(path, cfg, ids):
         p = p_logits(a, a + len(q)) if callable(p_logits) else p_logits[a:a + len(q)]
         rows += [_kl_row(x, y) for x, y in zip(p, q)]
         a += len(q)
@@ -614,7 +597,7 @@ def extra_bytes(model: Any, nodes: list[str], block: int, zero_points: bool = Fa
     return out
 
 
-def quantize_to_target(full: Path, target: Path, ref: Any, tokenizer: Any, goal: Any,
+def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int] | None, goal: Any,
                        int4: dict[str, Any], say: Callable[[str], None] = lambda m: None,
                        progress: Callable[[int, int, str], None] = lambda *a: None,
                        quantize: Callable[..., Any] | None = None) -> tuple[Any, TargetResult]:
@@ -656,7 +639,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, tokenizer: Any, goal:
     cost = extra_bytes(model, nodes, block, zero_points)
     base = sum(int4_bytes(model, nodes, block, zero_points).values())  # what a decode step reads of them at int4
     del model
-    ids, _ = calibration_ids(tokenizer, cfg.vocab_size)
+    ids = list(calibration) if calibration is not None else calibration_ids(None, cfg.vocab_size)[0]
     room = read_metadata(full).static_kv or cfg.max_position_embeddings  # a static-KV graph holds that many
     ids = ids[: min(len(ids), room)]
     emulate = None

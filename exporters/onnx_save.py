@@ -93,17 +93,29 @@ def _ir_tensor(t: torch.Tensor, v: ir.Value) -> ir.Tensor:
 SLAB_BYTES = 64 * 2**20  # a transposed or cast tensor is written this much at a time
 
 
-def _write(f: Any, t: torch.Tensor, dtype: torch.dtype) -> int:
+@dataclass(frozen=True)
+class Rows:
+    """A 2-D weight a source hands out a row range at a time (`read(a, b)`: rows a..b as a tensor), so that
+    writing it never holds it whole: Gemma 3's embedding is 0.67 GB in fp32."""
+
+    shape: tuple[int, int]
+    read: Callable[[int, int], torch.Tensor]
+
+
+def _write(f: Any, t: torch.Tensor | Rows, dtype: torch.dtype) -> int:
     """Append t's bytes in `dtype`, row-major and little-endian as ONNX stores them, a slab of rows at a time:
-    a transposed view (W^T for a MatMul) or a cast is never made whole, only SLAB_BYTES of it."""
-    if t.numel() == 0:
-        return 0
-    rows = t if t.dim() > 1 else t.reshape(1, -1)  # [rows, ...]
-    per_row = rows[0].numel() * dtype.itemsize
-    step = max(1, SLAB_BYTES // per_row)
+    a transposed view (W^T for a MatMul), a cast or a Rows source is never made whole, only SLAB_BYTES of it."""
+    if isinstance(t, Rows):
+        count, per_row, rows_of = t.shape[0], t.shape[1] * dtype.itemsize, t.read
+    else:
+        if t.numel() == 0:
+            return 0
+        rows = t if t.dim() > 1 else t.reshape(1, -1)  # [rows, ...]
+        count, per_row, rows_of = rows.shape[0], rows[0].numel() * dtype.itemsize, lambda a, b: rows[a:b]
+    step = max(1, SLAB_BYTES // max(per_row, 1))
     n = 0
-    for start in range(0, rows.shape[0], step):
-        slab = rows[start:start + step].to(device="cpu", dtype=dtype).contiguous()  # [step, ...]: the only copy
+    for start in range(0, count, step):
+        slab = rows_of(start, min(start + step, count)).to(device="cpu", dtype=dtype).contiguous()  # the only copy
         data = slab.reshape(-1).view(torch.uint8).numpy()
         f.write(memoryview(data))
         n += data.nbytes
@@ -162,7 +174,9 @@ def save_model(model: ir.Model, directory: str | Path, name: str = "model.onnx",
     if not external:
         if source is not None:  # small: every weight in memory once, inside the proto
             for v in inits:
-                v.const_value = _ir_tensor(_as_torch(fetch(v), v), v)
+                data = fetch(v)
+                data = data.read(0, data.shape[0]) if isinstance(data, Rows) else data
+                v.const_value = _ir_tensor(_as_torch(data, v), v)
         path.write_bytes(ir.serde.serialize_model(model).SerializeToString())  # small: weights inside are fine
         (directory / data_name).unlink(missing_ok=True)
         if check:
@@ -181,9 +195,12 @@ def save_model(model: ir.Model, directory: str | Path, name: str = "model.onnx",
                 if callback is not None:
                     callback(i + 1, len(inits))
                 continue
-            t = _as_torch(data, v, materialize=False)
+            t = data if isinstance(data, Rows) else _as_torch(data, v, materialize=False)
             dtype = _TORCH_DTYPES[v.dtype]
-            if t.numel() * dtype.itemsize < INLINE_MAX_BYTES:
+            if isinstance(t, Rows):
+                assert tuple(t.shape) == tuple(int(d) for d in v.shape), f"{v.name}: rows {t.shape} vs {v.shape}"
+                t = t if math.prod(t.shape) * dtype.itemsize >= INLINE_MAX_BYTES else t.read(0, t.shape[0])
+            if not isinstance(t, Rows) and t.numel() * dtype.itemsize < INLINE_MAX_BYTES:
                 v.const_value = _ir_tensor(_as_torch(t, v), v)  # shape constants, toy norms: inside the graph
             else:
                 n = _write(f, t, dtype)

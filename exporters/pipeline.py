@@ -97,13 +97,12 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
         if why:  # the default target, on a graph it cannot place: every matrix int4, said
             notes.append(f"int4 without the default quality target: {why}")
         from llama_tools.inference.reference import reference_model
-        from llama_tools.checkpoints.source import load_tokenizer
 
         if goal is None or why:
             if opts.get("algorithm", DEFAULT_ALGORITHM) == "imatrix":  # its blocks fit the inputs' measured scale
-                from .int4_target import calibration_ids, importance, quantize_nodes
+                from .int4_target import importance, quantize_nodes
 
-                ids, _ = calibration_ids(load_tokenizer(source), source.cfg.vocab_size)
+                ids = _calibration(source)
                 say(f"measuring each matrix's inputs on {len(ids)} calibration tokens")
                 opts["importance"] = importance(reference_model(source, seed=seed), ids, quantize_nodes(full, opts),
                                                 progress)
@@ -112,7 +111,8 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
             return quantize_int4(full, target, **opts)
 
         say(f"int4 to a quality target: {goal.describe()}")
-        made, how = quantize_to_target(full, target, reference_model(source, seed=seed), load_tokenizer(source),
+        ids = _calibration(source)
+        made, how = quantize_to_target(full, target, reference_model(source, seed=seed), ids,
                                        goal, opts, say=say, progress=progress, quantize=quantize_int4)
         chosen.append(how)
         return made
@@ -157,6 +157,18 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
     return ExportReport(output, graph, result, quantized, clients, notes, quality, chosen[0] if chosen else None)
 
 
+def _calibration(source: ModelSource) -> list[int]:
+    """The built-in calibration passages as ids, the tokenizer dropped before the work that uses them (a
+    262,144-token vocabulary's holds 0.3 GB), or seeded ids when MODEL has none."""
+    from llama_tools.checkpoints.source import load_tokenizer
+
+    from .int4_target import calibration_ids
+
+    ids, _ = calibration_ids(load_tokenizer(source), source.cfg.vocab_size)
+    release_freed_memory()
+    return ids
+
+
 def _quality(source: ModelSource, int4: Path, seed: int) -> QuickQuality:
     """The int4 graph scored against the full-precision model, streamed a layer at a time (no fp32 session):
     real text through the tokenizer, else seeded ids."""
@@ -169,6 +181,8 @@ def _quality(source: ModelSource, int4: Path, seed: int) -> QuickQuality:
     else:
         ids = np.random.default_rng(0).integers(3, source.cfg.vocab_size, size=64).tolist()
         on = "64 seeded ids (no tokenizer: random ids hide what real text shows)"
+    del tok
+    release_freed_memory()  # a 262,144-token vocabulary's tokenizer holds 0.3 GB: not under the check's peak
     return quick_quality(reference_model(source, seed=seed), int4, source.cfg, ids, on)
 
 

@@ -209,8 +209,49 @@ def _pread(fd: int, size: int, offset: int) -> bytes:
     return data
 
 
+class _Spill:
+    """The int4 graph's large tensors (codes, scales) appended to a scratch file as each matrix is made, the graph
+    holding references to it: the quantized weights are never all in memory, nor one matrix's joined twice
+    (Gemma 3's 8-bit head alone is 168 MB). Pieces joined along axis 0 are written one after another: the bytes
+    np.concatenate would make."""
+
+    NAME = "int4-weights.data"
+    MIN_BYTES = 1 << 20  # smaller ones (a toy model's) and zero points (1/64 byte a weight) stay inside the graph
+
+    def __init__(self, directory: Path):
+        self.path = directory / self.NAME
+        self.file = open(self.path, "wb")
+        self.offset = 0
+
+    def tensor(self, name: str, pieces: list[np.ndarray]) -> Any:
+        """A TensorProto of the pieces joined along axis 0: inside when small, else written here and referenced."""
+        import onnx
+        from onnx import helper, numpy_helper
+
+        dims = [sum(p.shape[0] for p in pieces), *pieces[0].shape[1:]]
+        nbytes = sum(p.nbytes for p in pieces)
+        if nbytes < self.MIN_BYTES or name.endswith("_zero_points"):  # share_tied_embedding unpacks zero points
+            return numpy_helper.from_array(pieces[0] if len(pieces) == 1 else np.concatenate(pieces), name)
+        start = self.offset
+        for p in pieces:
+            assert p.shape[1:] == pieces[0].shape[1:] and p.dtype == pieces[0].dtype, f"{name}: pieces differ"
+            data = np.ascontiguousarray(p, dtype=p.dtype.newbyteorder("<"))  # ONNX stores little-endian
+            self.file.write(memoryview(data).cast("B"))
+            self.offset += data.nbytes
+        t = onnx.TensorProto(name=name, dims=dims, data_type=helper.np_dtype_to_tensor_dtype(pieces[0].dtype))
+        t.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", self.NAME), ("offset", str(start)), ("length", str(nbytes))):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, value
+        return t
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def _quantize_matmul(quantizer: Any, node: Any, name: str, k: int, n: int,
-                     cols: Callable[[int, int], np.ndarray], chunked: bool) -> tuple[list[Any], list[Any]]:
+                     cols: Callable[[int, int], np.ndarray], chunked: bool,
+                     spill: _Spill | None = None) -> tuple[list[Any], list[Any]]:
     """onnxruntime's node quantizer on MatMul(x, W^T) -> (its nodes, its initializers), W^T [k, n] handed over
     CHUNK_BYTES of columns at a time when `chunked` and the pieces joined along the output axis: Q4 [n, blocks,
     blob], scales [n, blocks] and zero points [n, ...] are per column, so the join is what one call would give."""
@@ -226,7 +267,7 @@ def _quantize_matmul(quantizer: Any, node: Any, name: str, k: int, n: int,
             warnings.simplefilter("ignore", UserWarning)
             nodes = quantizer.quantize(matmul, [one])
         made = [t for t in one.initializer if t.name != name]
-        if step == n:
+        if step == n and spill is None:
             return nodes, made
         pieces.append({t.name: numpy_helper.to_array(t) for t in made})
         del one, made
@@ -234,6 +275,8 @@ def _quantize_matmul(quantizer: Any, node: Any, name: str, k: int, n: int,
         for attr in q.attribute:
             if attr.name == "N":
                 attr.i = n  # the last piece's width -> the whole matrix's
+    if spill is not None:
+        return nodes, [spill.tensor(key, [p[key] for p in pieces]) for key in pieces[0]]
     joined = [numpy_helper.from_array(np.concatenate([p[key] for p in pieces], axis=0), key) for key in pieces[0]]
     return nodes, joined
 
@@ -309,6 +352,31 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     tied_rtn = _node_quantizer("rtn", block_size, True, accuracy_level) if algorithm == "hqq" else None
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)  # a line per node
     inits = {t.name: t for t in graph.initializer}
+    with files.scratch_dir(source) as scratch:  # the int4 tensors as they are made (_Spill), gone at the end
+        spill = _Spill(scratch)
+        try:
+            folded = _quantize_nodes(graph, base, weights, inits, exclude, keep_8bit, gathered, quantizer, tied_rtn,
+                                     importance, block_size, accuracy_level, algorithm, spill)
+        finally:
+            spill.close()
+        quantized = sum(n.op_type == "MatMulNBits" for n in graph.node)
+        assert quantized == len(candidates) - len(exclude), (
+            f"{quantized} MatMulNBits for {len(candidates) - len(exclude)} quantizable MatMuls")
+        share_tied_embedding(model)  # a tied lm_head with no zero point or uint8 ones (not HQQ's floats)
+        if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        _save_streamed(model, {"": base, _Spill.NAME: scratch}, output)
+    return QuantizeResult(source=source, path=output, bytes_before=_disk_bytes(source), bytes_after=_disk_bytes(output),
+                          quantized=quantized, left_fp=list(exclude), folded_transposes=folded,
+                          block_size=block_size, symmetric=symmetric, accuracy_level=accuracy_level,
+                          seconds=time.perf_counter() - t0, algorithm=algorithm, kept_8bit=list(keep_8bit))
+
+
+def _quantize_nodes(graph: Any, base: Path, weights: dict[str, Any], inits: dict[str, Any], exclude: tuple[str, ...],
+                    keep_8bit: tuple[str, ...], gathered: set[str], quantizer: Any, tied_rtn: Any,
+                    importance: dict[str, Any] | None, block_size: int, accuracy_level: int, algorithm: str,
+                    spill: _Spill) -> int:
+    """Each quantized MatMul replaced in GRAPH by its MatMulNBits (tensors through SPILL); the Transposes folded."""
     nodes, folded = [], 0
     for node in graph.node:
         if node.name not in weights or node.name in exclude:
@@ -321,31 +389,22 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
         if node.name in keep_8bit:
             eight = _node_quantizer("rtn", eight_bit_block(k, through_transpose and weights[node.name][0] in gathered,
                                                            block_size), True, accuracy_level, bits=8)
-            made_nodes, made = _quantize_matmul(eight, node, name, k, n, cols, chunked=True)
+            made_nodes, made = _quantize_matmul(eight, node, name, k, n, cols, chunked=True, spill=spill)
         elif tied_rtn is not None and through_transpose and weights[node.name][0] in gathered:
-            made_nodes, made = _quantize_matmul(tied_rtn, node, name, k, n, cols, chunked=True)
+            made_nodes, made = _quantize_matmul(tied_rtn, node, name, k, n, cols, chunked=True, spill=spill)
         elif quantizer is None:
             made_nodes, made = int4_blocks.matmul_nbits(node, name, k, n, cols, (importance or {}).get(node.name),
                                                         block=block_size, bits=4, accuracy_level=accuracy_level,
-                                                        chunk_bytes=CHUNK_BYTES)
+                                                        chunk_bytes=CHUNK_BYTES, spill=spill)
         else:
-            made_nodes, made = _quantize_matmul(quantizer, node, name, k, n, cols, chunked=algorithm == "rtn")
+            made_nodes, made = _quantize_matmul(quantizer, node, name, k, n, cols, chunked=algorithm == "rtn",
+                                                spill=spill)
         nodes += made_nodes
         graph.initializer.extend(made)
     graph.ClearField("node")
     graph.node.extend(nodes)
     _drop_unused(graph)  # the weights now quantized, and the Transposes that fed them
-    quantized = sum(n.op_type == "MatMulNBits" for n in graph.node)
-    assert quantized == len(candidates) - len(exclude), (
-        f"{quantized} MatMulNBits for {len(candidates) - len(exclude)} quantizable MatMuls")
-    share_tied_embedding(model)  # a tied lm_head with no zero point or uint8 ones (not HQQ's floats)
-    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    _save_streamed(model, base, output)
-    return QuantizeResult(source=source, path=output, bytes_before=_disk_bytes(source), bytes_after=_disk_bytes(output),
-                          quantized=quantized, left_fp=list(exclude), folded_transposes=folded,
-                          block_size=block_size, symmetric=symmetric, accuracy_level=accuracy_level,
-                          seconds=time.perf_counter() - t0, algorithm=algorithm, kept_8bit=list(keep_8bit))
+    return folded
 
 
 def _drop_unused(graph: Any) -> None:
@@ -363,9 +422,10 @@ def _drop_unused(graph: Any) -> None:
         graph.initializer.remove(t)  # in place: extending a cleared field would copy every int4 tensor once more
 
 
-def _save_streamed(model: Any, base: Path, output: Path) -> None:
+def _save_streamed(model: Any, bases: dict[str, Path], output: Path) -> None:
     """OUTPUT atomically: one self-contained file up to onnx_save's single-file size, else OUTPUT + OUTPUT.data
-    with the weights still in full precision copied from SOURCE's file a tensor at a time."""
+    with the weights copied a tensor at a time from the files the graph refers to (SOURCE's, in full precision, and
+    the spilled int4 ones). bases: a referenced file's name -> its directory ("": any other, SOURCE's)."""
     import onnx_ir as ir
     from onnx.external_data_helper import uses_external_data
 
@@ -379,12 +439,16 @@ def _save_streamed(model: Any, base: Path, output: Path) -> None:
         return int(info.get("length", 0)) if uses_external_data(t) else len(t.raw_data) or t.ByteSize()
     if sum(nbytes(t) for t in model.graph.initializer) > SINGLE_FILE_MAX_BYTES:
         ir_model = ir.serde.deserialize_model(model)
-        ir.external_data.set_base_dir(ir_model.graph, base)  # SOURCE's .data, memory-mapped as each is written
+        for v in ir_model.graph.initializers.values():  # each file's tensors copied from it as they are written
+            t = v.const_value
+            if isinstance(t, ir.ExternalTensor):
+                t.base_dir = bases.get(t.location, bases[""])
         save_model(ir_model, output, SINGLE_FILE_MAX_BYTES, False, silent)
         return
-    for i, t in enumerate(model.graph.initializer):  # small: what is left in SOURCE's file comes inside
+    for i, t in enumerate(model.graph.initializer):  # small: what is left in the files comes inside
         if uses_external_data(t):
-            inside = ir.Tensor(ir.serde.deserialize_tensor(t, base).numpy(), name=t.name)  # bf16 too (ml_dtypes)
+            where = bases.get({e.key: e.value for e in t.external_data}["location"], bases[""])
+            inside = ir.Tensor(ir.serde.deserialize_tensor(t, where).numpy(), name=t.name)  # bf16 too (ml_dtypes)
             model.graph.initializer[i].CopyFrom(ir.serde.serialize_tensor(inside))
     with files.atomic_files([output.parent / (output.name + ".data"), output]) as tmp:
         (tmp / output.name).write_bytes(model.SerializeToString())  # one copy of the bytes (onnx.save makes more)
@@ -603,36 +667,64 @@ class QuickQuality:
         return f"mean KL {self.mean_kl:.3f} nats > {QUALITY_WARN_KL}, top-1 {self.top1:.1%}"
 
 
+PREFILL_CHUNK = 16  # positions per onnxruntime call: the logits held are [16, n1], not [n, n1] (Gemma 3: 17 MB)
+
+
+def onnx_chunks(path: str | Path, cfg: Any, ids: list[int]) -> Any:
+    """The graph's logits on ids, PREFILL_CHUNK positions at a time through its own KV cache: [<= chunk, n1] fp32."""
+    from .prompts import positions
+    from .runtime import OnnxLM, create_session
+
+    lm = OnnxLM(create_session(Path(path), "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    cache = lm.empty_cache(1)
+    for a in range(0, len(ids), PREFILL_CHUNK):
+        part = np.array([ids[a:a + PREFILL_CHUNK]], np.int64)  # [1, c]
+        mask = np.ones((1, a + part.shape[1]), np.int64)  # [1, past + c]
+        out = lm(part, mask, positions(mask, part.shape[1]), cache)
+        cache = out.cache
+        yield np.asarray(out.logits, np.float32)[0]
+    del lm
+
+
 def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str) -> QuickQuality:
     """One prefill of `ids` through the full-precision side and the int4 graph on the CPU: mean KL and top-1.
 
-    full: the full-precision graph's path, or the model itself (a `Llama` or the streamed reference, which
+    full: the full-precision graph's path, or the model itself (a `Llama`, or the streamed reference, which
     holds one decoder layer at a time: the export's own check needs no session over the whole fp32 graph).
-    One side is run and dropped before the other starts.
+    The full side runs first; the int4 graph then runs PREFILL_CHUNK positions at a time, each chunk scored as
+    it comes. From the streamed reference only its final hidden state is kept, its logits made a chunk at a
+    time: for Gemma's 262,144 tokens, 256 positions' logits would be 0.27 GB per side.
     """
     from .graph_meta import read_metadata
     from .prompts import positions
-    from .runtime import OnnxLM, create_session
 
     static = read_metadata(int4).static_kv  # a static_kv graph holds that many positions
     ids = ids[: min(len(ids), 256, static or 256)]
     arr = np.array([ids], np.int64)  # [1, n]
     mask = np.ones_like(arr)
     pos = positions(mask, arr.shape[1])
-    logits = []
-    for side in (int4, full):
-        if isinstance(side, (str, Path)):
-            lm = OnnxLM(create_session(Path(side), "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-            out = lm(arr, mask, pos, lm.empty_cache(1)).logits
-            del lm
-        else:  # a torch model: the same prefill
-            import torch
+    if isinstance(full, (str, Path)):
+        p_logits = onnx_chunks(full, cfg, ids)
+        whole = np.concatenate(list(p_logits))  # [n, n1]
+        p_rows = lambda a, b: whole[a:b]  # noqa: E731
+    else:  # a torch model: the same prefill
+        import torch
 
-            with torch.no_grad():
-                out = side(torch.from_numpy(arr), torch.from_numpy(mask), torch.from_numpy(pos)).logits.float().numpy()
-        logits.append(np.asarray(out, np.float32)[0])  # [n, n1]
-        del out
-    q_rows, p_rows = logits
-    kl = np.array([_kl_row(p, q) for p, q in zip(p_rows, q_rows)])  # [n], float64 one row at a time
-    top1 = float((p_rows.argmax(-1) == q_rows.argmax(-1)).mean())
-    return QuickQuality(tokens=arr.shape[1], on=on, mean_kl=float(kl.mean()), top1=top1)
+        with torch.no_grad():
+            if hasattr(full, "head"):  # the streamed reference: Zbar [n, n2] now, H a chunk at a time
+                zbar = full(torch.from_numpy(arr), torch.from_numpy(mask), torch.from_numpy(pos), hidden=True).logits[0]
+                p_rows = lambda a, b: full.head(zbar[a:b]).float().numpy()  # noqa: E731
+            else:
+                whole = full(torch.from_numpy(arr), torch.from_numpy(mask),
+                             torch.from_numpy(pos)).logits.float().numpy()[0]  # [n, n1]
+                p_rows = lambda a, b: whole[a:b]  # noqa: E731
+    from llama_tools.outputs.progress import release_freed_memory
+
+    release_freed_memory()  # the streamed layers' pages are not the session's floor
+    kl, agree, a = [], 0, 0
+    for q in onnx_chunks(int4, cfg, ids):  # [c, n1]
+        p = np.asarray(p_rows(a, a + len(q)), np.float32)
+        kl += [_kl_row(x, y) for x, y in zip(p, q)]  # float64 one row at a time
+        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        a += len(q)
+    return QuickQuality(tokens=arr.shape[1], on=on, mean_kl=float(np.mean(kl)), top1=agree / len(kl))

@@ -181,6 +181,10 @@ def _new_session(path: str, providers: list[Any]) -> Any:
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    # No CPU arena: it keeps the largest activations a run ever made (a 262,144-token vocabulary's logits, 33 MB per
+    # 32 positions) for the session's life, on top of the weights. Measured on Gemma 3 270M int4, 6 prefills of 32
+    # positions: peak 0.53 -> 0.47 GB over the session, the same time.
+    opts.enable_cpu_mem_arena = False
     # A failed CUDA start logs an error and a warning through the default logger; we report it in one line.
     ort.set_default_logger_severity(4)
     try:

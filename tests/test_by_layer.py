@@ -195,7 +195,8 @@ def test_the_float64_layer_widened_on_use_is_the_float64_layer(checkpoint):
 
     bias = attention_bias(CFG, mask.shape[1], 0, torch.from_numpy(mask), torch.float32, z.device).double()
     with torch.no_grad():
-        want, (wk, wv) = layer.eval()(z, bias, torch.from_numpy(positions(mask, mask.shape[1])), ref.tables, None)
+        want, (wk, wv) = layer.eval()(z, bias, torch.from_numpy(positions(mask, mask.shape[1])),
+                                      ref.tables(mask.shape[1]), None)
     assert torch.equal(got, want) and torch.equal(k, wk) and torch.equal(v, wv)
 
 

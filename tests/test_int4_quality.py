@@ -59,7 +59,9 @@ def test_quick_quality_by_hand_and_a_bad_graph_warns(tmp_path):
     lp = p - np.log(np.exp(p - p.max(-1, keepdims=True)).sum(-1, keepdims=True)) - p.max(-1, keepdims=True)
     lr = r - np.log(np.exp(r - r.max(-1, keepdims=True)).sum(-1, keepdims=True)) - r.max(-1, keepdims=True)
     kl = (np.exp(lp) * (lp - lr)).sum(-1).mean()
-    assert q.tokens == 40 and abs(q.mean_kl - kl) < 1e-9 and q.top1 == (p.argmax(-1) == r.argmax(-1)).mean()
+    # quick_quality runs the int4 graph 16 positions at a time through its KV cache: the same numbers up to fp32's
+    # order of summation, far below any KL that matters.
+    assert q.tokens == 40 and abs(q.mean_kl - kl) < 1e-6 and q.top1 == (p.argmax(-1) == r.argmax(-1)).mean()
     assert q.warning is None
     # Negative: a graph whose lm_head is scaled x3 (sharper and shifted distributions) is far past the line.
     m = onnx.load(str(full))

@@ -43,6 +43,10 @@ def test_fused_from_a_checkpoint_reads_each_weight_once_when_written(tmp_path, m
     real_read = CheckpointReader.read
     monkeypatch.setattr(CheckpointReader, "read", lambda self, names, device="cpu": (calls.append(list(names)),
                                                                                        real_read(self, names, device))[1])
+    slabs: list[tuple[str, list[tuple[int, int]]]] = []
+    real_rows = CheckpointReader.rows
+    monkeypatch.setattr(CheckpointReader, "rows", lambda self, name, ranges, device="cpu": (
+        slabs.append((name, list(ranges))), real_rows(self, name, ranges, device))[1])
     built = []
     real_build = fused.build_graph
     monkeypatch.setattr(fused, "build_graph", lambda *a, **k: (built.append(len(calls)), real_build(*a, **k))[1])
@@ -50,7 +54,12 @@ def test_fused_from_a_checkpoint_reads_each_weight_once_when_written(tmp_path, m
     assert built == [0], "the checkpoint was read before the graph was built"
     names = [n for c in calls for n in c]
     expected = {n for n in state if not (tied and n == "lm_head.weight")}
-    assert sorted(names) == sorted(expected), "each checkpoint tensor read exactly once"
+    # The embedding comes a slab of rows at a time, every row once, in order; everything else whole, once.
+    embed = [r for name, ranges in slabs if name == "model.embed_tokens.weight" for r in ranges]
+    assert embed and embed[0][0] == 0 and embed[-1][1] == cfg.vocab_size, embed
+    assert all(a[1] == b[0] for a, b in zip(embed, embed[1:])), f"rows read twice or skipped: {embed}"
+    assert {name for name, _ in slabs} == {"model.embed_tokens.weight"}
+    assert sorted(names + ["model.embed_tokens.weight"]) == sorted(expected), "each checkpoint tensor read exactly once"
     assert max(len(c) for c in calls) <= 3, "more than one packed matrix read at a time"
 
     in_memory = export_fused(model, tmp_path / "memory.onnx").path
@@ -154,6 +163,36 @@ def test_int4_written_beside_its_data_equals_the_single_file(tmp_path, monkeypat
     assert a.keys() == b.keys() and "model.embed_tokens.weight" in a
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.mark.parametrize("algorithm,keep", [("rtn", ()), ("imatrix", ("/lm_head/MatMul",)), ("hqq", ())])
+@pytest.mark.parametrize("single", [True, False])
+def test_int4_tensors_spilled_as_made_are_the_tensors_held(tmp_path, monkeypatch, algorithm, keep, single):
+    """Every quantized tensor written to the scratch file as it is made (its pieces one after another) gives the
+    graph that holding them in memory gives, in one file or beside its .data; the scratch goes with the run."""
+    from llama_tools.exporters import onnx_save
+    from llama_tools.exporters import quantize as q
+
+    cfg = get_preset("tiny")
+    full = tmp_path / "src" / "full.onnx"
+    export_fused("tiny", full, external_data_threshold_bytes=0)
+    opts = dict(algorithm=algorithm, keep_8bit=keep, block_size=32)
+    if not single:
+        monkeypatch.setattr(onnx_save, "SINGLE_FILE_MAX_BYTES", 0)
+    held = quantize_int4(full, tmp_path / "held" / "model.onnx", **opts).path
+    monkeypatch.setattr(q._Spill, "MIN_BYTES", 0)  # tiny's tensors are all small: spill every one
+    monkeypatch.setattr(q, "CHUNK_BYTES", 4 * cfg.hidden_size * 7)  # pieces of 7 rows: several per matrix
+    spilled_names = []
+    real_tensor = q._Spill.tensor
+    monkeypatch.setattr(q._Spill, "tensor", lambda self, name, pieces: (spilled_names.append((name, len(pieces))),
+                                                                        real_tensor(self, name, pieces))[1])
+    spilled = quantize_int4(full, tmp_path / "spilled" / "model.onnx", **opts).path
+    assert spilled_names and (algorithm == "hqq" or any(n > 1 for _, n in spilled_names)), spilled_names  # HQQ: whole
+    a, b = _inits(held), _inits(spilled)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert sorted(p.name for p in full.parent.iterdir()) == ["full.onnx", "full.onnx.data"]  # no scratch left
 
 
 def test_hqq_keeps_a_tied_embedding_shared(tmp_path):

@@ -32,7 +32,7 @@ from ..checkpoints.header_readers import TensorInfo
 from ..checkpoints.inspection import read_checkpoint_headers
 from ..checkpoints.layouts import split_qkv
 from ..modeling.model import (
-    CausalLMOutput, DecoderLayer, KVCache, RMSNorm, layer_masks, layer_tables, norm, positions, rope_tables_of,
+    CausalLMOutput, DecoderLayer, KVCache, RMSNorm, RopeTables, layer_masks, layer_tables, norm, positions, rope_tables_of,
     softcap)
 from ..outputs.progress import Progress, silent
 from ..checkpoints.source import ModelSource, resolve
@@ -325,10 +325,20 @@ class StreamedReference:
         self.reassociated = reassociated  # matrix products summed in another order (reassociated_matmul)
         self.progress = progress
         self.times = StreamTimes()
-        # RoPE tables in fp32 as the model keeps them, in float64 for a float64 truth.
-        tables_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        self._tables = rope_tables_of(self.cfg, self.device, tables_dtype)
+        self._rope: RopeTables | None = None  # made for the positions a pass reaches (tables())
         self._final_norm: RMSNorm | None = None
+
+    def tables(self, positions: int) -> RopeTables | None:
+        """RoPE tables for positions 0..positions-1 at least, in fp32 as the model keeps them (float64 for a float64
+        truth): grown by doubling, never past max_position_embeddings (Gemma 3's 32,768 x 2 tables would be 67 MB
+        held for a 192-token pass)."""
+        have = 0 if self._rope is None else self._rope[0].shape[0]
+        if self._rope is None or have < positions:
+            length = min(max(positions, 2 * have, 256), self.cfg.max_position_embeddings)
+            length = max(length, positions)  # past max_position_embeddings: as far as asked, as the model's own would fail
+            dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+            self._rope = rope_tables_of(self.cfg, self.device, dtype, length=length)
+        return self._rope
 
     def eval(self) -> "StreamedReference":
         return self
@@ -357,6 +367,11 @@ class StreamedReference:
         # Gemma's sqrt(n2), rounded to the arithmetic's dtype as the model's embed (and HF) round it
         return z * torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=self.dtype) if self.cfg.embed_scale else z
 
+    @torch.no_grad()
+    def head(self, zbar: torch.Tensor) -> torch.Tensor:
+        """H = Zbar W^{8 T} (softcapped where the model caps): [..., n2] -> [..., n1]."""
+        return self._head(zbar)
+
     def _head(self, zbar: torch.Tensor) -> torch.Tensor:
         """H = Zbar W^{8 T}, W^8 read in row chunks of LM_HEAD_CHUNK_BYTES: [b, n3, n2] -> [b, n3, n1]."""
         cfg = self.cfg
@@ -377,8 +392,12 @@ class StreamedReference:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None, past_key_values: KVCache | None = None) -> CausalLMOutput:
-        """The same contract and arithmetic as Llama.forward, in the reference's dtype."""
+                 position_ids: torch.Tensor | None = None, past_key_values: KVCache | None = None, *,
+                 hidden: bool = False) -> CausalLMOutput:
+        """The same contract and arithmetic as Llama.forward, in the reference's dtype.
+
+        hidden: `logits` is the final norm's output Zbar [b, n3, n2] instead, for a caller that applies the head a
+        few positions at a time (`head`): a 262,144-token vocabulary's logits are 1 MB per position."""
         start = time.perf_counter()
         cfg, dev = self.cfg, self.device
         input_ids = input_ids.to(dev)
@@ -390,6 +409,7 @@ class StreamedReference:
         z = self._embed(input_ids)  # Z^0: [b, n3, n2]
         self.times.read += time.perf_counter() - t0
         # The mask is built in fp32 for a float64 pass (its fill value is fp32's minimum; ALiBi's slopes are fp32).
+        tables = self.tables(int(position_ids.max()) + 1 if position_ids.numel() else 1)
         masks = {s: m.to(z.dtype) for s, m in layer_masks(
             cfg, n3, past, attention_mask, torch.float32 if z.dtype == torch.float64 else z.dtype, z.device).items()}
         presents = []
@@ -400,7 +420,7 @@ class StreamedReference:
                 t1 = time.perf_counter()
                 if attention:
                     z, present = half.attend(z, masks[half.sliding], position_ids,
-                                             layer_tables(self._tables, half.sliding),
+                                             layer_tables(tables, half.sliding),
                                              past_key_values[j] if past_key_values else None)  # Y^j
                 else:
                     z = half.feed_forward(z)  # Z^{j+1}
@@ -415,7 +435,7 @@ class StreamedReference:
                 self._final_norm = norm(cfg)
             self._final_norm.load_state_dict({"weight": self.reader.read(["model.norm.weight"], dev)[
                 "model.norm.weight"].to(self.dtype)}, assign=True)
-        logits = self._head(self._final_norm(z))  # H: [b, n3, n1]
+        logits = self._final_norm(z) if hidden else self._head(self._final_norm(z))  # Zbar [b, n3, n2] / H [b, n3, n1]
         self.times.passes += 1
         self.times.per_pass.append(time.perf_counter() - start)
         return CausalLMOutput(logits=logits, past_key_values=tuple(presents))

@@ -73,15 +73,17 @@ ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh
 
 
 def rope_cache(cfg: ModelConfig, device: torch.device | str | None = None,
-               dtype: torch.dtype = torch.float32, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos(i θ̄_t), sin(i θ̄_t) for every position i < max_position_embeddings: [max_pos, n6/2], fp32 (or `dtype`).
+               dtype: torch.dtype = torch.float32, local: bool = False,
+               length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos(i θ̄_t), sin(i θ̄_t) for every position i < max_position_embeddings (or `length`): [max_pos, n6/2], fp32
+    (or `dtype`).
 
     local: the sliding layers' tables (Gemma 3: base rope_local_theta, no scaling).
     """
     if local:
         cfg = cfg.replace(rope_theta=cfg.rope_local_theta, rope_scaling=None)
     inv_freq = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64, device=device)  # θ̄_t, t = 0, 2, ..., n6-2
-    pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float64, device=device)
+    pos = torch.arange(cfg.max_position_embeddings if length is None else length, dtype=torch.float64, device=device)
     angles = torch.outer(pos, inv_freq)  # [max_pos, n6/2]: i θ̄_t
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -90,12 +92,15 @@ RopeTables = tuple[torch.Tensor, ...]  # (cos, sin), then the sliding layers' (c
 
 
 def rope_tables_of(cfg: ModelConfig, device: torch.device | str | None = None,
-                   dtype: torch.dtype = torch.float32) -> RopeTables | None:
-    """Every table the layers read: (cos, sin), plus the local layers' pair when cfg has a local base; None: ALiBi."""
+                   dtype: torch.dtype = torch.float32, length: int | None = None) -> RopeTables | None:
+    """Every table the layers read: (cos, sin), plus the local layers' pair when cfg has a local base; None: ALiBi.
+
+    length: positions 0..length-1 only (default: max_position_embeddings)."""
     if cfg.position_encoding != "rope":
         return None
-    tables = rope_cache(cfg, device, dtype)
-    return tables + rope_cache(cfg, device, dtype, local=True) if cfg.rope_local_theta is not None else tables
+    tables = rope_cache(cfg, device, dtype, length=length)
+    return tables + rope_cache(cfg, device, dtype, local=True, length=length) if cfg.rope_local_theta is not None \
+        else tables
 
 
 def layer_tables(tables: RopeTables | None, sliding: bool) -> RopeTables | None:
