@@ -149,8 +149,10 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
                 owner = getattr(half, module)
                 for m in by_half.get((j, module), []):
                     saved = {p: getattr(owner, p).weight.data for p in m.parts}
+                    at = 0  # each part's rows inside the node's packed matrix
                     for p in m.parts:
-                        getattr(owner, p).weight.data = emulate(saved[p], m.node)
+                        rows = slice(at, at + saved[p].shape[0])
+                        getattr(owner, p).weight.data, at = emulate(saved[p], m.node, rows), rows.stop
                     moved.append(run(z))
                     names.append(m.node)
                     for p in m.parts:
@@ -181,20 +183,26 @@ def _runner(ref: Any, half: Any, attention: bool, masks: Any, n3: int) -> Callab
     return run
 
 
-# (W [out, in], the MatMul node it belongs to) -> W as the int4 graph will hold it
-Emulate = Callable[[Any, str], Any]
+# (W [out, in], the MatMul node it belongs to, W's rows inside the node's packed matrix) -> W as the int4 graph
+# will compute with it
+Emulate = Callable[..., Any]
 
 
 def rtn_emulation(block: int) -> Emulate:
     """onnxruntime's symmetric RTN, whatever the node."""
-    return lambda w, node: fake_quant(w, 4, block)
+    return lambda w, node, rows=None: fake_quant(w, 4, block)
 
 
-def imatrix_emulation(importance: dict[str, Any], block: int) -> Emulate:
-    """int4_blocks' search with each node's importance (the same call quantize_int4 makes)."""
+def imatrix_emulation(importance: dict[str, Any], block: int, scales: Any = None) -> Emulate:
+    """int4_blocks' search with each node's importance (the same call quantize_int4 makes); with `scales`
+    (int4_scales.Scales, "awq") on the rescaled weights, mapped back."""
     from . import int4_blocks
 
-    return lambda w, node: int4_blocks.fake_quant(w, importance.get(node), block=block)
+    def quant(w: Any, a: Any) -> Any:
+        return int4_blocks.fake_quant(w, a, block=block)
+    if scales is None:
+        return lambda w, node, rows=None: quant(w, importance.get(node))
+    return lambda w, node, rows=None: scales.emulate(w, node, rows, quant, importance.get(node))
 
 
 def importance(ref: Any, ids: list[int], nodes: list[str],
@@ -616,8 +624,9 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
     from llama_tools.outputs.progress import release_freed_memory
 
     from .graph_meta import read_metadata
-    from .quant_options import DEFAULT_ALGORITHM, Int4Target
-    from .quantize import _weights_of, quantize_int4
+    from . import int4_scales
+    from .quant_options import DEFAULT_ALGORITHM, SEARCHED, Int4Target
+    from .quantize import _weights_of, plan_scales, quantize_int4
 
     quantize = quantize or quantize_int4
     goal = goal if isinstance(goal, Int4Target) else Int4Target(max_kl=float(goal))
@@ -635,7 +644,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
     mats = matrices(nodes)
     block = int4.get("block_size", 32)
     algorithm = int4.get("algorithm", DEFAULT_ALGORITHM)
-    zero_points = algorithm == "imatrix" or (algorithm == "rtn" and not int4.get("symmetric", True))
+    zero_points = algorithm in SEARCHED or (algorithm == "rtn" and not int4.get("symmetric", True))
     cost = extra_bytes(model, nodes, block, zero_points)
     base = sum(int4_bytes(model, nodes, block, zero_points).values())  # what a decode step reads of them at int4
     del model
@@ -643,11 +652,15 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
     room = read_metadata(full).static_kv or cfg.max_position_embeddings  # a static-KV graph holds that many
     ids = ids[: min(len(ids), room)]
     emulate = None
-    if algorithm == "imatrix":
+    if algorithm in SEARCHED:
         say(f"measuring each matrix's inputs on {len(ids)} calibration tokens")
         weights = importance(ref, ids, nodes, progress)
         int4 = {**int4, "importance": weights}
-        emulate = imatrix_emulation(weights, block)
+        scales = None
+        if algorithm == int4_scales.ALGORITHM:  # searched once, for every candidate graph and the emulation
+            say("searching each matrix's input scales")
+            scales = int4["scales"] = plan_scales(full, weights, block, exclude, progress)
+        emulate = imatrix_emulation(weights, block, scales)
     say(f"measuring each of {len(mats)} matrices' int4 error on {len(ids)} calibration tokens")
     states: list[Any] = []
     sens = sensitivities(ref, ids, mats, block, progress, states, emulate)
@@ -669,7 +682,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
         baseline = None
         if emulate is not None and goal.fraction is not None:  # the fraction is of what round to nearest gives
             say("int4 by round to nearest, for the target's baseline")
-            rtn = {k: v for k, v in int4.items() if k not in ("importance", "algorithm", "symmetric")}
+            rtn = {k: v for k, v in int4.items() if k not in ("importance", "algorithm", "symmetric", "scales")}
             quantize(full, where, **rtn)
             release_freed_memory()
             baseline = onnx_kl(where, cfg, ids, p)

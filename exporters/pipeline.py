@@ -31,7 +31,7 @@ from .fused import check_fusable, export_fused
 from .genai import ClientFiles, plan_client_files
 from .onnx_export import ExportResult, export_onnx
 from .preflight import check_output
-from .quant_options import DEFAULT_ALGORITHM, QUANTIZE, int4_target
+from .quant_options import DEFAULT_ALGORITHM, QUANTIZE, SEARCHED, int4_target
 from .prompts import QUALITY_TEXT
 from .quantize import QuantizeResult, QuickQuality, quantize_int4, quick_quality
 
@@ -99,7 +99,7 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
         from llama_tools.inference.reference import reference_model
 
         if goal is None or why:
-            if opts.get("algorithm", DEFAULT_ALGORITHM) == "imatrix":  # its blocks fit the inputs' measured scale
+            if opts.get("algorithm", DEFAULT_ALGORITHM) in SEARCHED:  # their blocks fit the inputs' measured scale
                 from .int4_target import importance, quantize_nodes
 
                 ids = _calibration(source)

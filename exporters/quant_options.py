@@ -13,7 +13,10 @@ INT4_ALGORITHMS = {
     "hqq": "half-quadratic: scales and zero points fitted per block (onnxruntime's HQQ; always asymmetric)",
     "imatrix": "each block's scale and zero point searched to fit the weights its inputs use most on calibration "
                "text (ours; asymmetric, the fast kernel's format)",
+    "awq": "imatrix after activation-aware input scales: each matrix's inputs rescaled by rms^alpha (alpha searched) "
+           "and the inverse folded into the norm or up_proj before it (ours; fused graphs, exact in full precision)",
 }
+SEARCHED = ("imatrix", "awq")  # the algorithms that search int4_blocks on measured input importance
 BLOCK_SIZE = 32
 # A matrix kept 8-bit (--max-kl) takes blocks of 128: onnxruntime's 8-bit kernel runs them 5-20% faster than blocks
 # of 32 at decode (one thread: 4864 x 896 56 vs 64 us, int4 47 us; benchmarks/bench_int4.py --kernels), at 8.25
@@ -97,6 +100,6 @@ def int4_target(options: dict[str, Any]) -> Int4Target | None:
     """
     if "max_kl" not in options:
         algorithm = options.get("algorithm", DEFAULT_ALGORITHM)
-        emulated = algorithm == "imatrix" or (algorithm == "rtn" and options.get("symmetric", True))
+        emulated = algorithm in SEARCHED or (algorithm == "rtn" and options.get("symmetric", True))
         return DEFAULT_TARGET if emulated else None
     return parse_max_kl(options["max_kl"])

@@ -32,10 +32,10 @@ import numpy as np
 
 from llama_tools.outputs import files
 
-from . import int4_blocks
+from . import int4_blocks, int4_scales
 from .graph_io import MS_DOMAIN
 from .quant_options import (ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, EIGHT_BIT_BLOCK, FAITHFUL_KL,
-                            INT4_ALGORITHMS, PROMPT_IDS)
+                            INT4_ALGORITHMS, PROMPT_IDS, SEARCHED)
 
 @dataclass(frozen=True)
 class QuantizeResult:
@@ -54,6 +54,7 @@ class QuantizeResult:
     seconds: float
     algorithm: str = DEFAULT_ALGORITHM
     kept_8bit: list[str] = field(default_factory=list)  # MatMuls quantized to 8 bits, not 4 (a --max-kl target)
+    scaled: int = 0  # MatMuls whose inputs were rescaled first ("awq")
 
     @property
     def ratio(self) -> float:
@@ -294,7 +295,8 @@ def _node_quantizer(algorithm: str, block_size: int, symmetric: bool, accuracy_l
 def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = BLOCK_SIZE,
                   symmetric: bool = True, accuracy_level: int = ACCURACY_LEVEL,
                   exclude: tuple[str, ...] = (), algorithm: str = DEFAULT_ALGORITHM,
-                  keep_8bit: tuple[str, ...] = (), importance: dict[str, Any] | None = None) -> QuantizeResult:
+                  keep_8bit: tuple[str, ...] = (), importance: dict[str, Any] | None = None,
+                  scales: Any = None) -> QuantizeResult:
     """SOURCE .onnx (plain or fused) -> OUTPUT with every constant-weight MatMul as int4 MatMulNBits, atomically.
 
     symmetric (rtn only; default True): int4 in [-8, 7] times one scale per block of 32 weights, no zero point.
@@ -304,7 +306,9 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     exclude: node names to keep in full precision (e.g. "/lm_head/MatMul"). algorithm: "rtn", "hqq" (always with
     zero points) or "imatrix" (int4_blocks: ours, always with zero points; importance: node name -> the mean square of
     its input per column on calibration text, uniform where absent). keep_8bit: node names quantized to 8 bits
-    (symmetric RTN in blocks of EIGHT_BIT_BLOCK, eight_bit_block) instead.
+    (symmetric RTN in blocks of EIGHT_BIT_BLOCK, eight_bit_block) instead. "awq": imatrix on inputs rescaled by
+    int4_scales (`scales`, an int4_scales.Scales; planned here from `importance` when None), the norms' gains and
+    up_proj's rows divided to match.
 
     In bounded memory: the graph is read without its weights; each MatMul's weight is read from SOURCE's
     .data file, quantized by onnxruntime's own node quantizer on a one-node graph and dropped, so one
@@ -345,7 +349,11 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     if not [n for n in candidates if n not in exclude]:
         raise ValueError(f"{source}: no MatMul with a constant 2-D weight to quantize to int4 "
                          f"(already quantized, or every one excluded)")
-    quantizer = _node_quantizer(algorithm, block_size, symmetric, accuracy_level) if algorithm != "imatrix" else None
+    searched = algorithm in SEARCHED
+    quantizer = None if searched else _node_quantizer(algorithm, block_size, symmetric, accuracy_level)
+    if algorithm == int4_scales.ALGORITHM and scales is None and importance:
+        scales = plan_scales(model, importance, block_size, exclude, base=source.parent)
+    scales = scales if algorithm == int4_scales.ALGORITHM else None
     # A tied lm_head (MatMul on the Gather's table, transposed) serves the embedding too (share_tied_embedding),
     # which GatherBlockQuantized can only read without a zero point: with HQQ it is quantized symmetric RTN.
     gathered = {n.input[0] for n in graph.node if n.op_type == "Gather"}
@@ -356,12 +364,14 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
         spill = _Spill(scratch)
         try:
             folded = _quantize_nodes(graph, base, weights, inits, exclude, keep_8bit, gathered, quantizer, tied_rtn,
-                                     importance, block_size, accuracy_level, algorithm, spill)
+                                     importance, block_size, accuracy_level, algorithm, spill, scales)
         finally:
             spill.close()
         quantized = sum(n.op_type == "MatMulNBits" for n in graph.node)
         assert quantized == len(candidates) - len(exclude), (
             f"{quantized} MatMulNBits for {len(candidates) - len(exclude)} quantizable MatMuls")
+        if scales is not None:
+            int4_scales.apply_gains(graph, base, scales)
         share_tied_embedding(model)  # a tied lm_head with no zero point or uint8 ones (not HQQ's floats)
         if not any(o.domain == MS_DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
@@ -369,13 +379,31 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     return QuantizeResult(source=source, path=output, bytes_before=_disk_bytes(source), bytes_after=_disk_bytes(output),
                           quantized=quantized, left_fp=list(exclude), folded_transposes=folded,
                           block_size=block_size, symmetric=symmetric, accuracy_level=accuracy_level,
-                          seconds=time.perf_counter() - t0, algorithm=algorithm, kept_8bit=list(keep_8bit))
+                          seconds=time.perf_counter() - t0, algorithm=algorithm, kept_8bit=list(keep_8bit),
+                          scaled=len(scales.inputs) if scales is not None else 0)
+
+
+def plan_scales(model: Any, importance: dict[str, Any], block_size: int = BLOCK_SIZE, exclude: tuple[str, ...] = (),
+                progress: Any = None, base: Path | None = None) -> Any:
+    """int4_scales.plan on MODEL: the path of an .onnx, or its ModelProto read without its weights (in BASE)."""
+    import onnx
+
+    if not hasattr(model, "graph"):
+        base, model = Path(model).parent, onnx.load(str(model), load_external_data=False)
+    assert base is not None, "a ModelProto's weights need their directory"
+    weights = _weights_of(model)
+    inits = {t.name: t for t in model.graph.initializer}
+
+    def read(node: str) -> tuple[int, int, Any]:
+        return _columns(inits[weights[node][0]], base, weights[node][1])
+    return int4_scales.plan(model.graph, weights, read, importance, block_size, exclude,
+                            **({"progress": progress} if progress else {}))
 
 
 def _quantize_nodes(graph: Any, base: Path, weights: dict[str, Any], inits: dict[str, Any], exclude: tuple[str, ...],
                     keep_8bit: tuple[str, ...], gathered: set[str], quantizer: Any, tied_rtn: Any,
                     importance: dict[str, Any] | None, block_size: int, accuracy_level: int, algorithm: str,
-                    spill: _Spill) -> int:
+                    spill: _Spill, scales: Any = None) -> int:
     """Each quantized MatMul replaced in GRAPH by its MatMulNBits (tensors through SPILL); the Transposes folded."""
     nodes, folded = [], 0
     for node in graph.node:
@@ -384,6 +412,9 @@ def _quantize_nodes(graph: Any, base: Path, weights: dict[str, Any], inits: dict
             continue
         name, through_transpose = weights[node.name]
         k, n, cols = _columns(inits[name], base, through_transpose)
+        a = (importance or {}).get(node.name)
+        if scales is not None:  # the graph's W^T rows times s (its inputs over s), outputs over theirs
+            cols, a = scales.columns(node.name, cols), scales.importance(node.name, a)
         if through_transpose:
             name, folded = name + "_t", folded + 1  # the quantizer names its tensors after this: W_t_Q4, ...
         if node.name in keep_8bit:
@@ -393,7 +424,7 @@ def _quantize_nodes(graph: Any, base: Path, weights: dict[str, Any], inits: dict
         elif tied_rtn is not None and through_transpose and weights[node.name][0] in gathered:
             made_nodes, made = _quantize_matmul(tied_rtn, node, name, k, n, cols, chunked=True, spill=spill)
         elif quantizer is None:
-            made_nodes, made = int4_blocks.matmul_nbits(node, name, k, n, cols, (importance or {}).get(node.name),
+            made_nodes, made = int4_blocks.matmul_nbits(node, name, k, n, cols, a,
                                                         block=block_size, bits=4, accuracy_level=accuracy_level,
                                                         chunk_bytes=CHUNK_BYTES, spill=spill)
         else:
