@@ -1,7 +1,7 @@
 """Our default int4 against onnxruntime-genai's builder int4, on real trained models: size, decode speed, quality.
 
     python benchmarks/bench_int4.py [--only smollm2|qwen2.5-coder-0.5b|gemma3] [--rounds 7] [--threads 1]
-                                    [--hqq] [--variants] [--keep DIR]
+                                    [--hqq] [--variants] [--try OPTIONS] [--no-baselines] [--keep DIR]
     python benchmarks/bench_int4.py --kernels     (MatMulNBits alone: int4 against 8-bit blocks of 32..128)
 
 For each model (tests/realmodels.py: SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct, Gemma 3 270M), three
@@ -20,7 +20,8 @@ checkpoint; the built-in prompts' 16 greedy tokens against PyTorch fp32's; `veri
 and on the held-out text); the export's peak RSS (its own high-water mark, the command's JSON) against
 max(1 GB, 0.5x the fp32 weights). Ratios are to the builder's row. The goal column holds our default to:
 every decisive answer kept (DECISIVE), KL <= 0.5x the builder's, bytes <= 1.3x, decode <= 1.1x, verify FAITHFUL.
---hqq adds `--int4-algorithm hqq` (every matrix HQQ); --variants RTN to the target, asymmetric and block-16 rows.
+--hqq adds `--int4-algorithm hqq` (every matrix HQQ); --variants RTN to the target, asymmetric and block-16 rows;
+--try OPTIONS a row exported with those options; --no-baselines leaves out the two all-int4 rows.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -251,14 +253,18 @@ def bench_model(key: str, args: argparse.Namespace, out: list[str]) -> None:
     tmp.mkdir(parents=True, exist_ok=True)
     try:
         rows: list[Row] = []
-        plan = [("ours, default", []), ("ours, imatrix all int4 (--max-kl none)", ["--max-kl", "none"]),
-                ("ours, RTN all int4 (--int4-algorithm rtn --max-kl none)", ["--int4-algorithm", "rtn", "--max-kl", "none"])]
+        plan = [("ours, default", [])]
+        if not args.no_baselines:
+            plan += [("ours, imatrix all int4 (--max-kl none)", ["--max-kl", "none"]),
+                     ("ours, RTN all int4 (--int4-algorithm rtn --max-kl none)",
+                      ["--int4-algorithm", "rtn", "--max-kl", "none"])]
+        plan += [(f"ours, {extra}", extra.split()) for extra in args.try_ or []]
         if args.hqq:
             plan.append(("ours, HQQ all int4", ["--int4-algorithm", "hqq"]))
         if args.variants:
             plan += list(VARIANTS.items())
         for name, extra in plan:
-            made = export_ours(hf, tmp / name.split(" (")[0].replace(" ", "_").replace(",", "") / "model.onnx", extra)
+            made = export_ours(hf, tmp / re.sub(r"[^\w.]+", "_", name.split(" (")[0]).strip("_") / "model.onnx", extra)
             if isinstance(made, str):
                 print(f"{key}: {name} failed: {made}", flush=True)
                 continue
@@ -371,6 +377,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="onnxruntime-genai's intra_op_num_threads, every graph [1]")
     ap.add_argument("--hqq", action="store_true", help="add an --int4-algorithm hqq row")
     ap.add_argument("--variants", action="store_true", help="add the asymmetric and block 16/64 rows")
+    ap.add_argument("--try", dest="try_", action="append", metavar="OPTIONS",
+                    help="add a row exported with these options, e.g. '--int4-algorithm awq' (repeatable)")
+    ap.add_argument("--no-baselines", action="store_true", help="leave out the all-int4 imatrix and RTN rows")
     ap.add_argument("--keep", type=Path, help="keep the graphs in this directory")
     ap.add_argument("--kernels", action="store_true", help="only time MatMulNBits per bits and block size")
     args = ap.parse_args()

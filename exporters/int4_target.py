@@ -379,6 +379,7 @@ class TargetResult:
     size_cap: float | None = None  # the result weighs at most this times the all-int4 graph
     chosen: int = -1  # the round whose graph was written (the last, unless a capped loop's closest was earlier)
     baseline_kl: float | None = None  # round-to-nearest int4's KL, what a relative target is a fraction of (imatrix)
+    nats: float | None = None  # an absolute bound given with the fraction: max_kl is the lower of the two
 
     @property
     def calibration_kl(self) -> float:
@@ -426,13 +427,14 @@ def choose(sens: dict[str, float], max_kl: float | None, build: Callable[[list[s
     alpha: measured KL / the sum of the int4 matrices' own KL_m, at least 1 (errors compound, and onnxruntime's
     int8 activations add their own), refitted on each graph that misses the target.
     fraction: the target is this times baseline_kl (given: round-to-nearest int4's measured KL), else times the
-    all-int4 graph's measured KL (max_kl is then None).
+    all-int4 graph's measured KL; with max_kl as well, the lower of the two.
     cost, size_cap, base: the bytes keeping each matrix 8-bit adds, and the most they may add together: (size_cap - 1)
     x base, the int4 matrices' own bytes (what a decode step reads; None: the all-int4 file's); when no graph within
     the cap meets the target, the closest one built is the answer (not met).
     """
     result = TargetResult(max_kl=max_kl if max_kl is not None else math.nan, kept_8bit=[], sensitivity=sens,
-                          alpha=1.0, fraction=fraction, size_cap=size_cap, baseline_kl=baseline_kl)
+                          alpha=1.0, fraction=fraction, size_cap=size_cap, baseline_kl=baseline_kl,
+                          nats=max_kl if fraction is not None else None)
     kept: list[str] = []
     budget = math.inf
     tried: list[list[str]] = []
@@ -441,8 +443,9 @@ def choose(sens: dict[str, float], max_kl: float | None, build: Callable[[list[s
         tried.append(kept)
         rest = sum(v for n, v in sens.items() if n not in kept)
         if not result.rounds:  # the all-int4 graph: what a relative target and the cap are measured against
-            if fraction is not None:
-                result.max_kl = fraction * (kl if baseline_kl is None else baseline_kl)
+            if fraction is not None:  # with nats as well, the lower of the two
+                result.max_kl = min(fraction * (kl if baseline_kl is None else baseline_kl),
+                                    math.inf if max_kl is None else max_kl)
             if size_cap is not None:
                 budget = (size_cap - 1) * (base or size)
         result.rounds.append(Round(len(kept), result.alpha * rest, kl, size))

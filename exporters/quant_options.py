@@ -26,20 +26,21 @@ EIGHT_BIT_BLOCK = 128
 # an int8 dot product (the fast path); 0/1 dequantize to fp32 first.
 ACCURACY_LEVEL = 4
 # What runs without --int4-algorithm (quantize_int4's default; tests/test_cli_contract.py holds the two equal).
-DEFAULT_ALGORITHM = "imatrix"
+DEFAULT_ALGORITHM = "awq"
 # `verify int4` without --prompt/--ids starts its greedy decode from this many seeded ids.
 PROMPT_IDS = 8
 
 
 # --- What int4 aims at (--max-kl) ------------------------------------------------------------------------------
 # Measured (benchmarks/bench_int4.py, held-out text): every matrix int4 by round to nearest is the builder's int4 to
-# within noise (SmolLM2-135M KL 0.371 vs 0.372 nats; it loses " Paris"). The target is half of that: imatrix blocks
-# (int4_blocks) come most of the way at int4's own size and speed, and the matrices with the most KL per extra byte
-# are kept 8-bit until it holds; the cap bounds what the default may spend. Aiming lower by default costs decode:
-# SmolLM2-135M to FAITHFUL_KL kept 45 of 121 matrices 8-bit, 1.32x the builder's bytes and 1.36x its decode time
-# (against 24, 1.12x and 1.15x at half; one thread, another export running); `--max-kl 0.1` asks for it.
+# within noise (SmolLM2-135M KL 0.371 vs 0.372 nats; it loses " Paris"). The default aims at the lower of half of
+# that and FAITHFUL_KL, on the calibration text: awq's scaled blocks come most of the way at int4's own size and
+# speed, and the matrices with the most KL per extra byte are kept 8-bit until it holds; the cap bounds what the
+# default may spend. Half alone was not faithful on SmolLM2-135M (imatrix, 14 of 121 matrices 8-bit: held-out KL
+# 0.131); with awq to 0.1 nats, 28 matrices 8-bit, 1.28x the builder's bytes, 1.05x its decode time, KL 0.066.
 DEFAULT_FRACTION = 0.5  # of round-to-nearest int4's KL on the calibration text
-# What `verify int4` calls faithful (QuantThresholds.max_mean_kl) and the export's quality line warns past.
+# What `verify int4` calls faithful (QuantThresholds.max_mean_kl), the export's quality line warns past, and the
+# default target never exceeds.
 FAITHFUL_KL = 0.1
 DEFAULT_SIZE_CAP = 1.3  # 8-bit may add at most 0.3x the int4 matrices' own bytes (what a decode step reads)
 MAX_NATS = 10.0  # an absolute target above this is no target (uniform over 22,000 tokens is 10 nats)
@@ -49,7 +50,8 @@ AUTO = "auto"  # the default below
 
 @dataclass(frozen=True)
 class Int4Target:
-    """What int4 aims at: a mean KL in nats, or a fraction of round-to-nearest int4's KL, under a size cap."""
+    """What int4 aims at: a mean KL in nats, a fraction of round-to-nearest int4's KL, or the lower of the two, under
+    a size cap."""
 
     max_kl: float | None = None  # nats, absolute
     # of round-to-nearest int4's KL (the all-int4 graph's when that is what the algorithm makes), on calibration text
@@ -58,12 +60,13 @@ class Int4Target:
 
     def describe(self) -> str:
         """One line: what the target is."""
-        what = f"mean KL <= {self.max_kl:g} nats" if self.max_kl is not None else \
-            f"mean KL <= {self.fraction:g}x round-to-nearest int4's"
+        said = ([f"{self.max_kl:g} nats"] if self.max_kl is not None else []) + \
+            ([f"{self.fraction:g}x round-to-nearest int4's"] if self.fraction is not None else [])
+        what = "mean KL <= " + (f"the lower of {said[0]} and {said[1]}" if len(said) == 2 else said[0])
         return what + (f", its matrices at most {self.size_cap:g}x their int4 bytes" if self.size_cap else "")
 
 
-DEFAULT_TARGET = Int4Target(fraction=DEFAULT_FRACTION, size_cap=DEFAULT_SIZE_CAP)
+DEFAULT_TARGET = Int4Target(max_kl=FAITHFUL_KL, fraction=DEFAULT_FRACTION, size_cap=DEFAULT_SIZE_CAP)
 
 
 def parse_max_kl(value: Any) -> Int4Target | None:

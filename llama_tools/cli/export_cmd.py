@@ -145,7 +145,8 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
         more = f", ... ({len(t.kept_8bit) - 4} more)" if len(t.kept_8bit) > 4 else ""
         of = ("round-to-nearest int4's", t.baseline_kl) if t.baseline_kl is not None else \
             ("the all-int4 graph's", t.all_int4_kl)
-        goal = (f"mean KL <= {t.max_kl:.4f} nats ({t.fraction:g}x {of[0]} {of[1]:.4f}"
+        goal = (f"mean KL <= {t.max_kl:.4f} nats (" + (f"the lower of {t.nats:g} nats and " if t.nats else "")
+                + f"{t.fraction:g}x {of[0]} {of[1]:.4f}"
                 + (f", within {t.size_cap:g}x its int4 bytes)" if t.size_cap else ")") if t.fraction
                 else f"mean KL <= {t.max_kl:g} nats")
         rows.append(("int4 target", f"{goal} {'met' if t.met else 'NOT met'}: "
