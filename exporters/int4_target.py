@@ -39,7 +39,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-HEAD = "/lm_head/MatMul"
+from .quant_options import HEAD, HEAD_FREQUENT, frequent_rows
+
 # A MatMul of a decoder layer, plain or fused graph: /model/layers.{j}/{self_attn|mlp}/{proj}/MatMul
 _LAYER_NODE = re.compile(r"^/model/layers\.(\d+)/(self_attn|mlp)/(\w+)/MatMul$")
 # A fused graph packs projections along the output axis; int4 blocks run along the input axis, one set per output
@@ -66,7 +67,7 @@ def matrices(nodes: list[str]) -> list[Matrix]:
     """The graph's quantizable MatMul names -> what each is in the model; ValueError for one it cannot place."""
     out = []
     for node in nodes:
-        if node == HEAD:
+        if node in (HEAD, HEAD_FREQUENT):  # the head's rows from frequent_rows(n1) on, and those before
             out.append(Matrix(node, None, "lm_head", ("lm_head",)))
             continue
         m = _LAYER_NODE.match(node)
@@ -133,11 +134,19 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
         z = ref._embed(x)  # Z^0: [1, n3, n2]
         names: list[str] = []
         streams = z[:0]  # [streams, n3, n2]: one perturbed copy of the residual stream per matrix so far
+        split = any(m.node == HEAD_FREQUENT for m in mats)
+        r = frequent_rows(cfg.vocab_size) if split else 0
         if head and cfg.tie_word_embeddings:  # the Gather reads the lm_head's int4 blocks: D's rows in int4
-            names.append(HEAD + " (embedding)")
             rows = ref.reader.rows("model.embed_tokens.weight", [(i, i + 1) for i in ids]).float()  # D[t]: [n3, n2]
             scale = math.sqrt(cfg.hidden_size) if cfg.embed_scale else 1.0  # Gemma's sqrt(n2)
-            streams = (emulate(rows, HEAD) * torch.tensor(scale, dtype=z.dtype))[None]  # [1, n3, n2]
+            q = emulate(rows, HEAD)
+            streams = q[None]
+            names.append(HEAD + " (embedding)")
+            if split:  # the frequent ids' rows exact: what is left when HEAD_FREQUENT is kept 8-bit
+                frequent = torch.tensor([i < r for i in ids])[:, None]
+                streams = torch.stack([q, torch.where(frequent, rows, q)])  # [2, n3, n2]
+                names.append(HEAD + " (embedding rest)")
+            streams = streams * torch.tensor(scale, dtype=z.dtype)  # [s, n3, n2]
         masks = layer_masks(cfg, n3, 0, torch.ones_like(x), z.dtype, z.device)
         batch = stream_batch(cfg, n3)
         for j in range(cfg.num_hidden_layers):
@@ -165,7 +174,11 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
             states.append(z)
         out = dict(zip(names, _fisher_kl(ref, z, streams)))
         if head:
-            out[HEAD] = _head_kl(ref, z, emulate) + out.pop(HEAD + " (embedding)", 0.0)
+            whole = _head_kl(ref, z, emulate) + out.pop(HEAD + " (embedding)", 0.0)
+            out[HEAD] = whole
+            if split:  # additive, as the plan treats them: the rest's own KL, the first rows' the difference
+                out[HEAD] = _head_kl(ref, z, emulate, r) + out.pop(HEAD + " (embedding rest)", 0.0)
+                out[HEAD_FREQUENT] = max(whole - out[HEAD], 0.0)
     return out
 
 
@@ -276,9 +289,10 @@ def _head_rows(ref: Any) -> tuple[str, int]:
         max(1, (16 * 2**20) // (4 * cfg.hidden_size))
 
 
-def _head_chunks(ref: Any, h: Any, emulate: Emulate | None = None) -> Any:
+def _head_chunks(ref: Any, h: Any, emulate: Emulate | None = None, exact_below: int = 0) -> Any:
     """(H, H') a row chunk of W^8 at a time: h W^{8T} on `step` vocabulary rows [n3, step], and the same with W^8
-    int4-emulated (None unless `emulate`); W^8 is read once per chunk and dropped."""
+    int4-emulated (None unless `emulate`) except its first `exact_below` rows; W^8 is read once per chunk and
+    dropped."""
     import torch
 
     name, step = _head_rows(ref)
@@ -287,7 +301,11 @@ def _head_chunks(ref: Any, h: Any, emulate: Emulate | None = None) -> Any:
         w = ref.reader.rows(name, [(a, min(a + step, cfg.vocab_size))]).float()  # [rows, n2]
         if cfg.norm_head:
             w = torch.nn.functional.normalize(w, dim=-1)
-        yield h @ w.T, (h @ emulate(w, HEAD).T if emulate else None)
+        q = None
+        if emulate:
+            q = emulate(w, HEAD)
+            q[: max(0, exact_below - a)] = w[: max(0, exact_below - a)]
+        yield h @ w.T, (h @ q.T if emulate else None)
 
 
 def _fisher_kl(ref: Any, z: Any, streams: Any) -> list[float]:
@@ -333,9 +351,10 @@ def _fisher_kl(ref: Any, z: Any, streams: Any) -> list[float]:
     return out
 
 
-def _head_kl(ref: Any, z: Any, emulate: Emulate) -> float:
-    """KL(p || p') of the lm_head alone in int4, exactly, on the final states z [1, n3, n2]: two passes over W^8's
-    chunks (the two log-normalizers, then sum p (log p - log p')), so no [n3, n1] tensor is held."""
+def _head_kl(ref: Any, z: Any, emulate: Emulate, exact_below: int = 0) -> float:
+    """KL(p || p') of the lm_head alone in int4 (its first `exact_below` rows exact), exactly, on the final states
+    z [1, n3, n2]: two passes over W^8's chunks (the two log-normalizers, then sum p (log p - log p')), so no
+    [n3, n1] tensor is held."""
     import torch
 
     from llama_tools.modeling.model import softcap
@@ -343,11 +362,11 @@ def _head_kl(ref: Any, z: Any, emulate: Emulate) -> float:
     cap = ref.cfg.final_logit_softcap
     h = _final(ref)(z)[0]  # Zbar: [n3, n2]
     lse = [torch.full((h.shape[0],), -math.inf, dtype=torch.float64) for _ in range(2)]
-    for x, q in _head_chunks(ref, h, emulate):
+    for x, q in _head_chunks(ref, h, emulate, exact_below):
         for i, y in enumerate((x, q)):
             lse[i] = torch.logaddexp(lse[i], torch.logsumexp(softcap(y, cap).double(), -1))
     kl = torch.zeros(h.shape[0], dtype=torch.float64)
-    for x, q in _head_chunks(ref, h, emulate):
+    for x, q in _head_chunks(ref, h, emulate, exact_below):
         lp = softcap(x, cap).double() - lse[0][:, None]
         kl += (lp.exp() * (lp - (softcap(q, cap).double() - lse[1][:, None]))).sum(-1)
     return float(kl.mean().detach())
@@ -578,9 +597,12 @@ def _shapes(model: Any, nodes: list[str]) -> dict[str, tuple[int, int, bool]]:
     gathered = {n.input[0] for n in model.graph.node if n.op_type == "Gather"}
     out = {}
     for n in nodes:
-        name, transposed = weights[n]
+        name, transposed = weights[n.split(":")[0]]  # HEAD_FREQUENT: the head's first rows
         dims = [int(d) for d in inits[name].dims]
         k, rows = (dims[1], dims[0]) if transposed else (dims[0], dims[1])  # stored [out, in] behind a Transpose
+        if HEAD_FREQUENT in nodes and n in (HEAD, HEAD_FREQUENT):  # the head in two parts: each its own rows
+            first = frequent_rows(rows)
+            rows = first if n == HEAD_FREQUENT else rows - first
         out[n] = k, rows, transposed and name in gathered
     return out
 
@@ -644,6 +666,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
     exclude = tuple(int4.get("exclude") or ())
     model = onnx.load(str(full), load_external_data=False)
     nodes = [n for n in _weights_of(model) if n not in exclude]
+    nodes += [HEAD_FREQUENT] if HEAD in nodes else []  # the head's first rows, a matrix of their own to the plan
     mats = matrices(nodes)
     block = int4.get("block_size", 32)
     algorithm = int4.get("algorithm", DEFAULT_ALGORITHM)

@@ -34,8 +34,8 @@ from llama_tools.outputs import files
 
 from . import int4_blocks, int4_scales
 from .graph_io import MS_DOMAIN
-from .quant_options import (ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, EIGHT_BIT_BLOCK, FAITHFUL_KL,
-                            INT4_ALGORITHMS, PROMPT_IDS, SEARCHED)
+from .quant_options import (ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, EIGHT_BIT_BLOCK, FAITHFUL_KL, HEAD,
+                            HEAD_FREQUENT, INT4_ALGORITHMS, PROMPT_IDS, SEARCHED, frequent_rows)
 
 @dataclass(frozen=True)
 class QuantizeResult:
@@ -81,8 +81,13 @@ def share_tied_embedding(model: Any) -> bool:
     so an asymmetric lm_head gets its zero points unpacked into a table of their own (1/16 of the int4 data).
     Float zero points (HQQ's) are not readable by GatherBlockQuantized: such a head is not shared.
     Returns whether a tied embedding was found (a Gather on E, and a MatMulNBits on E's transpose).
+
+    A head split by rows (HEAD_FREQUENT kept 8-bit apart from the rest: _split_head) serves the Gather from both
+    tables, each id from the one that holds its row:
+
+        ids ──Min(r-1)──────► GatherBlockQuantized(frequent) ──┐
+            ──Sub(r), Max(0)─► GatherBlockQuantized(rest)    ──┴─ Where(ids < r) ──► Z^0
     """
-    import onnx
     from onnx import helper, numpy_helper
 
     graph = model.graph
@@ -90,44 +95,80 @@ def share_tied_embedding(model: Any) -> bool:
     heads = {n.input[1]: n for n in graph.node if n.op_type == "MatMulNBits"}
     for gather in [n for n in graph.node if n.op_type == "Gather"]:
         table = gather.input[0]
-        head, bits = next(((heads[table + f"_t_Q{b}"], b) for b in (4, 8) if table + f"_t_Q{b}" in heads),
-                          (None, 4))  # the quantizer's name for fold_weight_transposes' table + "_t"
-        if table not in inits or head is None:
-            continue
-        zp = inits.get(head.input[3]) if len(head.input) > 3 and head.input[3] else None
-        if zp is not None and zp.data_type != onnx.TensorProto.UINT8:  # HQQ's float zero points
+        parts = [next(((heads[table + f"_t{part}_Q{b}"], b) for b in (4, 8) if table + f"_t{part}_Q{b}" in heads),
+                      None) for part in ("", "_frequent", "_rest")]  # the quantizer's names for table + "_t"
+        if table not in inits or not (parts[0] or (parts[1] and parts[2])):
             continue
         n1, n2 = inits[table].dims
-        block_size = next(a.i for a in head.attribute if a.name == "block_size")  # an 8-bit head's may differ
-        blocks = -(-n2 // block_size)
-        if n2 % block_size:  # the last block would be padded: the Gather's row would be longer than n2
-            return False
         p = gather.name.rsplit("/", 1)[0]
-        shape = lambda name, dims: numpy_helper.from_array(np.array(dims, np.int64), f"{p}/{name}")  # noqa: E731
-        graph.initializer.extend([shape("scales_shape", [n1, blocks, 1]), shape("row_shape", [0, 0, n2])])
-        scales = helper.make_node("Reshape", [head.input[2], f"{p}/scales_shape"], [f"{p}/scales_3d"],
-                                  name=f"{p}/Reshape_scales")  # [n1, n2/block] -> [n1, n2/block, 1]
-        gathered = [head.input[1], gather.input[1], f"{p}/scales_3d"]
-        if zp is not None:  # [n1, ceil(blocks/2)], block b in nibble b % 2 of byte b // 2 -> [n1, blocks, 1]
-            assert bits == 4, "an 8-bit head is symmetric: it has no zero points"
-            packed = numpy_helper.to_array(zp).reshape(n1, -1)
-            unpacked = np.stack([(packed[:, b // 2] >> (4 * (b % 2))) & 0xF for b in range(blocks)], 1)
-            graph.initializer.append(numpy_helper.from_array(unpacked.astype(np.uint8)[:, :, None],
-                                                             f"{p}/zero_points_3d"))
-            gathered.append(f"{p}/zero_points_3d")
-        rows = helper.make_node("GatherBlockQuantized", gathered,
-                                [f"{p}/blocks"], name=f"{p}/GatherBlockQuantized", domain=MS_DOMAIN,
-                                gather_axis=0, quantize_axis=2, block_size=block_size, bits=bits)  # [b, s, n2/block, block]
-        flat = helper.make_node("Reshape", [f"{p}/blocks", f"{p}/row_shape"], [gather.output[0]],
-                                name=f"{p}/Reshape_rows")  # [b, s, n2/block, block] -> [b, s, n2]
+        if any(not _gatherable(h, n2, inits) for h, _ in filter(None, parts)):
+            return False
+        graph.initializer.append(numpy_helper.from_array(np.array([0, 0, n2], np.int64), f"{p}/row_shape"))
+        made: list[Any] = []
+        if parts[0]:
+            made += _gather_rows(graph, inits, p, "", *parts[0], gather.input[1], gather.output[0])
+        else:
+            r = next(a.i for a in parts[1][0].attribute if a.name == "N")
+            const = lambda name, v: helper.make_node(  # noqa: E731
+                "Constant", [], [f"{p}/{name}"], name=f"{p}/{name}", value=numpy_helper.from_array(np.array(v, np.int64)))
+            ids = gather.input[1]
+            made += [const("r", r), const("r_minus_1", r - 1), const("zero", 0), const("last_axis", [-1]),
+                     helper.make_node("Less", [ids, f"{p}/r"], [f"{p}/is_frequent"], name=f"{p}/Less"),
+                     helper.make_node("Min", [ids, f"{p}/r_minus_1"], [f"{p}/frequent_ids"], name=f"{p}/Min"),
+                     helper.make_node("Sub", [ids, f"{p}/r"], [f"{p}/rest_ids_signed"], name=f"{p}/Sub"),
+                     helper.make_node("Max", [f"{p}/rest_ids_signed", f"{p}/zero"], [f"{p}/rest_ids"], name=f"{p}/Max"),
+                     helper.make_node("Unsqueeze", [f"{p}/is_frequent", f"{p}/last_axis"], [f"{p}/pick"],
+                                      name=f"{p}/Unsqueeze")]  # [b, s] -> [b, s, 1]
+            made += _gather_rows(graph, inits, p, "_frequent", *parts[1], f"{p}/frequent_ids", f"{p}/frequent_rows")
+            made += _gather_rows(graph, inits, p, "_rest", *parts[2], f"{p}/rest_ids", f"{p}/rest_rows")
+            made.append(helper.make_node("Where", [f"{p}/pick", f"{p}/frequent_rows", f"{p}/rest_rows"],
+                                         [gather.output[0]], name=f"{p}/Where"))
         at = list(graph.node).index(gather)
         graph.node.remove(gather)
-        for k, node in enumerate((scales, rows, flat)):
+        for k, node in enumerate(made):
             graph.node.insert(at + k, node)
         if not any(table in n.input for n in graph.node):
             graph.initializer.remove(inits[table])
         return True
     return False
+
+
+def _gatherable(head: Any, n2: int, inits: dict[str, Any]) -> bool:
+    """GatherBlockQuantized can read this MatMulNBits' blocks as whole rows of n2: uint8 zero points or none (not
+    HQQ's floats), and blocks that tile n2 (a padded last block would make the row longer)."""
+    import onnx
+
+    zp = inits.get(head.input[3]) if len(head.input) > 3 and head.input[3] else None
+    block_size = next(a.i for a in head.attribute if a.name == "block_size")  # an 8-bit head's may differ
+    return n2 % block_size == 0 and (zp is None or zp.data_type == onnx.TensorProto.UINT8)
+
+
+def _gather_rows(graph: Any, inits: dict[str, Any], p: str, part: str, head: Any, bits: int, ids: str,
+                 out: str) -> list[Any]:
+    """GatherBlockQuantized of `ids` over HEAD's blocks -> OUT [b, s, n2] (its initializers added to GRAPH)."""
+    from onnx import helper, numpy_helper
+
+    n1 = next(a.i for a in head.attribute if a.name == "N")
+    block_size = next(a.i for a in head.attribute if a.name == "block_size")
+    blocks = next(a.i for a in head.attribute if a.name == "K") // block_size
+    graph.initializer.append(numpy_helper.from_array(np.array([n1, blocks, 1], np.int64), f"{p}/scales_shape{part}"))
+    nodes = [helper.make_node("Reshape", [head.input[2], f"{p}/scales_shape{part}"], [f"{p}/scales_3d{part}"],
+                              name=f"{p}/Reshape_scales{part}")]  # [n1, n2/block] -> [n1, n2/block, 1]
+    gathered = [head.input[1], ids, f"{p}/scales_3d{part}"]
+    zp = inits.get(head.input[3]) if len(head.input) > 3 and head.input[3] else None
+    if zp is not None:  # [n1, ceil(blocks/2)], block b in nibble b % 2 of byte b // 2 -> [n1, blocks, 1]
+        assert bits == 4, "an 8-bit head is symmetric: it has no zero points"
+        packed = numpy_helper.to_array(zp).reshape(n1, -1)
+        unpacked = np.stack([(packed[:, b // 2] >> (4 * (b % 2))) & 0xF for b in range(blocks)], 1)
+        graph.initializer.append(numpy_helper.from_array(unpacked.astype(np.uint8)[:, :, None],
+                                                         f"{p}/zero_points_3d{part}"))
+        gathered.append(f"{p}/zero_points_3d{part}")
+    nodes.append(helper.make_node("GatherBlockQuantized", gathered, [f"{p}/blocks{part}"],
+                                  name=f"{p}/GatherBlockQuantized{part}", domain=MS_DOMAIN, gather_axis=0,
+                                  quantize_axis=2, block_size=block_size, bits=bits))  # [b, s, n2/block, block]
+    nodes.append(helper.make_node("Reshape", [f"{p}/blocks{part}", f"{p}/row_shape"], [out],
+                                  name=f"{p}/Reshape_rows{part}"))  # [b, s, n2/block, block] -> [b, s, n2]
+    return nodes
 
 
 def eight_bit_block(k: int, tied: bool, block_size: int) -> int:
@@ -343,7 +384,8 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     if unknown:
         raise ValueError(f"--int4-keep {unknown[0]!r} is not a MatMul with a constant weight in the graph; "
                          f"choose among {', '.join(candidates[:4])}, ..., {candidates[-1]}")
-    unknown = [n for n in keep_8bit if n not in candidates or n in exclude]
+    parts = candidates + ([HEAD_FREQUENT] if HEAD in candidates else [])  # the head's first rows on their own
+    unknown = [n for n in keep_8bit if n not in parts or n.split(":")[0] in exclude]
     if unknown:
         raise ValueError(f"8-bit {unknown[0]!r} is not a MatMul with a constant weight that is quantized")
     if not [n for n in candidates if n not in exclude]:
@@ -368,7 +410,8 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
         finally:
             spill.close()
         quantized = sum(n.op_type == "MatMulNBits" for n in graph.node)
-        assert quantized == len(candidates) - len(exclude), (
+        split = HEAD in candidates and HEAD not in exclude and (HEAD in keep_8bit) != (HEAD_FREQUENT in keep_8bit)
+        assert quantized == len(candidates) - len(exclude) + split, (
             f"{quantized} MatMulNBits for {len(candidates) - len(exclude)} quantizable MatMuls")
         if scales is not None:
             int4_scales.apply_gains(graph, base, scales)
@@ -417,25 +460,49 @@ def _quantize_nodes(graph: Any, base: Path, weights: dict[str, Any], inits: dict
             cols, a = scales.columns(node.name, cols), scales.importance(node.name, a)
         if through_transpose:
             name, folded = name + "_t", folded + 1  # the quantizer names its tensors after this: W_t_Q4, ...
-        if node.name in keep_8bit:
-            eight = _node_quantizer("rtn", eight_bit_block(k, through_transpose and weights[node.name][0] in gathered,
-                                                           block_size), True, accuracy_level, bits=8)
-            made_nodes, made = _quantize_matmul(eight, node, name, k, n, cols, chunked=True, spill=spill)
-        elif tied_rtn is not None and through_transpose and weights[node.name][0] in gathered:
-            made_nodes, made = _quantize_matmul(tied_rtn, node, name, k, n, cols, chunked=True, spill=spill)
-        elif quantizer is None:
-            made_nodes, made = int4_blocks.matmul_nbits(node, name, k, n, cols, a,
-                                                        block=block_size, bits=4, accuracy_level=accuracy_level,
-                                                        chunk_bytes=CHUNK_BYTES, spill=spill)
+        tied = through_transpose and weights[node.name][0] in gathered
+
+        def one(part: Any, tensor: str, n: int, cols: Callable[[int, int], np.ndarray], eight: bool) -> tuple:
+            if eight:
+                eight_q = _node_quantizer("rtn", eight_bit_block(k, tied, block_size), True, accuracy_level, bits=8)
+                return _quantize_matmul(eight_q, part, tensor, k, n, cols, chunked=True, spill=spill)
+            if tied_rtn is not None and tied:
+                return _quantize_matmul(tied_rtn, part, tensor, k, n, cols, chunked=True, spill=spill)
+            if quantizer is None:
+                return int4_blocks.matmul_nbits(part, tensor, k, n, cols, a, block=block_size, bits=4,
+                                                accuracy_level=accuracy_level, chunk_bytes=CHUNK_BYTES, spill=spill)
+            return _quantize_matmul(quantizer, part, tensor, k, n, cols, chunked=algorithm == "rtn", spill=spill)
+        if node.name == HEAD and (HEAD in keep_8bit) != (HEAD_FREQUENT in keep_8bit):
+            made_nodes, made = _split_head(node, name, n, cols, one, HEAD_FREQUENT in keep_8bit, HEAD in keep_8bit)
         else:
-            made_nodes, made = _quantize_matmul(quantizer, node, name, k, n, cols, chunked=algorithm == "rtn",
-                                                spill=spill)
+            made_nodes, made = one(node, name, n, cols, node.name in keep_8bit)
         nodes += made_nodes
         graph.initializer.extend(made)
     graph.ClearField("node")
     graph.node.extend(nodes)
     _drop_unused(graph)  # the weights now quantized, and the Transposes that fed them
     return folded
+
+
+def _split_head(node: Any, name: str, n: int, cols: Callable[[int, int], np.ndarray], one: Callable[..., tuple],
+                frequent_8bit: bool, rest_8bit: bool) -> tuple[list[Any], list[Any]]:
+    """The lm_head as two MatMulNBits, its first frequent_rows(n1) vocabulary rows and the rest, each 8-bit or int4:
+
+        x ──► MatMulNBits (rows 0..r-1,  W_t_frequent_Q{8|4}) ──► logits[..., :r] ──┐
+          └─► MatMulNBits (rows r..n1-1, W_t_rest_Q{8|4})     ──► logits[..., r:] ──┴─ Concat(-1) ──► logits
+    """
+    from onnx import helper
+
+    r = frequent_rows(n)
+    made_nodes, made = [], []
+    for part, a, b, eight in (("frequent", 0, r, frequent_8bit), ("rest", r, n, rest_8bit)):
+        half = helper.make_node("MatMul", list(node.input), [f"{node.output[0]}_{part}"], name=f"{node.name}_{part}")
+        ns, ts = one(half, f"{name}_{part}", b - a, lambda i, j, a=a: cols(a + i, a + j), eight)
+        made_nodes += ns
+        made += ts
+    made_nodes.append(helper.make_node("Concat", [f"{node.output[0]}_frequent", f"{node.output[0]}_rest"],
+                                       list(node.output), name=node.name.rsplit("/", 1)[0] + "/Concat", axis=-1))
+    return made_nodes, made
 
 
 def _drop_unused(graph: Any) -> None:

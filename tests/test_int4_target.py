@@ -377,3 +377,74 @@ def test_fake_quant_a_few_rows_at_a_time(monkeypatch):
     whole = t.fake_quant(w, 4, 32)
     monkeypatch.setattr(t, "FAKE_QUANT_ROWS_BYTES", 3 * 8 * 96)
     assert torch.equal(t.fake_quant(w, 4, 32), whole) and not torch.equal(whole, w)
+
+
+# --- The lm_head's first rows, a matrix of their own -----------------------------------------------------------
+
+def _tied_tiny(tmp_path):
+    from llama_tools.checkpoints.convert import save_checkpoint
+    from llama_tools.modeling.model import build_model
+    from llama_tools.modeling.presets import get_preset
+
+    cfg = get_preset("tiny").replace(tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype=torch.float32)
+    save_checkpoint(cfg, {k: v.detach() for k, v in model.state_dict().items()}, tmp_path / "ckpt", to="hf")
+    return cfg, tmp_path / "ckpt"
+
+
+def test_a_head_split_by_rows_computes_each_part_in_its_own_precision(tmp_path):
+    """HEAD_FREQUENT kept 8-bit and the rest int4 (or the other way): two MatMulNBits joined by a Concat, the tied
+    embedding served from both tables. Independent truth: on ids all in one part, the logits of that part's rows
+    equal those of the graph with the whole head in that part's precision (same embedding rows, same layers)."""
+    import onnx
+
+    from llama_tools.checkpoints.source import resolve
+    from llama_tools.exporters.fused import export_fused
+    from llama_tools.exporters.int4_target import onnx_logits
+    from llama_tools.exporters.quant_options import HEAD_FREQUENT, frequent_rows
+    from llama_tools.exporters.quantize import quantize_int4
+
+    cfg, ckpt = _tied_tiny(tmp_path)
+    full = export_fused(resolve(str(ckpt)), tmp_path / "full.onnx").path
+    r = frequent_rows(cfg.vocab_size)
+    graphs = {}
+    for tag, keep in (("int4", ()), ("8bit", (HEAD, HEAD_FREQUENT)), ("frequent", (HEAD_FREQUENT,)), ("rest", (HEAD,))):
+        q = quantize_int4(full, tmp_path / f"{tag}.onnx", algorithm="imatrix", keep_8bit=keep)
+        nodes = onnx.load(str(q.path), load_external_data=False).graph.node
+        ops = [n.op_type for n in nodes]
+        split = tag in ("frequent", "rest")
+        assert q.quantized == 9 + split and ops.count("GatherBlockQuantized") == 1 + split, (tag, q.quantized)
+        assert any(n.name == "/lm_head/Concat" for n in nodes) == split
+        assert "model.embed_tokens.weight" not in {t.name for t in onnx.load(str(q.path)).graph.initializer}
+        graphs[tag] = q.path
+    rng = np.random.default_rng(0)
+    low, high = rng.integers(0, r, 12).tolist(), rng.integers(r, cfg.vocab_size, 12).tolist()
+    logits = {(tag, which): onnx_logits(p, cfg, ids) for tag, p in graphs.items()
+              for which, ids in (("low", low), ("high", high))}
+    assert logits[("frequent", "low")].shape == (12, cfg.vocab_size)
+    part = {"low": np.s_[:, :r], "high": np.s_[:, r:]}
+    for split, which, same in (("frequent", "low", "8bit"), ("frequent", "high", "int4"),
+                               ("rest", "high", "8bit"), ("rest", "low", "int4")):
+        got, want = logits[(split, which)][part[which]], logits[(same, which)][part[which]]
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=f"{split} on {which} ids")
+    # the other part's rows are in the other precision: they differ (the check can fail)
+    assert np.abs(logits[("frequent", "low")][:, r:] - logits[("8bit", "low")][:, r:]).max() > 1e-3
+
+
+def test_the_head_parts_sensitivities_add_up_to_the_whole_head(tmp_path):
+    """With HEAD_FREQUENT among the matrices, the head's KL is split: the rest's own (first rows exact), and the
+    first rows' the difference; together the whole head's (embedding stream included), as the plan adds them."""
+    from llama_tools.checkpoints.source import resolve
+    from llama_tools.exporters.int4_target import matrices, sensitivities
+    from llama_tools.exporters.quant_options import HEAD_FREQUENT
+    from llama_tools.inference.reference import reference_model
+
+    cfg, ckpt = _tied_tiny(tmp_path)
+    ref = reference_model(resolve(str(ckpt)))
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, 48).tolist()
+    whole = sensitivities(ref, ids, matrices([HEAD]), 32)
+    split = sensitivities(ref, ids, matrices([HEAD, HEAD_FREQUENT]), 32)
+    assert set(whole) == {HEAD} and set(split) == {HEAD, HEAD_FREQUENT}
+    assert split[HEAD] > 0 and split[HEAD_FREQUENT] > 0
+    assert split[HEAD] + split[HEAD_FREQUENT] == pytest.approx(whole[HEAD], rel=1e-6)

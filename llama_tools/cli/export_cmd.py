@@ -15,7 +15,7 @@ from ..outputs.paths import stream_fd
 from ..outputs.tables import render
 from ..exporters.preflight import SINGLE_FILE_MAX_BYTES
 from ..exporters.quant_options import (
-    ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, DEFAULT_TARGET, INT4_ALGORITHMS, QUANTIZE)
+    ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, DEFAULT_TARGET, INT4_ALGORITHMS, QUANTIZE, SEARCHED)
 from ..outputs.progress import peak_rss_bytes, terminal
 
 from .app import cli
@@ -68,8 +68,8 @@ def export() -> None:
               help="With --quantize int4: a quality target. The matrices whose int4 error moves the next-token "
                    "distribution most per extra byte (measured on built-in text) stay 8-bit until the mean KL to the "
                    "full-precision model is at most NATS, or F times round-to-nearest int4's KL (e.g. 0.5x); none: "
-                   f"every matrix int4 [default: auto = {DEFAULT_TARGET.describe()}; imatrix and symmetric RTN "
-                   "only].")
+                   f"every matrix int4 [default: auto = {DEFAULT_TARGET.describe()}; {', '.join(SEARCHED)} and "
+                   "symmetric RTN only].")
 @click.option("--no-client-files", is_flag=True, help="Do not write config.json, genai_config.json and the "
                                                       "tokenizer files beside OUTPUT.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Random init of a preset or config.json.")
