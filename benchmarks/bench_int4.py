@@ -8,12 +8,13 @@ For each model (tests/realmodels.py: SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-I
 graphs, each made by its own command in a fresh process:
 
     ours, default        llama-tools export onnx HF -o OUT --quantize int4          (the default quality target)
-    ours, imatrix int4   llama-tools export onnx HF -o OUT --quantize int4 --max-kl none
+    ours, awq all int4   llama-tools export onnx HF -o OUT --quantize int4 --max-kl none
     ours, RTN int4       llama-tools export onnx HF -o OUT --quantize int4 --max-kl none --int4-algorithm rtn
     builder int4         python -m onnxruntime_genai.models.builder -i HF -o OUT -p int4 -e cpu   (its defaults)
 
 and for each: the file's bytes; decode ms/token through onnxruntime-genai's own loop (64 prompt tokens, 64 greedy
-steps, the median step; the graphs run in alternating order, --rounds times, the median round; every
+steps, the median step, after an untimed warm-up; each graph in a fresh process, the graphs in alternating order,
+--rounds times, the median of the rounds' ratios; every
 genai_config.json gets the same intra_op_num_threads); mean KL(fp32 || int4) and top-1 over the held-out text
 below (in no calibration or quality text of ours), and its perplexity, against PyTorch fp32 of the same
 checkpoint; the built-in prompts' 16 greedy tokens against PyTorch fp32's; `verify int4` (its default sequence,
@@ -264,7 +265,7 @@ def bench_model(key: str, args: argparse.Namespace, out: list[str]) -> None:
         rows: list[Row] = []
         plan = [("ours, default", [])]
         if not args.no_baselines:
-            plan += [("ours, imatrix all int4 (--max-kl none)", ["--max-kl", "none"]),
+            plan += [("ours, awq all int4 (--max-kl none)", ["--max-kl", "none"]),
                      ("ours, RTN all int4 (--int4-algorithm rtn --max-kl none)",
                       ["--int4-algorithm", "rtn", "--max-kl", "none"])]
         plan += [(f"ours, {extra}", extra.split()) for extra in args.try_ or []]

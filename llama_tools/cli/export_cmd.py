@@ -141,7 +141,8 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
         rows.append(("int4", f"{q.quantized} MatMulNBits, {q.ratio:.2f}x the bytes"))
     if rep.target:
         t = rep.target
-        kept = ", ".join(n.removesuffix("/MatMul").removeprefix("/model/") for n in t.kept_8bit[:4])
+        kept = ", ".join(n.replace("/MatMul:frequent", " (first rows)").removesuffix("/MatMul").removeprefix("/model/")
+                         .lstrip("/") for n in t.kept_8bit[:4])
         more = f", ... ({len(t.kept_8bit) - 4} more)" if len(t.kept_8bit) > 4 else ""
         of = ("round-to-nearest int4's", t.baseline_kl) if t.baseline_kl is not None else \
             ("the all-int4 graph's", t.all_int4_kl)
