@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .quant_options import HEAD, HEAD_FREQUENT, frequent_rows
+from .quant_options import HEAD, HEAD_FREQUENT, HEAD_PARTS, HEAD_REST, frequent_rows
 
 # A MatMul of a decoder layer, plain or fused graph: /model/layers.{j}/{self_attn|mlp}/{proj}/MatMul
 _LAYER_NODE = re.compile(r"^/model/layers\.(\d+)/(self_attn|mlp)/(\w+)/MatMul$")
@@ -67,7 +67,7 @@ def matrices(nodes: list[str]) -> list[Matrix]:
     """The graph's quantizable MatMul names -> what each is in the model; ValueError for one it cannot place."""
     out = []
     for node in nodes:
-        if node in (HEAD, HEAD_FREQUENT):  # the head's rows from frequent_rows(n1) on, and those before
+        if node == HEAD or node in HEAD_PARTS:  # the head, whole or its rows in two parts
             out.append(Matrix(node, None, "lm_head", ("lm_head",)))
             continue
         m = _LAYER_NODE.match(node)
@@ -134,7 +134,7 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
         z = ref._embed(x)  # Z^0: [1, n3, n2]
         names: list[str] = []
         streams = z[:0]  # [streams, n3, n2]: one perturbed copy of the residual stream per matrix so far
-        split = any(m.node == HEAD_FREQUENT for m in mats)
+        split = any(m.node in HEAD_PARTS for m in mats)
         r = frequent_rows(cfg.vocab_size) if split else 0
         if head and cfg.tie_word_embeddings:  # the Gather reads the lm_head's int4 blocks: D's rows in int4
             rows = ref.reader.rows("model.embed_tokens.weight", [(i, i + 1) for i in ids]).float()  # D[t]: [n3, n2]
@@ -175,10 +175,11 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
         out = dict(zip(names, _fisher_kl(ref, z, streams)))
         if head:
             whole = _head_kl(ref, z, emulate) + out.pop(HEAD + " (embedding)", 0.0)
-            out[HEAD] = whole
             if split:  # additive, as the plan treats them: the rest's own KL, the first rows' the difference
-                out[HEAD] = _head_kl(ref, z, emulate, r) + out.pop(HEAD + " (embedding rest)", 0.0)
-                out[HEAD_FREQUENT] = max(whole - out[HEAD], 0.0)
+                out[HEAD_REST] = _head_kl(ref, z, emulate, r) + out.pop(HEAD + " (embedding rest)", 0.0)
+                out[HEAD_FREQUENT] = max(whole - out[HEAD_REST], 0.0)
+            else:
+                out[HEAD] = whole
     return out
 
 
@@ -597,10 +598,10 @@ def _shapes(model: Any, nodes: list[str]) -> dict[str, tuple[int, int, bool]]:
     gathered = {n.input[0] for n in model.graph.node if n.op_type == "Gather"}
     out = {}
     for n in nodes:
-        name, transposed = weights[n.split(":")[0]]  # HEAD_FREQUENT: the head's first rows
+        name, transposed = weights[n.split(":")[0]]  # HEAD_PARTS: rows of the head's
         dims = [int(d) for d in inits[name].dims]
         k, rows = (dims[1], dims[0]) if transposed else (dims[0], dims[1])  # stored [out, in] behind a Transpose
-        if HEAD_FREQUENT in nodes and n in (HEAD, HEAD_FREQUENT):  # the head in two parts: each its own rows
+        if n in HEAD_PARTS:
             first = frequent_rows(rows)
             rows = first if n == HEAD_FREQUENT else rows - first
         out[n] = k, rows, transposed and name in gathered
@@ -666,7 +667,8 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
     exclude = tuple(int4.get("exclude") or ())
     model = onnx.load(str(full), load_external_data=False)
     nodes = [n for n in _weights_of(model) if n not in exclude]
-    nodes += [HEAD_FREQUENT] if HEAD in nodes else []  # the head's first rows, a matrix of their own to the plan
+    if HEAD in nodes:  # the head's first rows, a matrix of their own to the plan, and its others
+        nodes = [n for n in nodes if n != HEAD] + list(HEAD_PARTS)
     mats = matrices(nodes)
     block = int4.get("block_size", 32)
     algorithm = int4.get("algorithm", DEFAULT_ALGORITHM)

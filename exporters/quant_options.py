@@ -27,13 +27,28 @@ EIGHT_BIT_BLOCK = 128
 # Gemma 3 270M's 0.027 -> 0.006. So the quality target may keep those rows 8-bit apart from the rest, for a tenth of
 # the head's 8-bit bytes (each part then its own MatMulNBits, joined by a Concat).
 HEAD = "/lm_head/MatMul"
-HEAD_FREQUENT = HEAD + ":frequent"  # the quality target's name for the head's first rows
+HEAD_FREQUENT = HEAD + ":frequent"  # the head's first rows, to keep_8bit and the quality target
+HEAD_REST = HEAD + ":rest"  # its other rows
+HEAD_PARTS = {HEAD_FREQUENT: "first rows", HEAD_REST: "other rows"}
 FREQUENT_PART = 10  # those rows: the first n1 // 10
 
 
 def frequent_rows(n1: int) -> int:
     """How many of the lm_head's n1 rows HEAD_FREQUENT names."""
     return max(1, n1 // FREQUENT_PART)
+
+
+def matrix_label(node: str) -> str:
+    """A quantizable MatMul as a reader names it: "layers.3/mlp/down_proj", "lm_head (first rows)"."""
+    base, _, part = node.partition(":")
+    label = base.removesuffix("/MatMul").removeprefix("/model/").lstrip("/")
+    return f"{label} ({HEAD_PARTS[node]})" if part else label
+
+
+def head_8bit(keep_8bit: tuple[str, ...] | list[str]) -> tuple[bool, bool]:
+    """(the head's first rows 8-bit, its other rows 8-bit) under keep_8bit: HEAD names both."""
+    whole = HEAD in keep_8bit
+    return whole or HEAD_FREQUENT in keep_8bit, whole or HEAD_REST in keep_8bit
 
 
 # MLAS's int4 kernels on the CPU: accuracy level 4 quantizes the activations to int8 per block and runs

@@ -35,7 +35,7 @@ from llama_tools.outputs import files
 from . import int4_blocks, int4_scales
 from .graph_io import MS_DOMAIN
 from .quant_options import (ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, EIGHT_BIT_BLOCK, FAITHFUL_KL, HEAD,
-                            HEAD_FREQUENT, INT4_ALGORITHMS, PROMPT_IDS, SEARCHED, frequent_rows)
+                            HEAD_PARTS, INT4_ALGORITHMS, PROMPT_IDS, SEARCHED, frequent_rows, head_8bit)
 
 @dataclass(frozen=True)
 class QuantizeResult:
@@ -347,7 +347,8 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     exclude: node names to keep in full precision (e.g. "/lm_head/MatMul"). algorithm: "rtn", "hqq" (always with
     zero points) or "imatrix" (int4_blocks: ours, always with zero points; importance: node name -> the mean square of
     its input per column on calibration text, uniform where absent). keep_8bit: node names quantized to 8 bits
-    (symmetric RTN in blocks of EIGHT_BIT_BLOCK, eight_bit_block) instead. "awq": imatrix on inputs rescaled by
+    (symmetric RTN in blocks of EIGHT_BIT_BLOCK, eight_bit_block) instead; HEAD_FREQUENT or HEAD_REST alone keeps
+    only the lm_head's first frequent_rows(n1) rows or its others 8-bit (the head split in two, _split_head). "awq": imatrix on inputs rescaled by
     int4_scales (`scales`, an int4_scales.Scales; planned here from `importance` when None), the norms' gains and
     up_proj's rows divided to match.
 
@@ -384,7 +385,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     if unknown:
         raise ValueError(f"--int4-keep {unknown[0]!r} is not a MatMul with a constant weight in the graph; "
                          f"choose among {', '.join(candidates[:4])}, ..., {candidates[-1]}")
-    parts = candidates + ([HEAD_FREQUENT] if HEAD in candidates else [])  # the head's first rows on their own
+    parts = candidates + (list(HEAD_PARTS) if HEAD in candidates else [])  # the head's rows in two parts
     unknown = [n for n in keep_8bit if n not in parts or n.split(":")[0] in exclude]
     if unknown:
         raise ValueError(f"8-bit {unknown[0]!r} is not a MatMul with a constant weight that is quantized")
@@ -410,7 +411,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
         finally:
             spill.close()
         quantized = sum(n.op_type == "MatMulNBits" for n in graph.node)
-        split = HEAD in candidates and HEAD not in exclude and (HEAD in keep_8bit) != (HEAD_FREQUENT in keep_8bit)
+        split = HEAD in candidates and HEAD not in exclude and len(set(head_8bit(keep_8bit))) == 2
         assert quantized == len(candidates) - len(exclude) + split, (
             f"{quantized} MatMulNBits for {len(candidates) - len(exclude)} quantizable MatMuls")
         if scales is not None:
@@ -472,10 +473,12 @@ def _quantize_nodes(graph: Any, base: Path, weights: dict[str, Any], inits: dict
                 return int4_blocks.matmul_nbits(part, tensor, k, n, cols, a, block=block_size, bits=4,
                                                 accuracy_level=accuracy_level, chunk_bytes=CHUNK_BYTES, spill=spill)
             return _quantize_matmul(quantizer, part, tensor, k, n, cols, chunked=algorithm == "rtn", spill=spill)
-        if node.name == HEAD and (HEAD in keep_8bit) != (HEAD_FREQUENT in keep_8bit):
-            made_nodes, made = _split_head(node, name, n, cols, one, HEAD_FREQUENT in keep_8bit, HEAD in keep_8bit)
+        frequent_8bit, rest_8bit = head_8bit(keep_8bit)
+        if node.name == HEAD and frequent_8bit != rest_8bit:
+            made_nodes, made = _split_head(node, name, n, cols, one, frequent_8bit, rest_8bit)
         else:
-            made_nodes, made = one(node, name, n, cols, node.name in keep_8bit)
+            made_nodes, made = one(node, name, n, cols, node.name in keep_8bit or
+                                   (node.name == HEAD and frequent_8bit and rest_8bit))
         nodes += made_nodes
         graph.initializer.extend(made)
     graph.ClearField("node")

@@ -187,6 +187,7 @@ MASKS = [
     (re.compile(r"(?<![\d.])(?!100\.0%)\d+\.\d+%"), "<pct>"),  # agreement rates: all (100.0%) is kept
     (re.compile(r"\b(\d+)/(\d+) steps\b"), _steps_count),
     (re.compile(r"\b(\d+\.\d{2})\d+\b"), r"\1"),  # long floats to 2 decimals (cosines, KL, perplexity)
+    (re.compile(r"^\s*-{3,}(\s+-{3,})*\s*$"), "<rule>"),  # a table's rule: its widths follow the values
     (re.compile(r"[ \t]+"), " "),  # column widths follow the values
 ]
 # int4 on tiny's random weights: every figure hangs on the CPU's int8 kernels (accuracy level 4), so on these lines
