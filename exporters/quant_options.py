@@ -45,6 +45,13 @@ def matrix_label(node: str) -> str:
     return f"{label} ({HEAD_PARTS[node]})" if part else label
 
 
+def matrix_labels(nodes: list[str]) -> list[str]:
+    """matrix_label of each, a head whose two parts are both there named once, whole."""
+    whole = all(part in nodes for part in HEAD_PARTS)
+    out = [matrix_label(HEAD if whole and n in HEAD_PARTS else n) for n in nodes]
+    return list(dict.fromkeys(out))
+
+
 def head_8bit(keep_8bit: tuple[str, ...] | list[str]) -> tuple[bool, bool]:
     """(the head's first rows 8-bit, its other rows 8-bit) under keep_8bit: HEAD names both."""
     whole = HEAD in keep_8bit

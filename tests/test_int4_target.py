@@ -462,3 +462,15 @@ def test_the_head_parts_sensitivities_add_up_to_the_whole_head(tmp_path):
     assert set(whole) == {HEAD} and set(split) == set(HEAD_PARTS)
     assert split[HEAD_REST] > 0 and split[HEAD_FREQUENT] > 0
     assert split[HEAD_REST] + split[HEAD_FREQUENT] == pytest.approx(whole[HEAD], rel=1e-6)
+
+
+def test_kept_matrices_are_labelled_as_a_reader_names_them():
+    """The export's kept line: module paths without the graph's prefixes; a head kept in one part says which rows,
+    both parts say the head once."""
+    from llama_tools.exporters.quant_options import matrix_labels
+
+    down = "/model/layers.3/mlp/down_proj/MatMul"
+    assert matrix_labels([down, HEAD_FREQUENT]) == ["layers.3/mlp/down_proj", "lm_head (first rows)"]
+    assert matrix_labels([HEAD_REST]) == ["lm_head (other rows)"]
+    assert matrix_labels([HEAD_REST, down, HEAD_FREQUENT]) == ["lm_head", "layers.3/mlp/down_proj"]
+    assert matrix_labels([HEAD]) == ["lm_head"]

@@ -15,7 +15,7 @@ from ..outputs.paths import stream_fd
 from ..outputs.tables import render
 from ..exporters.preflight import SINGLE_FILE_MAX_BYTES
 from ..exporters.quant_options import (
-    ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, DEFAULT_TARGET, INT4_ALGORITHMS, QUANTIZE, SEARCHED, matrix_label)
+    ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, DEFAULT_TARGET, INT4_ALGORITHMS, QUANTIZE, SEARCHED, matrix_labels)
 from ..outputs.progress import peak_rss_bytes, terminal
 
 from .app import cli
@@ -141,8 +141,9 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
         rows.append(("int4", f"{q.quantized} MatMulNBits, {q.ratio:.2f}x the bytes"))
     if rep.target:
         t = rep.target
-        kept = ", ".join(matrix_label(n) for n in t.kept_8bit[:4])
-        more = f", ... ({len(t.kept_8bit) - 4} more)" if len(t.kept_8bit) > 4 else ""
+        labels = matrix_labels(t.kept_8bit)
+        kept = ", ".join(labels[:4])
+        more = f", ... ({len(labels) - 4} more)" if len(labels) > 4 else ""
         of = ("round-to-nearest int4's", t.baseline_kl) if t.baseline_kl is not None else \
             ("the all-int4 graph's", t.all_int4_kl)
         goal = (f"mean KL <= {t.max_kl:.4f} nats (" + (f"the lower of {t.nats:g} nats and " if t.nats else "")
