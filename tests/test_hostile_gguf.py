@@ -106,11 +106,15 @@ def base(tmp_path_factory) -> tuple[bytes, dict[str, Field]]:
     return blob, fields
 
 
-def write_plain(path: Path, alignment: tuple[str, int] | None, big_endian: bool = False) -> Path:
-    """A tiny llama GGUF of ones whose general.alignment is written as ("u32" | "u64" | "custom", value)."""
+def write_plain(path: Path, alignment: tuple[str, int] | None, big_endian: bool = False,
+                u64: dict[str, int] | None = None) -> Path:
+    """A tiny llama GGUF of ones whose general.alignment is written as ("u32" | "u64" | "custom", value); u64:
+    keys written as uint64 in place of what llama.cpp's converter writes."""
     cfg = tiny_cfg(tied=True)
     w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE)
     add_llama_hparams(w, cfg)
+    for key, value in (u64 or {}).items():
+        w.add_uint64(key, value)  # the writer replaces the key's u32: a uint64 size is as valid a GGUF
     if alignment is not None:
         kind, value = alignment
         if kind == "custom":
@@ -188,6 +192,9 @@ CASES.update({
     "head_count 0": (_set("value llama.attention.head_count", 0), ("llama.attention.head_count", "0")),
     "feed_forward_length": (_set("value llama.feed_forward_length", 100),
                             ("llama.feed_forward_length", "100", "blk.0.ffn_gate.weight", "96")),
+    # numbers no tensor's shape checks: bounded as config.json's are (SIZE_LIMITS; the sizes: test_sizes_...)
+    "eos id 2^32-1": (_set("value tokenizer.ggml.eos_token_id", 2**32 - 1),
+                      ("tokenizer.ggml.eos_token_id", "4,294,967,295", "2,147,483,647")),
     "a size stored as a float": (_set("value type llama.embedding_length", 6), ("llama.embedding_length", "whole")),
     "architecture not UTF-8": (lambda b, f: b.replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama",
                                                       b"\x05\x00\x00\x00\x00\x00\x00\x00\xffllam", 1),
@@ -385,3 +392,20 @@ def test_without_its_hooks_the_librarys_own_reader_is_caught_at_our_boundary(bas
             assert_refused(["count-params", str(path)], path, ("not a readable GGUF file",))
     finally:
         gguf_read._open.cache_clear()
+
+
+
+@pytest.mark.parametrize("key, value, bound", [("llama.context_length", 2**62, "max_position_embeddings"),
+                                               ("llama.attention.sliding_window", 2**41, "sliding_window")])
+def test_sizes_no_tensor_checks_are_bounded_as_a_configs(key, value, bound, tmp_path):
+    """A uint64 size over SIZE_LIMITS (the bound config.json's get) is refused in one line naming the key, the value
+    and the bound; the same file with the size in bounds is counted (the check can pass)."""
+    from llama_tools.modeling.config import SIZE_LIMITS
+
+    for d in ("big", "ok"):
+        (tmp_path / d).mkdir()
+    path = write_plain(tmp_path / "big" / "model.gguf", None, u64={key: value})
+    assert_refused(["count-params", str(path)], path, (key, f"{value:,}", f"{SIZE_LIMITS[bound]:,}"))
+    r = CliRunner().invoke(cli, ["count-params", str(write_plain(tmp_path / "ok" / "model.gguf", None,
+                                                                 u64={key: 4096}))])
+    assert r.exit_code == 0, r.output

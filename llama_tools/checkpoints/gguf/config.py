@@ -5,11 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...modeling.config import ModelConfig, RopeScaling
+from ...modeling.config import INT64_MAX, SIZE_LIMITS, ModelConfig, RopeScaling
 from ...modeling.families import FAMILIES, FULL, SLIDING
 from .architectures import ARCHITECTURES, MOE_FAMILY, ROPE_FREQS
 from .read import UnmodelledGguf, field_value, meta_value
 from .rope_freqs import llama3_scaling, rope_freqs_tensor
+
+
+# <arch>.* keys -> the SIZE_LIMITS entry that bounds them (those the tensors' shapes do not: check_metadata).
+LIMIT_OF = {"context_length": "max_position_embeddings", "rope.scaling.original_context_length":
+            "original_max_position_embeddings", "attention.sliding_window": "sliding_window",
+            "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
+            "embedding_length": "hidden_size", "feed_forward_length": "intermediate_size",
+            "expert_feed_forward_length": "intermediate_size", "attention.head_count": "num_attention_heads",
+            "attention.head_count_kv": "num_key_value_heads", "attention.key_length": "head_dim",
+            "rope.dimension_count": "head_dim", "vocab_size": "vocab_size", "block_count": "num_hidden_layers"}
 
 
 def gguf_config(reader: Any, path: Path) -> ModelConfig:
@@ -24,6 +34,10 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         v = meta_value(reader, path, f"{arch}.{key}", kind, default)
         if v is None and required:
             raise ValueError(f"{path}: GGUF metadata has no {arch}.{key}")
+        limit = SIZE_LIMITS.get(LIMIT_OF.get(key, ""), INT64_MAX)
+        if kind is int and v is not None and v > limit:  # as config.json's sizes are bounded (config_files)
+            raise ValueError(f"{path}: GGUF metadata {arch}.{key} is {v:,}, over the {limit:,} llama-tools reads "
+                             f"(far past any published model); is the file damaged?")
         return v
 
     a = ARCHITECTURES[arch]
@@ -58,6 +72,10 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
                               original_max_position_embeddings=get("rope.scaling.original_context_length", int,
                                                                    8192, required=False))
     bos, eos, pad = (meta_value(reader, path, f"tokenizer.ggml.{k}_token_id", int) for k in ("bos", "eos", "padding"))
+    for k, v in (("bos", bos), ("eos", eos), ("padding", pad)):
+        if v is not None and v > SIZE_LIMITS["token_id"]:
+            raise ValueError(f"{path}: GGUF metadata tokenizer.ggml.{k}_token_id is {v:,}, over the "
+                             f"{SIZE_LIMITS['token_id']:,} an id may be; is the file damaged?")
     import numpy as np
 
     layers = get("block_count", int)  # check_metadata: as many as the file holds blk.N. tensors of
