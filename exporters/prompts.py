@@ -159,12 +159,22 @@ def past_the_window(inputs: Inputs, tok: Any, vocab_size: int, length: int, seed
     return Inputs(inputs.rows + [row], inputs.what + f", and a row of {length} tokens past the sliding window")
 
 
-# What `export --quantize int4` scores on the spot (real English, ~100 tokens for a BPE vocabulary): a trained
-# model's int4 error shows on real text, where random ids hide it (SmolLM2: KL 0.39 nats on text).
+# What `export --quantize int4` scores on the spot and `verify int4` by default (real English and code, ~250 tokens
+# for a BPE vocabulary): a trained model's int4 error shows on real text, where random ids hide it (SmolLM2: KL 0.39
+# nats on text). Its length is what the perplexity change's standard error asks: on SmolLM2-135M's int4, one token
+# moved 2.6 nats, and the change read +10.8% +/- 5.5% on the first 78 tokens, +4.1% +/- 2.7% on all 252.
 QUALITY_TEXT = ("Paris is the capital and largest city of France. The river Seine flows through the city, and its "
                 "banks are lined with bridges, museums and bookstalls. Water boils at one hundred degrees Celsius at "
                 "sea level. In 1969, two astronauts walked on the Moon while a third orbited above them. def add(a, "
-                "b):\n    return a + b\n")
+                "b):\n    return a + b\n"
+                "\nThe human heart beats about one hundred thousand times a day. Its four chambers work in pairs: the "
+                "right side sends blood to the lungs, and the left side sends it to the rest of the body.\n\n"
+                "In the winter of 1776, George Washington led his army across the icy Delaware River and surprised the "
+                "troops camped at Trenton. The victory was small, but it restored the hopes of the revolution.\n\n"
+                "A prime number has exactly two divisors, one and itself. The first few are 2, 3, 5, 7, 11 and 13, and "
+                "Euclid proved that there is no largest one.\n\n"
+                "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+                "        self.items.append(item)\n")
 # `verify int4`'s start when none is given: QUALITY_TEXT's first sentence, the text itself scored.
 QUALITY_PROMPT = QUALITY_TEXT.split(". ")[0] + "."
 

@@ -21,6 +21,7 @@ one promise about the int4 graph; the quality target that chooses 8-bit matrices
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import warnings
@@ -594,6 +595,7 @@ class QuantParity:
     max_kl: float
     ppl_reference: float
     ppl_int4: float
+    ppl_change_se: float  # the standard error of ppl_change from its tokens' spread: what the text's length buys
     max_abs_logit_error: float  # for scale only: no fp32 bound applies
     thresholds: QuantThresholds
     failures: list[str] = field(default_factory=list)
@@ -628,12 +630,25 @@ def kl_and_ppl(ref_logits: np.ndarray, got_logits: np.ndarray, ids: np.ndarray) 
 
     ref_logits, got_logits: [seq, vocab]; ids: [seq]. Position t predicts ids[t + 1].
     """
+    kl, nll_r, nll_g = kl_and_nll(ref_logits, got_logits, ids)
+    return kl, float(np.exp(nll_r.mean())), float(np.exp(nll_g.mean()))
+
+
+def kl_and_nll(ref_logits: np.ndarray, got_logits: np.ndarray, ids: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-position KL(ref || got), and each side's negative log-likelihood of ids[t + 1], all [seq - 1]."""
     lr, lg = _log_softmax(ref_logits[:-1]), _log_softmax(got_logits[:-1])  # [seq - 1, vocab]
     kl = (np.exp(lr) * (lr - lg)).sum(-1)
     nxt = ids[1:]
-    nll_r = -lr[np.arange(len(nxt)), nxt].mean()
-    nll_g = -lg[np.arange(len(nxt)), nxt].mean()
-    return kl, float(np.exp(nll_r)), float(np.exp(nll_g))
+    return kl, -lr[np.arange(len(nxt)), nxt], -lg[np.arange(len(nxt)), nxt]
+
+
+def ppl_change_se(nll_ref: np.ndarray, nll_got: np.ndarray) -> float:
+    """The standard error of ppl_got / ppl_ref - 1 from the per-token log-likelihood changes (delta method)."""
+    d = nll_got - nll_ref  # [n]: the change's log is their mean
+    if len(d) < 2:
+        return float("nan")
+    return float(np.exp(d.mean()) * d.std(ddof=1) / math.sqrt(len(d)))
 
 
 def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt: list[int] | None = None,
@@ -727,7 +742,8 @@ def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt
     g = onnx_step(seq, lm.empty_cache(1), len(seq)).logits[0]  # [seq, vocab]
     with torch.no_grad():
         r = reference(torch.tensor([seq])).logits[0].numpy()
-    kl, ppl_r, ppl_g = kl_and_ppl(r, g, np.array(seq))
+    kl, nll_r, nll_g = kl_and_nll(r, g, np.array(seq))
+    ppl_r, ppl_g, se = float(np.exp(nll_r.mean())), float(np.exp(nll_g.mean())), ppl_change_se(nll_r, nll_g)
 
     top1 = agree / steps
     failures = []
@@ -736,13 +752,14 @@ def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt
     if float(kl.mean()) > thresholds.max_mean_kl:
         failures.append(f"mean KL {kl.mean():.4f} nats > {thresholds.max_mean_kl}")
     if abs(ppl_g / ppl_r - 1) > thresholds.max_ppl_change:
-        failures.append(f"perplexity change {ppl_g / ppl_r - 1:+.1%} beyond ±{thresholds.max_ppl_change:.0%}")
+        failures.append(f"perplexity change {ppl_g / ppl_r - 1:+.1%} beyond ±{thresholds.max_ppl_change:.0%} "
+                        f"(standard error {se:.1%} on {len(seq) - 1} predicted tokens)")
     if not np.isfinite(g).all():
         failures.append("NaN or Inf in the int4 logits")
     return QuantParity(
         onnx_path=str(onnx_path), steps=steps, top1_agreement=top1, free_run_same=same, reference_ids=ref_ids,
         int4_ids=int4_ids, sequence_length=len(seq), mean_kl=float(kl.mean()), max_kl=float(kl.max()),
-        ppl_reference=ppl_r, ppl_int4=ppl_g, max_abs_logit_error=float(np.abs(g - r).max()),
+        ppl_reference=ppl_r, ppl_int4=ppl_g, ppl_change_se=se, max_abs_logit_error=float(np.abs(g - r).max()),
         thresholds=thresholds, failures=failures,
         on=on or ("the given sequence" if sequence else "the prompt and fp32's greedy continuation"))
 

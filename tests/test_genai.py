@@ -256,6 +256,7 @@ def test_int4_parity_verdict_and_its_negative(tmp_path):
     assert p.thresholds == QuantThresholds()
     assert p.faithful, p.failures
     assert 0 < p.mean_kl < 0.05 and abs(p.ppl_change) < 0.05 and p.top1_agreement >= 0.7
+    assert 0 < p.ppl_change_se < 0.05  # the change's spread over its tokens, reported beside it
     assert p.max_abs_logit_error > 1e-2  # int4 is far outside the fp32 bound of 1e-4: judged on its own terms
     bad = decisive()
     with torch.no_grad():
@@ -265,6 +266,7 @@ def test_int4_parity_verdict_and_its_negative(tmp_path):
     quantize_int4(tmp_path / "bad.onnx", tmp_path / "bad4.onnx")
     q = measure_quant_parity(tmp_path / "bad4.onnx", good, steps=48)
     assert not q.faithful and q.mean_kl > p.mean_kl * 3 and q.ppl_change > 0.1, q.failures
+    assert any("perplexity change" in f and "standard error" in f for f in q.failures), q.failures
 
 
 def test_int4_of_a_static_graph_measures_the_same(tmp_path):

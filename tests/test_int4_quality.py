@@ -114,3 +114,26 @@ def test_bad_quantizer_options_are_one_line(argv, says, tmp_path):
     r = CliRunner().invoke(cli, ["export", "onnx", "tiny", "-o", str(tmp_path / "m.onnx"), *argv])
     assert r.exit_code != 0 and says in r.output and "Traceback" not in r.output, r.output
     assert not list(tmp_path.iterdir())  # nothing of ours left
+
+
+def test_the_perplexity_changes_standard_error_by_hand():
+    """ppl_change_se is the delta method's: exp(mean d) * sd(d) / sqrt(n) of the per-token NLL changes d."""
+    from llama_tools.exporters.quantize import kl_and_nll, kl_and_ppl, ppl_change_se
+
+    ref = np.zeros(3)
+    # d = [0, 0.2]: mean 0.1, sd (n - 1) 0.2 / sqrt(2), so SE = exp(0.1) * 0.1
+    assert ppl_change_se(ref[:2], np.array([0.0, 0.2])) == pytest.approx(np.exp(0.1) * 0.1, rel=1e-12)
+    assert ppl_change_se(ref[:2], np.array([0.3, 0.3])) == 0  # one shift on every token: no spread
+    # Four times the tokens with the same spread: half the error.
+    d = np.array([0.0, 0.2, 0.1, -0.1])
+    one, four = ppl_change_se(np.zeros(4), d), ppl_change_se(np.zeros(16), np.tile(d, 4))
+    assert four == pytest.approx(one / 2 * np.sqrt(3 / 15 * 4), rel=1e-12)  # sd(ddof=1) of 4 vs 16 copies
+    # kl_and_nll's NLLs are the ones kl_and_ppl's perplexities average.
+    rng = np.random.default_rng(0)
+    a, b, ids = rng.normal(size=(6, 11)), rng.normal(size=(6, 11)), rng.integers(0, 11, 6)
+    kl, nll_a, nll_b = kl_and_nll(a, b, ids)
+    assert kl.shape == nll_a.shape == (5,)
+    kl2, ppl_a, ppl_b = kl_and_ppl(a, b, ids)
+    assert np.array_equal(kl, kl2) and ppl_a == pytest.approx(np.exp(nll_a.mean()))
+    p = np.exp(a[2] - a[2].max()) / np.exp(a[2] - a[2].max()).sum()
+    assert nll_a[2] == pytest.approx(-np.log(p[ids[3]]))  # position 2 predicts ids[3]

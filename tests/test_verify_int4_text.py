@@ -58,7 +58,8 @@ def test_the_default_is_the_built_in_text(int4, tmp_path):
             for extra in ([], ["--prompt", QUALITY_PROMPT, "--text", str(text)])]
     default, by_hand = (json.loads(r.stdout) for r in runs)
     assert default["on"] == "a built-in English text" and by_hand["on"] == "quality.txt"
-    assert default["sequence_length"] == len(load_tokenizer(resolve("tiny")).encode(QUALITY_TEXT)) > 50
+    # tiny's small vocabulary makes the text longer than --max-tokens: its first 256 tokens are scored.
+    assert default["sequence_length"] == min(256, len(load_tokenizer(resolve("tiny")).encode(QUALITY_TEXT))) > 50
     for key in ("reference_ids", "int4_ids", "mean_kl", "top1_agreement", "ppl_reference"):
         assert default[key] == by_hand[key], key
 

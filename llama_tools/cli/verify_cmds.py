@@ -270,7 +270,8 @@ def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: 
             ("own greedy tokens equal fp32's", f"{rep.free_run_same}/{rep.steps} steps", ""),
             ("mean KL(fp32 || int4)", f"{rep.mean_kl:.4f} nats", f"<= {t.max_mean_kl} nats"),
             ("max KL", f"{rep.max_kl:.4f} nats", ""),
-            ("perplexity fp32 -> int4", f"{rep.ppl_reference:.3f} -> {rep.ppl_int4:.3f} ({rep.ppl_change:+.1%})",
+            ("perplexity fp32 -> int4", f"{rep.ppl_reference:.3f} -> {rep.ppl_int4:.3f} ({rep.ppl_change:+.1%} "
+                                         f"+/- {rep.ppl_change_se:.1%})",
              f"within +/-{t.max_ppl_change:.0%}"),
             ("max |logit error| (scale only)", f"{rep.max_abs_logit_error:.3g}", "no fp32 bound applies"),
             ("KL and perplexity on", f"{rep.on} ({rep.sequence_length} tokens)", "")]
