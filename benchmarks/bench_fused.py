@@ -5,6 +5,7 @@
 One seeded ~125M LLaMA (768 wide, 12 layers, 12 q / 4 kv heads of 64, vocab 32000, fp32), in one process:
   plain    exporters.onnx_export.export_onnx (Concat KV cache, our RoPE node)
   fused    exporters.fused.export_fused (GroupQueryAttention, packed QKV and gate/up, our RoPE node)
+  fused, RoPE in attention   the same with GroupQueryAttention's own rotary (--rope-op attention, the default)
   fused, contrib RoPE   the same with onnxruntime's com.microsoft.RotaryEmbedding on q and k
   int4     exporters.quantize.quantize_int4 of the fused graph (MatMulNBits, block 32, symmetric, accuracy 4)
   int4 asym  the same with zero points (to justify the symmetric default)
@@ -236,8 +237,11 @@ def main() -> None:
             print("exporters.fused not available: no fused rows")
         else:
             t = time.perf_counter()
-            export_fused(model, tmp / "fused/model.onnx")
+            export_fused(model, tmp / "fused/model.onnx", rope_op="llama_tools")
             fused = add("fused", tmp / "fused/model.onnx", t)
+            t = time.perf_counter()
+            export_fused(model, tmp / "attention/model.onnx", rope_op="attention")
+            add("fused, RoPE in attention", tmp / "attention/model.onnx", t, "GroupQueryAttention's do_rotary")
             t = time.perf_counter()
             export_fused(model, tmp / "contrib/model.onnx", rope_op="contrib")
             add("fused, contrib RoPE", tmp / "contrib/model.onnx", t, "onnxruntime's RotaryEmbedding")

@@ -5,6 +5,7 @@
 Variants, all exported into a temp dir from the same `load_model(cfg, seed=0)` weights, batch 1:
   - plain: export_onnx's graph (RoPE our op), fed numpy arrays (past grows by concatenation);
   - fused: export_fused's graph (GroupQueryAttention, packed MatMuls, Skip norms, our RoPE op), numpy feeds;
+  - fused attention-rope: the same with GroupQueryAttention's own rotary (the fused default);
   - fused contrib-rope: the same with com.microsoft.RotaryEmbedding;
   - fused static: export_fused(static_kv=seq + 8) driven by fused.StaticKVSession (IOBinding, one buffer per
     layer bound as past and present: GQA writes the new slot in place).
@@ -102,8 +103,9 @@ def measure(cfg: ModelConfig, *, threads: int = 2, seq: int = 128, rounds: int =
         t = time.perf_counter()
         plain = export_onnx(cfg, tmp / "plain.onnx", seed=seed)
         made.append(("plain", plain.path, plain.bytes, time.perf_counter() - t, None))
-        for name, kw in (("fused", {}), ("fused contrib-rope", {"rope_op": "contrib"}),
-                         ("fused static (IOBinding)", {"static_kv": slots})):
+        for name, kw in (("fused", {"rope_op": "llama_tools"}), ("fused attention-rope", {"rope_op": "attention"}),
+                         ("fused contrib-rope", {"rope_op": "contrib"}),
+                         ("fused static (IOBinding)", {"static_kv": slots, "rope_op": "llama_tools"})):
             t = time.perf_counter()
             res = export_fused(cfg, tmp / f"{name.split()[0]}-{len(made)}.onnx", seed=seed, **kw)
             made.append((name, res.path, res.bytes, time.perf_counter() - t, kw.get("static_kv")))

@@ -503,7 +503,7 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
 
     from llama_tools.inference.reference import reference_model
 
-    from .parity import _channel_order, budget_for
+    from .parity import _channel_order, budget_for, keys_by_position
 
     start = time.perf_counter()
     meta = target.meta
@@ -526,6 +526,7 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
     truth_side, noise_side = LayerReference(ref.reader, torch.float64), LayerReference(ref.reader, ref.dtype)
     alt_side = LayerReference(ref.reader, ref.dtype, reassociated=True)  # a second correct implementation
     k_order = _channel_order(meta.rope_layout, ref.cfg.rope_layout, cfg.head_dim)
+    by_position = keys_by_position(meta, mask)  # keys rotated by slot turned back by their padding
     f64 = lambda t: t.to(torch.float64).numpy()  # noqa: E731
     graph_in = lambda t: t.to(torch.float32).numpy()  # noqa: E731  the graph's dtype rounding happens in the cast below
     laps: dict[str, float] = {"onnxruntime": 0.0, f"PyTorch {meta.dtype}": 0.0,
@@ -571,7 +572,7 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
         a_z, a_k, a_v = timed(alt_key, lambda: alt_side.layer(j, z_in, mask))
         t_z, t_k, t_v = timed("PyTorch float64", lambda: truth_side.layer(j, z, mask))
         assert b.presents is not None, "a layer block outputs its K and V"
-        gk, gv = got[b.presents[0]][..., k_order], got[b.presents[1]]
+        gk, gv = by_position(j, got[b.presents[0]])[..., k_order], got[b.presents[1]]
         t_z64_raw = f64(t_z)
         g_z, r_z64, a_z64, t_z64 = per_channel(hidden(got, b), t_z64_raw, valid, f64(r_z), f64(a_z))
         wide = once(lambda: [timed(wide_key, lambda: w.layer(j, z.to(torch.float32), mask)) for w in wide_sides])

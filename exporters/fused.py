@@ -14,11 +14,17 @@ in contrib_ops/cpu/bert/gqa_attention_base.h and group_query_attention_helper.h,
     end at the last slot in every row, so every row gets the full length and the padding is masked by
   - attention_bias [batch, 1, seq, total]: 0 where attention_mask is 1, the dtype's minimum where it is 0
     (the model's own mask value). Causality stays GQA's own.
-  - do_rotary = 0: q and k arrive rotated by our RoPE node, from the caller's position_ids (left padding:
-    real tokens counted). GQA's own position_ids input is not fed (it only serves its own rotary).
+  - rope_op "attention" (the default where head_dim % 16 == 0): do_rotary = 1, the model's cos/sin tables as
+    cos_cache/sin_cache, position_ids NOT fed: GQA then rotates each token by its cache slot (seqlens_k and
+    the sequence length), the same for every row's real tokens up to a row's padding. Scores see only
+    query-key distances, so outputs are the row's own; fed position_ids, its decode goes wrong (its cached
+    keys would mix slot and position). The cache holds keys rotated by slot: parity.keys_by_position turns
+    them back by each row's padding before comparing.
+  - any other rope_op: do_rotary = 0, q and k arrive rotated by a RoPE node from the caller's position_ids.
   - query = the packed QKV [b, s, (q + 2 kv heads) * head_dim] with key and value omitted (GQA's packed
-    form): our RoPE node rotates its q and k heads and passes v through unchanged (rotary_heads), so no
-    Split runs. onnxruntime's RotaryEmbedding has no such attribute: with it, q, k, v are split first.
+    form): GQA's rotary, or our RoPE node (it rotates the q and k heads and passes v through unchanged,
+    rotary_heads), so no Split runs. onnxruntime's RotaryEmbedding has no such attribute: with it, q, k, v are
+    split first. Qwen3 and Gemma 3 normalize q and k apart first, and GQA takes q, k, v apart.
   - past/present in BNSH [batch, kv_heads, slots, head_dim]; GQA writes the new keys at slots
     [total - seq, total) of every row. GQA needs head_dim % 8 == 0 (its own rotary would need % 16).
   - A prompt (seq > 1) continuing a non-empty cache needs batch 1 (GQA refuses otherwise); decode (seq = 1)
@@ -63,7 +69,7 @@ from .onnx_save import Rows
 from .preflight import DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD_BYTES, check_args
 
 GRAPH = "fused"  # the llama_tools.graph metadata value
-FUSED_ROPE_OPS = (rope_ops.OURS.name, "contrib")  # ops that take 3-D [b, s, heads*n6] input
+FUSED_ROPE_OPS = (rope_ops.OURS.name, "contrib", rope_ops.IN_ATTENTION.name)  # 3-D [b, s, heads*n6], or GQA's own
 GQA_HEAD_DIM_MULTIPLE = 8  # group_query_attention_helper: "head_size must be a multiple of 8"
 _IR = {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16,
        torch.int64: ir.DataType.INT64}
@@ -263,6 +269,7 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
     """Decoder j: (Zbar^j, Z^j) -> (Zbar^{j+1}, Z^{j+1}), the next norm fused with the residual add.
 
     zbar [b, s, n2] ──MatMul W_qkv [n2, q + 2 kv] (+ bias)──► qkv [b, s, q + 2 kv]
+    attention: qkv as it is (GQA rotates q and k: do_rotary, cos_cache, sin_cache)
     ours:    qkv ──RotaryEmbedding (num_heads q + 2 kv heads, rotary_heads q + kv)──► q, k rotated, v as it was
     contrib: qkv ──Split──► q, k, v;  q, k ──RotaryEmbedding (num_heads)──► rotated, still 3-D
     (packed qkv, or q, k, v; past K/V, seqlens_k, total, attention_bias) ──GroupQueryAttention──► u [b, s, q], K/V
@@ -303,6 +310,7 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
     w, b = linear("self_attn", ["q_proj", "k_proj", "v_proj"], cfg.qkv_bias)
     qkv = matmul("self_attn/qkv_proj", zbar, w, b)  # [b, s, q + 2 kv]
     interleaved = int(cfg.rope_layout == INTERLEAVED)
+    in_attention = rope_op == rope_ops.IN_ATTENTION.name
     if cfg.qk_norm:
         # Qwen3, Gemma 3: q and k apart, each head normalized over its n6 before RoPE, then rotated as 3-D heads.
         split = g.const(f"{attn}/qkv_split", [cfg.q_size, cfg.kv_size, cfg.kv_size], i64)
@@ -317,7 +325,9 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
             xn = g.op(npath, "SimplifiedLayerNormalization", [xh, _gain(g, cfg, read, shapes, norm)],
                       {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})
             x = g.op(npath, "Reshape", [xn, flat_shape], name="Reshape_flat")  # [b, s, h, d] -> [b, s, h d]
-            if rope_op == rope_ops.OURS.name:
+            if in_attention:  # GQA rotates it
+                qkv_in.append(x)
+            elif rope_op == rope_ops.OURS.name:
                 attrs = {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads}
                 qkv_in.append(g.op(attn, rope_ops.OP_TYPE, [x, position_ids, cos_cache, sin_cache], attrs,
                                    domain=rope_ops.DOMAIN, name=f"rope_{which}"))
@@ -326,6 +336,8 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
                                    {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads,
                                     "rotary_embedding_dim": cfg.head_dim}, domain=MS_DOMAIN, name=f"rope_{which}"))
         qkv_in.append(v)
+    elif in_attention:  # GQA rotates the q and k heads of the packed QKV itself
+        qkv_in = [qkv, None, None]
     elif rope_op == rope_ops.OURS.name:
         # One node rotates the q and k heads of the packed projection and passes v through; GQA takes it packed.
         attrs = {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": nq + 2 * nkv, rope_ops.ATTR_ROTARY_HEADS: nq + nkv}
@@ -339,7 +351,9 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
                        {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads, "rotary_embedding_dim": cfg.head_dim},
                        domain=MS_DOMAIN, name=f"rope_{which}") for which, x, heads in (("q", q, nq), ("k", k, nkv))]
         qkv_in.append(v)
-    gqa = {"num_heads": nq, "kv_num_heads": nkv, "do_rotary": 0}
+    gqa = {"num_heads": nq, "kv_num_heads": nkv, "do_rotary": int(in_attention)}
+    if in_attention:
+        gqa["rotary_interleaved"] = interleaved
     if cfg.query_pre_attn_scalar is not None:  # Gemma 2/3: scores / sqrt(query_pre_attn_scalar)
         gqa["scale"] = 1.0 / math.sqrt(cfg.query_pre_attn_scalar)
     if cfg.attn_logit_softcap is not None:  # Gemma 2: cap tanh(scores / cap), before the mask, as the model does
@@ -348,7 +362,8 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
         gqa["local_window_size"] = cfg.sliding_window
     u, present_k, present_v = g.op(
         attn, GQA,
-        [*qkv_in, past_k, past_v, seqlens_k, total, None, None, None, attention_bias],
+        [*qkv_in, past_k, past_v, seqlens_k, total, *((cos_cache, sin_cache) if in_attention else (None, None)), None,
+         attention_bias],
         gqa, domain=MS_DOMAIN,
         outputs=[None, out_names[1 + 2 * j], out_names[2 + 2 * j]])
     w, b = linear("self_attn", ["o_proj"], cfg.o_bias)
@@ -394,16 +409,33 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
 
 # --- The entry point -------------------------------------------------------------------------------------------
 
-def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rope_op: str = rope_ops.OURS.name,
-                 static_kv: bool | int = False, seed: int = 0, progress: Progress = silent,
-                 external_data_threshold_bytes: int = EXTERNAL_DATA_THRESHOLD_BYTES) -> ExportResult:
-    """Write the fused graph of a preset, config.json, checkpoint directory, ModelConfig or Llama (+ .data)."""
-    t0 = time.perf_counter()
-    output = Path(output)
+def default_rope_op(cfg: ModelConfig) -> str:
+    """The fused graph's RoPE: GQA's own rotary where its head size allows (no node of ours: SmolLM2-135M's int4
+    decoded at 11.6 ms a token against 14.5 with our node, onnxruntime-genai, one thread), else our node."""
+    return rope_ops.IN_ATTENTION.name if not cfg.head_dim % rope_ops.IN_ATTENTION_HEAD_DIM_MULTIPLE else rope_ops.OURS.name
+
+
+def check_rope_op(cfg: ModelConfig | None, rope_op: str) -> None:
+    """One-line ValueError when the fused graph cannot hold `rope_op` (for this model, when cfg is given)."""
     if rope_op not in FUSED_ROPE_OPS:
         raise ValueError(f"rope_op {rope_op!r} is not available in the fused graph; choose one of "
                          f"{', '.join(FUSED_ROPE_OPS)}")
-    dt, opset = check_args(dtype, rope_op, None)
+    if cfg is not None and rope_op == rope_ops.IN_ATTENTION.name and cfg.head_dim % rope_ops.IN_ATTENTION_HEAD_DIM_MULTIPLE:
+        raise ValueError(f"{cfg.name}: head_dim {cfg.head_dim}: GroupQueryAttention's own rotary needs a multiple of "
+                         f"{rope_ops.IN_ATTENTION_HEAD_DIM_MULTIPLE}; use --rope-op {rope_ops.OURS.name}")
+
+
+def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rope_op: str | None = None,
+                 static_kv: bool | int = False, seed: int = 0, progress: Progress = silent,
+                 external_data_threshold_bytes: int = EXTERNAL_DATA_THRESHOLD_BYTES) -> ExportResult:
+    """Write the fused graph of a preset, config.json, checkpoint directory, ModelConfig or Llama (+ .data).
+
+    rope_op: one of FUSED_ROPE_OPS, or None: default_rope_op(the model's config)."""
+    t0 = time.perf_counter()
+    output = Path(output)
+    if rope_op is not None:
+        check_rope_op(None, rope_op)  # by name, before any reading
+    dt, opset = check_args(dtype, rope_op or rope_ops.OURS.name, None)
     paths.check_output_path(output)
     torch_dtype = dtypes.to_torch(dt.name)
     if isinstance(source, (str, Path)):
@@ -424,6 +456,8 @@ def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rop
         read = lambda names: {n: state[n] for n in names}  # noqa: E731
         rows = lambda name, a, b: state[name][a:b]  # noqa: E731
         label, seed_used, params = weights.source, weights.seed, weights.params
+    rope_op = rope_op or default_rope_op(cfg)
+    check_rope_op(cfg, rope_op)
     max_length = _static_length(static_kv, cfg)
     model, recipes = build_graph(cfg, read, torch_dtype, rope_op, max_length, opset, rows)
     set_metadata(model, cfg, rope_op, dt.name, label, seed_used)

@@ -164,6 +164,9 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     t0 = time.perf_counter()
     output = Path(output)
     dt, opset = check_args(dtype, rope_op, opset)
+    if rope_ops.get_rope_op(rope_op).fused_only:
+        raise ValueError(f"rope_op {rope_op!r} is {rope_ops.get_rope_op(rope_op).display}: the plain graph has no "
+                         f"such attention; export the fused graph (--optimize) or choose another --rope-op")
     paths.check_output_path(output)
     paths.check_output_path(output.parent / (output.name + ".data"))
     if isinstance(source, (str, Path)):

@@ -34,6 +34,7 @@ from .foreign import GraphIO, check_matches, describe_graph, foreign_lm
 from .graph_meta import has_our_metadata, is_int4  # noqa: F401  (verdict, by_layer, quantize import them from here)
 from .onnx_export import ExportMetadata, export_onnx, read_metadata
 from .prompts import default_prompts, left_pad, positions
+from . import rope_ops
 from .runtime import OnnxLM, create_session
 
 
@@ -263,6 +264,7 @@ def _verify(onnx_path: Path, target: ParityTarget, prompts: list[list[int]] | No
     budget = budget or chosen
     # The K cache holds q/k rows in the weights' RoPE layout: compare the graph's in the reference's order.
     k_order = _channel_order(meta.rope_layout, ref_model.cfg.rope_layout, cfg.head_dim)
+    by_position = keys_by_position(meta, left_pad(prompts)[1])  # keys rotated by slot turned back by their padding
 
     ids, mask = left_pad(prompts)
     valid = mask.astype(bool)  # [batch, seq]
@@ -299,7 +301,8 @@ def _verify(onnx_path: Path, target: ParityTarget, prompts: list[list[int]] | No
     kv = lambda a: a.transpose(0, 2, 1, 3)  # noqa: E731  [batch, kv_heads, seq, n6] -> [batch, seq, kv_heads, n6]
     for i, ((gk, gv), (rk, rv), (ak, av), (tk, tv)) in enumerate(zip(got.presents, ref.presents, alt.presents,
                                                                      truth.presents)):
-        for w, (what, g, r, a, t) in enumerate((("key", gk[..., k_order], rk, ak, tk), ("value", gv, rv, av, tv))):
+        gk = by_position(i, gk)[..., k_order]
+        for w, (what, g, r, a, t) in enumerate((("key", gk, rk, ak, tk), ("value", gv, rv, av, tv))):
             c = judge(f"present.{i}.{what}", kv(g), (kv(r), kv(a)), kv(t), valid, meta.dtype, budget,
                       fallback=fallback(lambda tr, i=i, w=w: kv(tr.presents[i][w])))
             checks.append(c)
@@ -390,6 +393,28 @@ def _weight_bytes(onnx_path: Path) -> int:
     """Bytes of the graph's weights on disk (the file and its external data)."""
     data = onnx_path.parent / (onnx_path.name + ".data")
     return onnx_path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
+
+
+def keys_by_position(meta: ExportMetadata, mask: np.ndarray) -> Callable[[int, np.ndarray], np.ndarray]:
+    """(layer, present K [b, kv_heads, slots, n6]) -> the keys rotated by position, as the reference holds them.
+
+    A graph whose attention rotates (rope_op IN_ATTENTION) turns each key by its cache slot: a left-padded row's
+    by its padding more than its position. The scores are unchanged (they see only distances); the cache is
+    turned back here, row by row, before it is compared. Any other graph's keys are returned as they are.
+    """
+    if meta.rope_op != rope_ops.IN_ATTENTION.name:
+        return lambda layer, keys: keys
+    from llama_tools.modeling.model import layer_tables, rope_tables_of
+
+    cfg = meta.config
+    pads = (np.cumsum(mask, axis=1) == 0).sum(axis=1)  # [b]: the zeros before a row's first token
+    tables = rope_tables_of(cfg, length=int(pads.max()) + 1)
+    assert tables is not None, "a graph whose attention rotates has RoPE tables"
+
+    def turned_back(layer: int, keys: np.ndarray) -> np.ndarray:
+        cos, sin = layer_tables(tables, cfg.slides(layer))
+        return rope_ops.unrotate_slots(keys, pads, cos.numpy(), sin.numpy(), meta.rope_layout == INTERLEAVED)
+    return turned_back
 
 
 def _channel_order(graph_layout: str, ref_layout: str, head_dim: int) -> np.ndarray:

@@ -27,6 +27,7 @@ from llama_tools.outputs import files, paths
 from llama_tools.outputs.progress import Progress, release_freed_memory, silent
 from llama_tools.checkpoints.source import ModelSource
 
+from . import rope_ops
 from .fused import check_fusable, export_fused
 from .genai import ClientFiles, plan_client_files
 from .onnx_export import ExportResult, export_onnx
@@ -54,7 +55,7 @@ class ExportReport:
         return self.quantized.bytes_after if self.quantized else self.result.bytes
 
 
-def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", rope_op: str = "llama_tools",
+def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", rope_op: str | None = None,
            optimize: bool = False, quantize: str | None = None, int4: dict[str, Any] | None = None,
            static_kv: int | None = None, seed: int = 0,
            client_files: bool = True, progress: Progress = silent,
@@ -80,11 +81,11 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
             if static_kv is not None:
                 raise
             notes.append(f"{e}: wrote the plain graph")
-    kwargs = dict(dtype=dtype, rope_op=rope_op, seed=seed, progress=progress)
+    kwargs = dict(dtype=dtype, seed=seed, progress=progress)
 
-    def write_graph(path: Path) -> ExportResult:
-        return (export_fused(source, path, static_kv=static_kv or False, **kwargs) if graph == "fused"
-                else export_onnx(source, path, say=say, **kwargs))
+    def write_graph(path: Path) -> ExportResult:  # rope_op None: each graph's default (fused.default_rope_op)
+        return (export_fused(source, path, static_kv=static_kv or False, rope_op=rope_op, **kwargs) if graph == "fused"
+                else export_onnx(source, path, say=say, rope_op=rope_op or rope_ops.OURS.name, **kwargs))
 
     chosen: list[Any] = []  # what a --max-kl target chose (int4_target.TargetResult)
 

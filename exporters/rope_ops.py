@@ -34,6 +34,7 @@ class RopeOp:
     min_opset: int
     fp32_tables: bool  # cos/sin stay fp32 in a half-precision graph (else the activations' type)
     help: str
+    fused_only: bool = False  # no node of its own: only the fused graph's attention can hold it
 
 
 ROPE_OPS: dict[str, RopeOp] = {op.name: op for op in [
@@ -41,8 +42,36 @@ ROPE_OPS: dict[str, RopeOp] = {op.name: op for op in [
            "our node, with its ONNX function body: any onnxruntime runs it"),
     RopeOp("contrib", MS_DOMAIN, f"{MS_DOMAIN}.{OP_TYPE}", 18, False, "onnxruntime's fused contrib op"),
     RopeOp("onnx", "", f"{OP_TYPE} (opset 23)", 23, False, "the standard op of opset 23"),
+    RopeOp("attention", MS_DOMAIN, f"{MS_DOMAIN}.GroupQueryAttention (do_rotary)", 18, False,
+           "onnxruntime's attention rotates q and k itself, the fused graph's default (its cache holds keys rotated "
+           "by slot)", fused_only=True),
 ]}
 OURS = ROPE_OPS["llama_tools"]
+IN_ATTENTION = ROPE_OPS["attention"]
+IN_ATTENTION_HEAD_DIM_MULTIPLE = 16  # GroupQueryAttention's rotary: "head_size shall be a multiple of 16"
+
+
+def unrotate_slots(keys: "np.ndarray", offsets: "np.ndarray", cos: "np.ndarray", sin: "np.ndarray",
+                   interleaved: bool) -> "np.ndarray":
+    """Keys rotated by their cache slot (IN_ATTENTION) -> rotated by their position: each row turned back by its
+    left padding. keys [b, kv_heads, slots, n6]; offsets [b] (a row's padding); cos, sin [max_pos, n6/2].
+
+    RoPE's angles are linear in the position (i θ_t, scaled or not), so R(pad + i) = R(pad) R(i), and R(-pad)
+    undoes the padding's share exactly (in float64).
+    """
+    import numpy as np
+
+    c = np.asarray(cos, np.float64)[offsets][:, None, None, :]  # [b, 1, 1, n6/2]
+    s = -np.asarray(sin, np.float64)[offsets][:, None, None, :]  # sin(-a) = -sin(a)
+    k = np.asarray(keys, np.float64)
+    if interleaved:  # pairs (x0, x1), (x2, x3), ...
+        x0, x1 = k[..., 0::2], k[..., 1::2]
+        out = np.empty_like(k)
+        out[..., 0::2], out[..., 1::2] = x0 * c - x1 * s, x1 * c + x0 * s
+        return out
+    half = k.shape[-1] // 2  # HF's half split: (x_t, x_{t + n6/2})
+    x0, x1 = k[..., :half], k[..., half:]
+    return np.concatenate([x0 * c - x1 * s, x1 * c + x0 * s], axis=-1)
 
 
 def get_rope_op(name: str) -> RopeOp:

@@ -18,7 +18,7 @@ from llama_tools.exporters.fused import FUSED_ROPE_OPS, StaticKVSession, check_f
 from llama_tools.exporters.graph_io import io_names
 from llama_tools.exporters.onnx_export import read_metadata
 from llama_tools.exporters.compare import TOLERANCES, compare
-from llama_tools.exporters.parity import resolve_target, verify_parity
+from llama_tools.exporters.parity import keys_by_position, resolve_target, verify_parity
 from llama_tools.exporters.prompts import left_pad, positions
 from llama_tools.exporters.rope_ops import DOMAIN, OP_TYPE, rope_function
 from llama_tools.exporters.runtime import OnnxLM, create_session
@@ -63,13 +63,15 @@ def reference(model, ids, mask, pos, past=None):
                      past_key_values=past)
 
 
-def check_step(name, got_logits, got_presents, ref, valid):
-    """Shapes first, then logits and every present K/V at the valid positions, within the fp32 tolerance."""
+def check_step(name, got_logits, got_presents, ref, valid, turn_back=lambda layer, keys: keys):
+    """Shapes first, then logits and every present K/V at the valid positions, within the fp32 tolerance.
+
+    turn_back: (layer, K) -> K rotated by position (parity.keys_by_position), for a graph that rotates by slot."""
     assert got_logits.shape == tuple(ref.logits.shape) and got_logits.dtype == np.float32
     checks = [compare(f"{name} logits", got_logits, ref.logits.numpy(), valid[:, -got_logits.shape[1]:], TOL,
                       logits=True)]
     for i, ((gk, gv), (rk, rv)) in enumerate(zip(got_presents, ref.past_key_values)):
-        for what, g, r in (("key", gk, rk), ("value", gv, rv)):
+        for what, g, r in (("key", turn_back(i, gk), rk), ("value", gv, rv)):
             g = g[:, :, :r.shape[2]]  # a static buffer's slots past the filled ones are not compared
             assert g.shape == tuple(r.shape), f"present.{i}.{what}: {g.shape} vs {tuple(r.shape)}"
             # [batch, kv_heads, seq, hd] -> [batch, seq, kv_heads, hd]: positions on axis 1 for the mask
@@ -91,10 +93,17 @@ def test_node_census(exports, rope_op):
     gqa = by_type[("com.microsoft", "GroupQueryAttention")]
     assert [x.name for x in gqa] == [f"/model/layers.{j}/self_attn/GroupQueryAttention" for j in range(n)]
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa[0].attribute}
-    assert attrs == {"num_heads": 4, "kv_num_heads": 2, "do_rotary": 0}  # RoPE is not GQA's
     def attr(node, name):
         return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
 
+    if rope_op == "attention":  # GQA rotates: no RoPE node; the packed QKV straight in, the tables as its caches
+        assert attrs == {"num_heads": 4, "kv_num_heads": 2, "do_rotary": 1, "rotary_interleaved": 0}
+        assert not {OP_TYPE} & {op for _, op in by_type}
+        assert [list(x.input[:3]) + list(x.input[7:10]) for x in gqa] == [
+            [f"/model/layers.{j}/self_attn/qkv_proj/MatMul/output_0", "", "", "cos_cache", "sin_cache", ""]
+            for j in range(n)]  # no position_ids: GQA places keys by slot (test_padded_prefill_and_decode_match_torch)
+    else:
+        assert attrs == {"num_heads": 4, "kv_num_heads": 2, "do_rotary": 0}  # RoPE is not GQA's
     if rope_op == "llama_tools":  # one node per layer: the q and k heads of the packed QKV, v passed through
         ropes = by_type[(DOMAIN, OP_TYPE)]
         assert [x.name for x in ropes] == [f"/model/layers.{j}/self_attn/rope_qk" for j in range(n)]
@@ -102,7 +111,7 @@ def test_node_census(exports, rope_op):
         assert [x.input[0] for x in ropes] == [f"/model/layers.{j}/self_attn/qkv_proj/MatMul/output_0" for j in range(n)]
         assert all(list(x.input[1:3]) == ["", ""] for x in gqa)  # GQA takes the rotated QKV packed
         assert ("", "Split") not in by_type or all("/mlp/" in x.name for x in by_type[("", "Split")])
-    else:  # onnxruntime's op rotates every head it is given: q and k split apart
+    elif rope_op == "contrib":  # onnxruntime's op rotates every head it is given: q and k split apart
         ropes = by_type[("com.microsoft", OP_TYPE)]
         assert [x.name for x in ropes] == [f"/model/layers.{j}/self_attn/rope_{w}" for j in range(n) for w in "qk"]
         assert [attr(x, "num_heads") for x in ropes] == [4, 2] * n
@@ -196,18 +205,26 @@ def test_rope_op_passes_the_heads_after_rotary_heads_through():
 def test_padded_prefill_and_decode_match_torch(model, exports, rope_op, layout):
     """A left-padded batch of two, prefill then 4 greedy steps through each side's cache: logits and every K/V."""
     m = model if layout == "half" else sharp(CFG.replace(rope_layout=layout))
-    run = lm(exports(rope_op, layout).path)
+    path = exports(rope_op, layout).path
+    run = lm(path)
     ids, mask = left_pad(PROMPTS)
     pos = positions(mask, ids.shape[1])
+    turn_back = keys_by_position(read_metadata(path), mask)  # GQA's own rotary turns keys by slot, not position
     got, ref = run(ids, mask, pos, run.empty_cache(2)), reference(m, ids, mask, pos)
-    checks = check_step("prefill", got.logits, got.presents, ref, mask.astype(bool))
+    checks = check_step("prefill", got.logits, got.presents, ref, mask.astype(bool), turn_back)
+    if rope_op == "attention":  # the padded row's keys as the cache holds them are not the model's: turned by slot
+        raw = check_step("prefill", got.logits, got.presents, ref, mask.astype(bool))
+        assert [c.name for c in raw if not c.passed] == [f"prefill present.{i}.key" for i in range(2)]
+        rows = check_step("row 0", got.logits[:1], [(k[:1], v[:1]) for k, v in got.presents],
+                          reference(m, ids[:1], mask[:1], pos[:1]), mask[:1].astype(bool))
+        assert all(c.passed for c in rows), rows  # the longest row has no padding: slot is position
     for step in range(4):
         tok = ref.logits[:, -1].argmax(-1).numpy()[:, None]  # [batch, 1]: the reference's greedy choice
         assert (got.logits[:, -1].argmax(-1) == tok[:, 0]).all(), f"step {step}: greedy choice differs"
         mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)  # [batch, past + 1]
         pos = positions(mask, 1)
         got, ref = run(tok, mask, pos, got.cache), reference(m, tok, mask, pos, ref.past_key_values)
-        checks += check_step(f"decode {step}", got.logits, got.presents, ref, mask.astype(bool))
+        checks += check_step(f"decode {step}", got.logits, got.presents, ref, mask.astype(bool), turn_back)
     bad = [c for c in checks if not c.passed]
     assert not bad, bad[0]
 
@@ -228,12 +245,13 @@ def test_architecture_variants_match_torch(changes, tmp_path):
         for name, p in m.named_parameters():
             if name.endswith(".bias"):
                 p.mul_(20)
-    run = OnnxLM(create_session(export_fused(m, tmp_path / "v.onnx").path, "cpu"),
-                 cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    path = export_fused(m, tmp_path / "v.onnx").path
+    run = OnnxLM(create_session(path, "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
     ids, mask = left_pad(PROMPTS)
     pos = positions(mask, ids.shape[1])
     got = run(ids, mask, pos, run.empty_cache(2))
-    checks = check_step("prefill", got.logits, got.presents, reference(m, ids, mask, pos), mask.astype(bool))
+    checks = check_step("prefill", got.logits, got.presents, reference(m, ids, mask, pos), mask.astype(bool),
+                        keys_by_position(read_metadata(path), mask))
     assert all(c.passed for c in checks), [c for c in checks if not c.passed][0]
 
 
@@ -533,3 +551,24 @@ def test_gpu_static_buffer_is_written_in_place_on_the_device(model, tmp_path):
         checks += check_step(f"decode {step}", got.logits, got.presents, ref, mask.astype(bool))
     assert [t.data_ptr() for kv in got.cache.values for t in kv] == buffers
     assert all(c.passed for c in checks), [c for c in checks if not c.passed][0]
+
+
+def test_keys_turned_by_slot_come_back_by_position():
+    """rope_ops.unrotate_slots: keys model.rope turned by pad + i, turned back by pad, are model.rope's at i."""
+    from llama_tools.exporters.rope_ops import unrotate_slots
+
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(3, 2, 7, 16, dtype=torch.float64, generator=gen)  # [b, kv_heads, slots, n6]
+    pads = np.array([0, 3, 5])
+    # A RoPE table is linear in the position (i θ_t): that is what lets R(pad + i) = R(pad) R(i).
+    angles = torch.outer(torch.arange(16, dtype=torch.float64), torch.rand(8, dtype=torch.float64, generator=gen) * 3)
+    pos = torch.arange(7).repeat(3, 1)  # [b, s]
+    for interleaved in (False, True):
+        by_slot = rope(k, pos + torch.from_numpy(pads)[:, None], angles.cos(), angles.sin(), interleaved)
+        want = rope(k, pos, angles.cos(), angles.sin(), interleaved)
+        got = unrotate_slots(by_slot.numpy(), pads, angles.cos().numpy(), angles.sin().numpy(), interleaved)
+        assert got.shape == want.shape and got.dtype == np.float64
+        np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-12)
+        assert not np.allclose(by_slot[1:].numpy(), want[1:].numpy(), atol=1e-3)  # the padded rows were turned
+        other = unrotate_slots(by_slot.numpy(), pads, angles.cos().numpy(), angles.sin().numpy(), not interleaved)
+        assert not np.allclose(other[1:], want[1:].numpy(), atol=1e-3)  # the wrong pairing does not undo it

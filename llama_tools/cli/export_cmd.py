@@ -40,7 +40,7 @@ def export() -> None:
                    f"OUTPUT.data beside it).")
 @click.option("--dtype", type=DTYPE_CHOICE, default=dtypes.FLOAT32.name, show_default=True,
               help="Element type of the graph's weights and activations.")
-@rope_op_option()
+@rope_op_option(fused=True)
 @click.option("--optimize", is_flag=True, help="The fused graph: GroupQueryAttention, packed QKV and gate/up "
                                                "MatMuls, Skip RMSNorms, our RoPE node (plain attention, with a note, "
                                                "where the fused ops cannot run the model).")
@@ -75,7 +75,7 @@ def export() -> None:
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Random init of a preset or config.json.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on the terminal.")
 @output_options(("table", "json"))
-def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bool, static_kv: int | None,
+def export_onnx(model: Any, output: Path, dtype: str, rope_op: str | None, optimize: bool, static_kv: int | None,
                 quantize: str | None, int4_block_size: int | None, int4_asymmetric: bool,
                 int4_accuracy_level: int | None, int4_algorithm: str | None, int4_keep: tuple[str, ...],
                 max_kl: str | None, no_client_files: bool, seed: int,
@@ -92,7 +92,7 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
       llama-tools export onnx ./tiny-hf -o int4/model.onnx --quantize int4
     """
     from ..exporters.preflight import check_args, check_output  # no torch: a refusal here is quick
-    from ..exporters.rope_ops import ROPE_OPS
+    from ..exporters.rope_ops import ROPE_OPS, OURS
 
     int4 = {k: v for k, v in (("block_size", int4_block_size), ("symmetric", False if int4_asymmetric else None),
                               ("accuracy_level", int4_accuracy_level), ("exclude", int4_keep or None),
@@ -102,7 +102,10 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str, optimize: bo
         raise click.UsageError("the --int4-* options go with --quantize int4")
     if int4_block_size is not None and int4_block_size & (int4_block_size - 1):
         raise click.BadParameter(f"{int4_block_size} is not a power of two", param_hint="--int4-block-size")
-    check_args(dtype, rope_op, None)
+    check_args(dtype, rope_op or OURS.name, None)
+    if rope_op is not None and ROPE_OPS[rope_op].fused_only and not (optimize or quantize or static_kv is not None):
+        raise click.UsageError(f"--rope-op {rope_op} is {ROPE_OPS[rope_op].display}: it needs the fused graph "
+                               f"(add --optimize)")
     if static_kv is not None and static_kv > model.cfg.max_position_embeddings:
         raise click.BadParameter(f"{static_kv} positions is more than {model.spec}'s context of "
                                  f"{model.cfg.max_position_embeddings} (its RoPE tables end there); give at most that",

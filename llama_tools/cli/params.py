@@ -193,11 +193,17 @@ DTYPE_CHOICE = Choice(dtypes.MODEL_DTYPES)
 SEED = click.IntRange(min=0, max=2**64 - 1)
 
 
-def rope_op_option(help_suffix: str = "") -> Callable:
+def rope_op_option(help_suffix: str = "", fused: bool = False) -> Callable:
+    """--rope-op from the registry; fused: the fused graph's ops offered too, and the default left to the graph."""
     from ..exporters.rope_ops import ROPE_OPS, OURS
 
-    lines = "; ".join(f"{op.name}: {op.display}, {op.help}" for op in ROPE_OPS.values())
-    return click.option("--rope-op", type=Choice(list(ROPE_OPS)), default=OURS.name, show_default=True,
+    ops = [op for op in ROPE_OPS.values() if fused or not op.fused_only]
+    lines = "; ".join(f"{op.name}: {op.display}, {op.help}" for op in ops)
+    if fused:
+        return click.option("--rope-op", type=Choice([op.name for op in ops]), default=None,
+                            help=lines + f" [default: {OURS.name} in the plain graph; in the fused graph, attention "
+                                         f"where the head size is a multiple of 16, else {OURS.name}]" + help_suffix)
+    return click.option("--rope-op", type=Choice([op.name for op in ops]), default=OURS.name, show_default=True,
                         help=lines + help_suffix)
 
 
