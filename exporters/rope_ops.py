@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from .graph_io import MS_DOMAIN
 
 if TYPE_CHECKING:  # onnx and torch load inside the functions: the CLI reads ROPE_OPS without them
+    import numpy as np
     import onnx
 
 DOMAIN = "llama_tools"
