@@ -4,9 +4,10 @@
                                    [--provider cuda|cpu]
 
 LLaMA-7B width (n2 4096, n7 11008, 32 heads, vocab 32000) with `--layers` decoders, seeded weights,
-exported once to a temp dir three ways: the plain graph (`export onnx`), the fused graph (`--optimize`:
-GroupQueryAttention, packed QKV, our RoPE node) and the fused graph with a static KV buffer (`--static-kv`,
-past and present one buffer per layer, written in place). Decode runs `--steps` greedy steps after a
+exported once to a temp dir four ways: the plain graph (`export onnx`), the fused graph (`--optimize`:
+GroupQueryAttention, packed QKV, the RoPE inside it), the same with our RoPE node (`--rope-op llama_tools`)
+and the fused graph with a static KV buffer (`--static-kv`, past and present one buffer per layer, written
+in place). Decode runs `--steps` greedy steps after a
 128-token prefill, the cache fed back each step: as OrtValues on the device (IOBinding,
 `exporters.runtime.OnnxLM(io="device")`), for the plain graph also as numpy (`io="numpy"`: the cache crosses
 to the host and back every step), and through PyTorch's own cache.
@@ -78,6 +79,7 @@ def main() -> int:
 
     import onnxruntime as ort
 
+    from llama_tools.exporters import rope_ops
     from llama_tools.exporters.fused import export_fused
     from llama_tools.exporters.onnx_export import export_onnx
     from llama_tools.modeling.presets import get_preset
@@ -113,6 +115,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
         graphs = {"plain": export_onnx(model, Path(tmp) / "plain.onnx", dtype=args.dtype).path,
                   "fused": export_fused(model, Path(tmp) / "fused.onnx", dtype=args.dtype).path,
+                  "fused, RoPE node": export_fused(model, Path(tmp) / "node.onnx", dtype=args.dtype,
+                                                   rope_op=rope_ops.OURS.name).path,
                   "fused, static KV": export_fused(model, Path(tmp) / "static.onnx", dtype=args.dtype,
                                                    static_kv=max(n, 128 + args.steps)).path}
         for name, path in graphs.items():
