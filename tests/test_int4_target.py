@@ -150,12 +150,12 @@ def test_cli_max_kl(tmp_path):
         assert not (tmp_path / "b").exists()
 
 
-# --- The default target: 0.1 nats or half round-to-nearest int4's KL, the lower, under 1.3x the int4 bytes -----
+# --- The default target: 0.1 nats or half round-to-nearest int4's KL, the lower, under 1.1x the int4 bytes -----
 
 def test_parse_max_kl():
     from llama_tools.exporters.quant_options import DEFAULT_TARGET, Int4Target, int4_target, parse_max_kl
 
-    assert parse_max_kl("auto") == DEFAULT_TARGET == Int4Target(max_kl=0.1, fraction=0.5, size_cap=1.3)
+    assert parse_max_kl("auto") == DEFAULT_TARGET == Int4Target(max_kl=0.1, fraction=0.5, size_cap=1.1)
     assert DEFAULT_TARGET.describe().startswith("mean KL <= the lower of 0.1 nats and 0.5x round-to-nearest")
     assert parse_max_kl("none") is None and parse_max_kl(" None ") is None
     assert parse_max_kl("0.1") == Int4Target(max_kl=0.1) and parse_max_kl(0.25) == Int4Target(max_kl=0.25)
@@ -239,22 +239,31 @@ def _default_export(src, out, int4=None):
 
 
 def test_the_default_on_a_seeded_model(tmp_path):
-    """No --max-kl: 0.1 nats or half round-to-nearest int4's KL, the lower, within 1.3x the int4 bytes, met on the
-    calibration text and on the held-out quality text; `none` is every matrix int4 (imatrix), the very graph the default started from."""
+    """No --max-kl: 0.1 nats or half round-to-nearest int4's KL, the lower, within 1.1x the int4 bytes; where the cap
+    binds (tiny: its error is spread thin), the closest graph within it, said not met. With room (1.3x) the target
+    is met on the calibration text and on the held-out quality text; `none` is every matrix int4 (imatrix), the
+    very graph the default started from."""
     from llama_tools.checkpoints.source import resolve
+    from llama_tools.exporters.quant_options import Int4Target
 
     src = resolve("tiny")
     rep = _default_export(src, tmp_path / "d" / "model.onnx")
     t = rep.target
-    assert t is not None and t.fraction == 0.5 and t.size_cap == 1.3 and t.nats == 0.1
+    assert t is not None and t.fraction == 0.5 and t.size_cap == 1.1 and t.nats == 0.1
     assert t.baseline_kl is not None and t.max_kl == pytest.approx(min(0.1, 0.5 * t.baseline_kl))
-    assert t.met and t.calibration_kl <= t.max_kl
-    assert rep.bytes <= 1.3 * t.rounds[0].bytes and t.kept_8bit == rep.quantized.kept_8bit
-    assert rep.quality.mean_kl <= t.max_kl  # held out: the quality line's text, in no calibration passage
+    assert rep.bytes <= 1.1 * t.rounds[0].bytes and t.kept_8bit == rep.quantized.kept_8bit
+    assert t.calibration_kl == min(r.measured_kl for r in t.rounds) < t.all_int4_kl  # the closest, and better
+    assert t.met == (t.calibration_kl <= t.max_kl)
     assert sorted(_as_planned(_bits(rep.path), 8)) == sorted(t.kept_8bit)
+    roomy = _default_export(src, tmp_path / "r" / "model.onnx",
+                            {"max_kl": Int4Target(max_kl=0.1, fraction=0.5, size_cap=1.3)})
+    r = roomy.target
+    assert r.met and r.calibration_kl <= r.max_kl and roomy.bytes <= 1.3 * r.rounds[0].bytes
+    assert roomy.quality.mean_kl <= r.max_kl  # held out: the quality line's text, in no calibration passage
+    assert roomy.bytes > rep.bytes  # the cap is what held the default back
     plain = _default_export(src, tmp_path / "p" / "model.onnx", {"max_kl": "none"})
     assert plain.target is None and plain.quantized.kept_8bit == [] and plain.bytes == t.rounds[0].bytes
-    assert plain.quality.mean_kl > t.max_kl  # the check can fail: all int4 does not meet the default's target
+    assert plain.quality.mean_kl > r.max_kl  # the check can fail: all int4 does not meet the target
     hqq = _default_export(src, tmp_path / "h" / "model.onnx", {"algorithm": "hqq"})
     assert hqq.target is None  # HQQ: every matrix int4 unless a target is asked for
 
@@ -285,7 +294,7 @@ def test_the_default_written_through_a_device(tmp_path):
     from llama_tools.cli import cli
 
     r = CliRunner().invoke(cli, ["export", "onnx", "tiny", "-o", "/dev/null", "--quantize", "int4", "-q",
-                                 "--format", "json"])
+                                 "--max-kl", "0.5x", "--format", "json"])  # no cap: met after a few graphs
     assert r.exit_code == 0, r.output
     t = json.loads(r.stdout)["int4_target"]
     assert t["fraction"] == 0.5 and t["met"] and len(t["rounds"]) >= 2
@@ -293,22 +302,27 @@ def test_the_default_written_through_a_device(tmp_path):
 
 @pytest.mark.slow
 def test_the_default_on_smollm2(smollm2_hf, tmp_path):
-    """SmolLM2-135M loses answers at all-int4 (held-out KL ~0.48): the default takes that to at most 0.1 nats (less
-    than half of it here) for at most 1.3x the bytes, meets its stated target on the held-out quality text, and keeps
-    the most KL per byte 8-bit."""
+    """SmolLM2-135M loses answers at all-int4 (held-out KL ~0.48): within 1.1x the int4 bytes (what bounds its
+    decode time) the default keeps the most KL per byte 8-bit, though the harder calibration text (three languages
+    and code) stays above 0.1 nats: said not met, the closest graph within the cap the answer."""
     from llama_tools.checkpoints.source import resolve
 
     rep = _default_export(resolve(str(smollm2_hf)), tmp_path / "d" / "model.onnx")
     t = rep.target
-    assert t.met and t.calibration_kl <= t.max_kl == pytest.approx(min(0.1, 0.5 * t.baseline_kl))
+    assert t.max_kl == pytest.approx(min(0.1, 0.5 * t.baseline_kl))
     assert 0.3 < t.baseline_kl < 1.0  # round to nearest really is off (the target is not trivially met)
     assert t.all_int4_kl < 0.75 * t.baseline_kl  # awq's scaled blocks alone come a good part of the way
-    assert rep.bytes <= 1.3 * t.rounds[0].bytes and 0 < len(t.kept_8bit) < len(t.sensitivity)
-    assert rep.quality.mean_kl <= t.max_kl, (rep.quality, t.max_kl)
-    # the most KL per byte first: fewer than half of the matrices carry most of the int4 error (measured: 45 of 122
-    # carry 64% of it)
+    chosen = t.rounds[t.chosen]
+    # measured: 0.126 against all-int4 0.224 on the calibration text
+    assert t.met == (chosen.measured_kl <= t.max_kl) and chosen.measured_kl < 0.7 * t.all_int4_kl
+    assert rep.bytes <= 1.1 * t.rounds[0].bytes and 0 < len(t.kept_8bit) < len(t.sensitivity)
+    # held out, English: below the calibration text's KL (measured 0.096 against 0.126; verify int4's FAITHFUL
+    # on it is the benchmark's to judge, 0.1 being too near to assert here)
+    assert rep.quality.mean_kl < 0.9 * t.calibration_kl, (rep.quality, t.calibration_kl)
+    # the most KL per byte first: a fifth of the matrices carry a good part of the int4 error (measured: 22 of 122,
+    # 0.1x the bytes, carry ~40% of it)
     share = sum(t.sensitivity[n] for n in t.kept_8bit) / sum(t.sensitivity.values())
-    assert len(t.kept_8bit) < len(t.sensitivity) / 2 and share > 0.5, (len(t.kept_8bit), share)
+    assert len(t.kept_8bit) < len(t.sensitivity) / 3 and share > len(t.kept_8bit) / len(t.sensitivity), share
 
 
 def test_the_head_is_read_in_chunks_without_changing_a_figure(monkeypatch):
