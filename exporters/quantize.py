@@ -600,6 +600,8 @@ class QuantParity:
     thresholds: QuantThresholds
     failures: list[str] = field(default_factory=list)
     on: str = ""  # what the fixed sequence is: a text's name, or the prompt and fp32's continuation
+    provider: str = "cpu"  # what ran the int4 graph: "cpu" or "cuda"
+    provider_note: str = ""  # one line: which provider ran and why
 
     @property
     def ppl_change(self) -> float:
@@ -653,12 +655,14 @@ def ppl_change_se(nll_ref: np.ndarray, nll_got: np.ndarray) -> float:
 
 def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt: list[int] | None = None,
                          sequence: list[int] | None = None, steps: int = 32,
-                         thresholds: QuantThresholds = QuantThresholds(), on: str | None = None) -> QuantParity:
+                         thresholds: QuantThresholds = QuantThresholds(), on: str | None = None,
+                         provider: str = "cpu") -> QuantParity:
     """The int4 graph against the fp32 PyTorch model (the graph's source, or `reference`, a Llama).
 
     prompt: where the greedy decode starts (default: 8 seeded ids). sequence: the fixed token sequence for KL
     and perplexity (default: the prompt followed by fp32's own greedy continuation of `steps` tokens, i.e. a
     text the reference model finds likely, so perplexity means something even for random weights).
+    provider: where onnxruntime runs the int4 graph (runtime.create_session's "auto", "cpu" or "cuda").
     """
     import torch
 
@@ -702,7 +706,7 @@ def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt
         reference = load_model(reference, dtype="float32", seed=meta.seed if meta is not None and meta.seed else 0)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    session = create_session(onnx_path, "cpu")
+    session = create_session(onnx_path, provider)
     lm = (foreign_lm(session, io, cfg) if io is not None
           else OnnxLM(session, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim))
     reference = reference.float().eval()
@@ -761,7 +765,8 @@ def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt
         int4_ids=int4_ids, sequence_length=len(seq), mean_kl=float(kl.mean()), max_kl=float(kl.max()),
         ppl_reference=ppl_r, ppl_int4=ppl_g, ppl_change_se=se, max_abs_logit_error=float(np.abs(g - r).max()),
         thresholds=thresholds, failures=failures,
-        on=on or ("the given sequence" if sequence else "the prompt and fp32's greedy continuation"))
+        on=on or ("the given sequence" if sequence else "the prompt and fp32's greedy continuation"),
+        provider=session.provider, provider_note=session.note)
 
 
 # The warning is on KL alone: top-1 flips on near-ties (the seeded tiny model: KL 0.0002 nats yet top-1 87%), while a

@@ -82,3 +82,30 @@ def test_no_tokenizer_means_seeded_ids(tmp_path):
     r = CliRunner().invoke(cli, ["verify", "int4", str(out), "--steps", "4", "--format", "json"])
     rep = json.loads(r.stdout)
     assert rep["on"] == "the prompt and fp32's greedy continuation" and rep["sequence_length"] == PROMPT_IDS + 4
+
+
+def test_the_provider_is_chosen_and_said(int4):
+    """--provider cpu runs the int4 graph there and says so; cuda where onnxruntime cannot run it is one line."""
+    from llama_tools.exporters.runtime import cuda_unusable
+
+    r = CliRunner().invoke(cli, ["verify", "int4", str(int4), "--steps", "2", "--provider", "cpu", "--format", "json"])
+    assert r.exit_code in (0, 1), r.output
+    rep = json.loads(r.stdout)
+    assert rep["provider"] == "cpu" and "CPU provider" in rep["provider_note"]
+    table = CliRunner().invoke(cli, ["verify", "int4", str(int4), "--steps", "2", "--provider", "cpu"])
+    assert "int4 graph on onnxruntime, CPU provider (asked for)" in table.output, table.output
+    if cuda_unusable() is not None:
+        r = CliRunner().invoke(cli, ["verify", "int4", str(int4), "--steps", "2", "--provider", "cuda"])
+        # before any weight is read: one line (bad input exits 1, as everywhere in the CLI), no verdict
+        assert r.exit_code == 1 and r.output.startswith("Error:") and len(r.output.strip().splitlines()) == 1
+        assert "Traceback" not in r.output and "--provider" in r.output and "FAITHFUL" not in r.output, r.output
+        assert "CUDA provider" in r.output and "use --provider cpu" in r.output, r.output
+
+
+@pytest.mark.gpu
+def test_gpu_int4_is_judged_on_cuda(int4):
+    """MatMulNBits (4- and 8-bit), GatherBlockQuantized and GQA's rotary on the CUDA provider: faithful, said so."""
+    r = CliRunner().invoke(cli, ["verify", "int4", str(int4), "--provider", "cuda", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["provider"] == "cuda" and rep["faithful"] and rep["mean_kl"] < 0.01, rep

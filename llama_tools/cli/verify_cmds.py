@@ -22,6 +22,11 @@ from .params import (
     size_words)
 
 
+# Where onnxruntime runs the graph, for both checks.
+provider_option = click.option("--provider", type=Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+                               help="auto: CUDA when a session really runs on it, else the CPU.")
+
+
 @cli.group(cls=Group, short_help="Check an ONNX export against PyTorch (parity, or int4 quality).")
 def verify() -> None:
     """Check an export against the PyTorch model.
@@ -49,8 +54,7 @@ def verify() -> None:
               help="Seed of --random-ids.")
 @click.option("--steps", type=click.IntRange(min=0), default=8, show_default=True,
               help="Greedy decode steps through the KV cache (whole-graph check).")
-@click.option("--provider", type=Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
-              help="auto: CUDA when a session really runs on it, else the CPU.")
+@provider_option
 @click.option("--dtype", type=DTYPE_CHOICE, default=dtypes.FLOAT32.name, show_default=True,
               help="When TARGET is a model exported on the fly.")
 @rope_op_option(" (when TARGET is a model exported on the fly)")
@@ -214,9 +218,10 @@ def parity_rows(rep: Any, all_layers: bool = False) -> list[dict[str, Any]]:
                    "prompt plus fp32's own greedy continuation].")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=256, show_default=True,
               help="How many tokens of --text to score.")
+@provider_option
 @output_options(("table", "json"))
 def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: str | None, text_file: Path | None,
-                max_tokens: int, fmt: str) -> None:
+                max_tokens: int, provider: str, fmt: str) -> None:
     """An int4 graph (export --quantize int4) against the fp32 model: top-1, KL and perplexity, never fp32 bounds.
 
     Exit 0 when it meets its own stated thresholds (faithful), 1 otherwise.
@@ -260,11 +265,19 @@ def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: 
         if sequence is None:
             sequence, on = text_ids, "a built-in English text"
     room.check(len(start) if start else PROMPT_IDS, steps)
+    if provider == "cuda":  # before any weight is read
+        from ..exporters.runtime import cuda_unusable
+
+        why = cuda_unusable()
+        if why is not None:
+            raise click.BadParameter(f"cuda: {why}; install onnxruntime-gpu or use --provider cpu",
+                                     param_hint="--provider")
     from ..exporters.quantize import measure_quant_parity  # numpy, torch and onnxruntime: the work itself
     from ..checkpoints.loading import load_model
 
     reference = load_model(source) if source is not None else None
-    rep = measure_quant_parity(target, reference, prompt=start, sequence=sequence, steps=steps, on=on)
+    rep = measure_quant_parity(target, reference, prompt=start, sequence=sequence, steps=steps, on=on,
+                               provider=provider)
     t = rep.thresholds
     rows = [("top-1 agreement (teacher-forced)", f"{rep.top1_agreement:.1%}", f">= {t.min_top1:.0%}"),
             ("own greedy tokens equal fp32's", f"{rep.free_run_same}/{rep.steps} steps", ""),
@@ -279,6 +292,7 @@ def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: 
         click.echo(render([], "json", json_payload=rep.to_dict()))
     else:
         click.echo(render([{"measure": a, "value": b, "threshold": c} for a, b, c in rows], "table", numparse=False))
+        click.echo(f"int4 graph on onnxruntime, {rep.provider_note}")
         click.echo("FAITHFUL" if rep.faithful else f"NOT FAITHFUL: {'; '.join(rep.failures)}")
     if not rep.faithful:
         sys.exit(1)
