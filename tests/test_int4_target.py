@@ -488,3 +488,15 @@ def test_kept_matrices_are_labelled_as_a_reader_names_them():
     assert matrix_labels([HEAD_REST]) == ["lm_head (other rows)"]
     assert matrix_labels([HEAD_REST, down, HEAD_FREQUENT]) == ["lm_head", "layers.3/mlp/down_proj"]
     assert matrix_labels([HEAD]) == ["lm_head"]
+
+
+def test_the_target_row_tells_a_miss_from_its_bound():
+    """The export's int4 target row: a KL that misses its bound never prints equal to it (tiny's are ~1e-4)."""
+    from llama_tools.cli.export_cmd import distinct
+
+    assert distinct(0.1, 0.1258) == ("0.1000", "0.1258")  # the usual four decimals
+    assert distinct(7.3178e-05, 1.21e-04) == ("7.32e-05", "0.000121")  # were 0.0001 and 0.0001
+    for bound, got in ((0.1, 0.10004), (7.3178e-05, 7.3179e-05), (0.5, 0.5 + 1e-12)):
+        x, y = distinct(bound, got)
+        assert x != y and float(x) <= bound < got and float(y) > bound, (x, y)
+    assert distinct(0.1, 0.1) == ("0.1000", "0.1000")

@@ -149,12 +149,13 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str | None, optim
         more = f", ... ({len(labels) - 4} more)" if len(labels) > 4 else ""
         of = ("round-to-nearest int4's", t.baseline_kl) if t.baseline_kl is not None else \
             ("the all-int4 graph's", t.all_int4_kl)
-        goal = (f"mean KL <= {t.max_kl:.4f} nats (" + (f"the lower of {t.nats:g} nats and " if t.nats else "")
-                + f"{t.fraction:g}x {of[0]} {of[1]:.4f}"
+        bound, got = distinct(t.max_kl, t.calibration_kl)
+        goal = (f"mean KL <= {bound} nats (" + (f"the lower of {t.nats:g} nats and " if t.nats else "")
+                + f"{t.fraction:g}x {of[0]} {distinct(of[1], of[1])[0]}"
                 + (f", within {t.size_cap:g}x its int4 bytes)" if t.size_cap else ")") if t.fraction
-                else f"mean KL <= {t.max_kl:g} nats")
+                else f"mean KL <= {bound} nats")
         rows.append(("int4 target", f"{goal} {'met' if t.met else 'NOT met'}: "
-                                    f"{t.calibration_kl:.4f} on {t.calibration_tokens} calibration tokens, "
+                                    f"{got} on {t.calibration_tokens} calibration tokens, "
                                     f"{len(t.rounds)} graph(s) tried"))
         rows.append(("kept 8-bit", f"{len(t.kept_8bit)} of {len(t.sensitivity)} matrices" + (f": {kept}{more}" if kept
                                                                                              else "")))
@@ -196,3 +197,11 @@ def export_phases(started: float, rep: Any) -> dict[str, float]:
     return phases
 
 
+def distinct(a: float, b: float) -> tuple[str, str]:
+    """Two KLs in nats, with the digits that tell them apart (a bound never prints equal to a value that misses it):
+    four decimals, or three significant digits below 0.01, more while they print alike."""
+    for digits in range(3, 10):
+        x, y = ((f"{v:.4f}" if v >= 0.01 and digits == 3 else f"{v:.{digits}g}") for v in (a, b))
+        if x != y or a == b:
+            return x, y
+    return repr(a), repr(b)
