@@ -202,6 +202,21 @@ def test_every_command_is_covered():
     assert {tuple(p) for p in leaves(cli, [])} == covered
 
 
+@pytest.mark.parametrize("args", [["verify", "parity", "tiny"], ["verify", "int4", "int4.onnx"]])
+def test_cuda_asked_where_onnxruntime_has_none_is_one_line_before_torch(args, graphs):
+    """--provider cuda on a machine whose onnxruntime cannot run it: one line naming the option, before torch (and
+    before onnxruntime could print its own warning for a provider it lacks)."""
+    from llama_tools.exporters.runtime import cuda_unusable
+
+    if cuda_unusable() is None:
+        pytest.skip("onnxruntime runs CUDA here: nothing to refuse")
+    out = probe(*args, "--provider", "cuda", cwd=graphs)
+    lines = out["stderr"].strip().splitlines()
+    assert out["code"] == 1 and len(lines) == 1 and lines[0].startswith("Error: "), out
+    assert "--provider" in lines[0] and "use --provider cpu" in lines[0], out
+    assert "torch" not in out["heavy"], out
+
+
 def test_export_refuses_to_overwrite_its_input_before_torch(tmp_path):
     """OUTPUT that is the checkpoint's own weights file: refused by the export's own pre-flight (preflight.py)."""
     assert probe("convert", "tiny", "ck", "--to", "hf", "--format", "json", cwd=tmp_path)["code"] in (0, None)

@@ -27,6 +27,17 @@ provider_option = click.option("--provider", type=Choice(["auto", "cpu", "cuda"]
                                help="auto: CUDA when a session really runs on it, else the CPU.")
 
 
+def check_provider(provider: str) -> None:
+    """--provider cuda where onnxruntime cannot run CUDA: one line, before any weight is read."""
+    if provider != "cuda":
+        return
+    from ..exporters.runtime import cuda_unusable
+
+    why = cuda_unusable()
+    if why is not None:
+        raise click.BadParameter(f"cuda: {why}; install onnxruntime-gpu or use --provider cpu", param_hint="--provider")
+
+
 @cli.group(cls=Group, short_help="Check an ONNX export against PyTorch (parity, or int4 quality).")
 def verify() -> None:
     """Check an export against the PyTorch model.
@@ -113,6 +124,7 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
     batch = [prompt_ids(room.source, t, None)[0] for t in prompts] if room.source is not None else None
     if mode != "layers":  # the layer-local check decodes nothing
         room.check(max([len(r) for r in [*(batch or []), *ids]], default=1), steps)  # a prompt has a token at least
+    check_provider(provider)
     if plot is not None:
         from ..reports.parity_plot import check_plot_path
 
@@ -265,13 +277,7 @@ def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: 
         if sequence is None:
             sequence, on = text_ids, "a built-in English text"
     room.check(len(start) if start else PROMPT_IDS, steps)
-    if provider == "cuda":  # before any weight is read
-        from ..exporters.runtime import cuda_unusable
-
-        why = cuda_unusable()
-        if why is not None:
-            raise click.BadParameter(f"cuda: {why}; install onnxruntime-gpu or use --provider cpu",
-                                     param_hint="--provider")
+    check_provider(provider)
     from ..exporters.quantize import measure_quant_parity  # numpy, torch and onnxruntime: the work itself
     from ..checkpoints.loading import load_model
 
