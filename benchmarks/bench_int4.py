@@ -353,7 +353,7 @@ def kernels() -> None:
 
     rng = np.random.default_rng(0)
     # int4 as the default export writes it (uint4 zero points); 8-bit symmetric, as matrices kept 8-bit are
-    kinds = {"int4 b32": (4, 32), "int8 b32": (8, 32), "int8 b128": (8, 128)}
+    kinds = {"int4 b32": (4, 32), "int4 b64": (4, 64), "int4 b128": (4, 128), "int8 b32": (8, 32), "int8 b128": (8, 128)}
     cold_bytes = 256 * 2**20  # past any CPU's last-level cache
     print("| K x N | " + " | ".join(f"{k} us (cached / from memory)" for k in kinds) +
           " | int8 b128 / int4, cached | from memory |")

@@ -103,18 +103,19 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
             if opts.get("algorithm", DEFAULT_ALGORITHM) in SEARCHED:  # their blocks fit the inputs' measured scale
                 from .int4_target import importance, quantize_nodes
 
-                ids = _calibration(source)
-                say(f"measuring each matrix's inputs on {len(ids)} calibration tokens")
-                opts["importance"] = importance(reference_model(source, seed=seed), ids, quantize_nodes(full, opts),
-                                                progress)
+                _, windows = _calibration(source)
+                say(f"measuring each matrix's inputs on {sum(map(len, windows))} calibration tokens")
+                opts["importance"] = importance(reference_model(source, seed=seed), windows,
+                                                quantize_nodes(full, opts), progress)
                 release_freed_memory()  # the streamed reference's layers are gone
             say("quantizing to int4 (MatMulNBits)")
             return quantize_int4(full, target, **opts)
 
         say(f"int4 to a quality target: {goal.describe()}")
-        ids = _calibration(source)
+        ids, windows = _calibration(source)
         made, how = quantize_to_target(full, target, reference_model(source, seed=seed), ids,
-                                       goal, opts, say=say, progress=progress, quantize=quantize_int4)
+                                       goal, opts, say=say, progress=progress, quantize=quantize_int4,
+                                       windows=windows)
         chosen.append(how)
         return made
 
@@ -158,16 +159,18 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
     return ExportReport(output, graph, result, quantized, clients, notes, quality, chosen[0] if chosen else None)
 
 
-def _calibration(source: ModelSource) -> list[int]:
-    """The built-in calibration passages as ids, the tokenizer dropped before the work that uses them (a
-    262,144-token vocabulary's holds 0.3 GB), or seeded ids when MODEL has none."""
+def _calibration(source: ModelSource) -> tuple[list[int], list[list[int]]]:
+    """(the built-in calibration passages as ids, the whole calibration corpus in windows), the tokenizer dropped
+    before the work that uses them (a 262,144-token vocabulary's holds 0.3 GB); seeded ids when MODEL has none."""
     from llama_tools.checkpoints.source import load_tokenizer
 
-    from .int4_target import calibration_ids
+    from .int4_target import calibration_ids, calibration_windows
 
-    ids, _ = calibration_ids(load_tokenizer(source), source.cfg.vocab_size)
+    tok = load_tokenizer(source)
+    (ids, _), (windows, _) = calibration_ids(tok, source.cfg.vocab_size), calibration_windows(tok, source.cfg.vocab_size)
+    del tok
     release_freed_memory()
-    return ids
+    return ids, windows
 
 
 def _quality(source: ModelSource, int4: Path, seed: int) -> QuickQuality:

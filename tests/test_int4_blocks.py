@@ -182,3 +182,69 @@ def test_the_export_measures_importance_and_the_graph_holds_the_emulation(tmp_pa
     held = ib.unpack(inits[nb.input[1]], inits[nb.input[2]], inits[nb.input[3]], bits=4, k=w.shape[1])
     np.testing.assert_array_equal(held, ib.fake_quant(torch.from_numpy(w.copy()), got[node]).numpy())
     assert not np.array_equal(held, ib.fake_quant(torch.from_numpy(w.copy()), None).numpy())  # the importance counted
+
+
+def test_importance_over_windows_is_the_mean_over_every_position(tmp_path, monkeypatch):
+    """Windows (each from position 0) batched, a few at a time: a_k is the mean of x_k^2 over every position of every
+    window, as the in-memory model sees each window run alone; the batch size changes nothing."""
+    from llama_tools.checkpoints.source import resolve
+    from llama_tools.exporters import int4_target
+    from llama_tools.exporters.fused import export_fused
+    from llama_tools.exporters.int4_target import HEAD, importance, quantize_nodes
+    from llama_tools.inference.reference import reference_model
+    from llama_tools.modeling.model import build_model
+
+    src = resolve("tiny")
+    full = tmp_path / "full.onnx"
+    export_fused("tiny", full)
+    nodes = quantize_nodes(full, {})
+    rng = np.random.default_rng(3)
+    windows = [rng.integers(3, src.cfg.vocab_size, 24).tolist() for _ in range(5)]
+    got = importance(reference_model(src), windows, nodes)
+    model = build_model(src.cfg, seed=0).eval()
+    sums: dict[str, torch.Tensor] = {}
+
+    def add(name: str, x: torch.Tensor) -> None:
+        sums[name] = sums.get(name, 0) + (x.double()[0] ** 2).sum(0)
+    hooks = [model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, i, o: add("down", i[0])),
+             model.model.norm.register_forward_hook(lambda m, i, o: add("head", o))]
+    with torch.no_grad():
+        for w in windows:  # each alone, from position 0
+            model(torch.tensor([w]))
+    for h in hooks:
+        h.remove()
+    n = sum(map(len, windows))
+    for node, name in (("/model/layers.1/mlp/down_proj/MatMul", "down"), (HEAD, "head")):
+        np.testing.assert_allclose(got[node].numpy(), (sums[name] / n).numpy(), rtol=2e-4, atol=1e-7)
+    monkeypatch.setattr(int4_target, "STREAM_BATCH_BYTES", 1)  # one window at a time
+    one = importance(reference_model(src), windows, nodes)
+    for node in got:
+        np.testing.assert_allclose(one[node].numpy(), got[node].numpy(), rtol=1e-5, atol=1e-9)
+    # negative: the first window alone is another measurement
+    first = importance(reference_model(src), windows[0], nodes)
+    assert not np.allclose(first[HEAD].numpy(), got[HEAD].numpy(), rtol=2e-4, atol=1e-7)
+
+
+def test_the_calibration_corpus_in_windows():
+    """Every built-in file is in the corpus; windows of WINDOW tokens from position 0, the last ending at its end."""
+    from importlib import resources
+
+    from llama_tools.checkpoints.source import load_tokenizer, resolve
+    from llama_tools.exporters.int4_target import MAX_WINDOWS, WINDOW, calibration_ids, calibration_windows
+    from llama_tools.exporters.prompts import PASSAGES
+
+    src = resolve("tiny")
+    tok = load_tokenizer(src)
+    windows, said = calibration_windows(tok, src.cfg.vocab_size)
+    folder = resources.files("llama_tools") / "data" / "calibration"
+    files = sorted(f for f in folder.iterdir() if f.name.endswith(".txt"))
+    assert len(files) >= 8
+    texts = [t for _, t in PASSAGES] + [f.read_text(encoding="utf-8") for f in files]
+    ids = tok.encode("\n\n".join(texts))
+    assert len(ids) > 8 * WINDOW  # far more than the sensitivity pass's 192 tokens
+    assert 1 < len(windows) <= MAX_WINDOWS and all(len(w) == WINDOW for w in windows)
+    assert windows[0] == ids[:WINDOW] and windows[1] == ids[WINDOW:2 * WINDOW]
+    assert windows[-1] == ids[-WINDOW:] or len(ids) > MAX_WINDOWS * WINDOW
+    assert f"{len(windows)} windows" in said
+    # the sensitivity pass's text is the corpus' start (the passages)
+    assert calibration_ids(tok, src.cfg.vocab_size)[0] == ids[:192]

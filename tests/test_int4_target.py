@@ -155,7 +155,7 @@ def test_cli_max_kl(tmp_path):
 def test_parse_max_kl():
     from llama_tools.exporters.quant_options import DEFAULT_TARGET, Int4Target, int4_target, parse_max_kl
 
-    assert parse_max_kl("auto") == DEFAULT_TARGET == Int4Target(max_kl=0.1, fraction=0.5, size_cap=1.1)
+    assert parse_max_kl("auto") == DEFAULT_TARGET == Int4Target(max_kl=0.1, fraction=0.5, size_cap=1.08)
     assert DEFAULT_TARGET.describe().startswith("mean KL <= the lower of 0.1 nats and 0.5x round-to-nearest")
     assert parse_max_kl("none") is None and parse_max_kl(" None ") is None
     assert parse_max_kl("0.1") == Int4Target(max_kl=0.1) and parse_max_kl(0.25) == Int4Target(max_kl=0.25)
@@ -239,7 +239,7 @@ def _default_export(src, out, int4=None):
 
 
 def test_the_default_on_a_seeded_model(tmp_path):
-    """No --max-kl: 0.1 nats or half round-to-nearest int4's KL, the lower, within 1.1x the int4 bytes; where the cap
+    """No --max-kl: 0.1 nats or half round-to-nearest int4's KL, the lower, within 1.08x the int4 bytes; where the cap
     binds (tiny: its error is spread thin), the closest graph within it, said not met. With room (1.3x) the target
     is met on the calibration text and on the held-out quality text; `none` is every matrix int4 (imatrix), the
     very graph the default started from."""
@@ -249,10 +249,11 @@ def test_the_default_on_a_seeded_model(tmp_path):
     src = resolve("tiny")
     rep = _default_export(src, tmp_path / "d" / "model.onnx")
     t = rep.target
-    assert t is not None and t.fraction == 0.5 and t.size_cap == 1.1 and t.nats == 0.1
+    assert t is not None and t.fraction == 0.5 and t.size_cap == 1.08 and t.nats == 0.1
     assert t.baseline_kl is not None and t.max_kl == pytest.approx(min(0.1, 0.5 * t.baseline_kl))
-    assert rep.bytes <= 1.1 * t.rounds[0].bytes and t.kept_8bit == rep.quantized.kept_8bit
+    assert rep.bytes <= t.size_cap * t.rounds[0].bytes and t.kept_8bit == rep.quantized.kept_8bit
     assert t.calibration_kl == min(r.measured_kl for r in t.rounds) < t.all_int4_kl  # the closest, and better
+    assert t.importance_tokens > t.calibration_tokens  # awq's inputs: the whole corpus
     assert t.met == (t.calibration_kl <= t.max_kl)
     assert sorted(_as_planned(_bits(rep.path), 8)) == sorted(t.kept_8bit)
     roomy = _default_export(src, tmp_path / "r" / "model.onnx",
@@ -302,7 +303,7 @@ def test_the_default_written_through_a_device(tmp_path):
 
 @pytest.mark.slow
 def test_the_default_on_smollm2(smollm2_hf, tmp_path):
-    """SmolLM2-135M loses answers at all-int4 (held-out KL ~0.48): within 1.1x the int4 bytes (what bounds its
+    """SmolLM2-135M loses answers at all-int4 (held-out KL ~0.48): within 1.08x the int4 bytes (what bounds its
     decode time) the default keeps the most KL per byte 8-bit, though the harder calibration text (three languages
     and code) stays above 0.1 nats: said not met, the closest graph within the cap the answer."""
     from llama_tools.checkpoints.source import resolve
@@ -313,14 +314,15 @@ def test_the_default_on_smollm2(smollm2_hf, tmp_path):
     assert 0.3 < t.baseline_kl < 1.0  # round to nearest really is off (the target is not trivially met)
     assert t.all_int4_kl < 0.75 * t.baseline_kl  # awq's scaled blocks alone come a good part of the way
     chosen = t.rounds[t.chosen]
-    # measured: 0.126 against all-int4 0.224 on the calibration text
+    # measured: 0.126 against all-int4 0.208 on the calibration text (inputs measured on 3,328 tokens of the corpus)
+    assert t.importance_tokens > 8 * t.calibration_tokens
     assert t.met == (chosen.measured_kl <= t.max_kl) and chosen.measured_kl < 0.7 * t.all_int4_kl
-    assert rep.bytes <= 1.1 * t.rounds[0].bytes and 0 < len(t.kept_8bit) < len(t.sensitivity)
-    # held out, English: below the calibration text's KL (measured 0.096 against 0.126; verify int4's FAITHFUL
+    assert rep.bytes <= t.size_cap * t.rounds[0].bytes and 0 < len(t.kept_8bit) < len(t.sensitivity)
+    # held out, English: below the calibration text's KL (measured 0.092 against 0.126; verify int4's FAITHFUL
     # on it is the benchmark's to judge, 0.1 being too near to assert here)
     assert rep.quality.mean_kl < 0.9 * t.calibration_kl, (rep.quality, t.calibration_kl)
-    # the most KL per byte first: a fifth of the matrices carry a good part of the int4 error (measured: 22 of 122,
-    # 0.1x the bytes, carry ~40% of it)
+    # the most KL per byte first: a few matrices carry a good part of the int4 error (measured: 17 of 122, 0.08x
+    # the bytes, carry ~40% of it)
     share = sum(t.sensitivity[n] for n in t.kept_8bit) / sum(t.sensitivity.values())
     assert len(t.kept_8bit) < len(t.sensitivity) / 3 and share > len(t.kept_8bit) / len(t.sensitivity), share
 

@@ -155,7 +155,9 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str | None, optim
                 + (f", within {t.size_cap:g}x its int4 bytes)" if t.size_cap else ")") if t.fraction
                 else f"mean KL <= {bound} nats")
         rows.append(("int4 target", f"{goal} {'met' if t.met else 'NOT met'}: "
-                                    f"{got} on {t.calibration_tokens} calibration tokens, "
+                                    f"{got} on {t.calibration_tokens} calibration tokens"
+                                    + (f" (inputs measured on {t.importance_tokens:,})" if t.importance_tokens else "")
+                                    + ", "
                                     f"{len(t.rounds)} graph(s) tried"))
         rows.append(("kept 8-bit", f"{len(t.kept_8bit)} of {len(t.sensitivity)} matrices" + (f": {kept}{more}" if kept
                                                                                              else "")))
