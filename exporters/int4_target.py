@@ -10,7 +10,7 @@
     the chosen graph ──► KL and top-1 on held-out text (QUALITY_TEXT): what the export reports
 
 The target is nats, or a fraction of round-to-nearest int4's measured KL (with RTN itself, the first graph built);
-the default (quant_options.DEFAULT_TARGET) is half of it, the 8-bit matrices adding at most 0.1x the int4 matrices'
+the default (quant_options.DEFAULT_TARGET) is half of it, the 8-bit matrices adding at most 0.08x the int4 matrices'
 bytes (decode reads them all each step: its time follows them).
 Memory: one half-layer's weights, the perturbed streams a batch at a time, W^8 a chunk of rows at a time, and the
 graphs' logits a chunk of positions at a time (no [n3, n1] tensor: Gemma's vocabulary makes those 0.2 GB each).

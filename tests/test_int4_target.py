@@ -299,6 +299,12 @@ def test_the_default_written_through_a_device(tmp_path):
     assert r.exit_code == 0, r.output
     t = json.loads(r.stdout)["int4_target"]
     assert t["fraction"] == 0.5 and t["met"] and len(t["rounds"]) >= 2
+    assert t["importance_tokens"] > t["calibration_tokens"] > 0  # awq's inputs measured on the whole corpus
+    r = CliRunner().invoke(cli, ["export", "onnx", "tiny", "-o", "/dev/null", "--quantize", "int4", "-q",
+                                 "--max-kl", "0.5x"])
+    assert r.exit_code == 0, r.output
+    row = next(line for line in r.stdout.splitlines() if line.startswith("int4 target"))
+    assert f"on {t['calibration_tokens']} calibration tokens (inputs measured on {t['importance_tokens']:,})" in row
 
 
 @pytest.mark.slow
