@@ -535,7 +535,8 @@ MAX_WINDOWS = 16  # at most this many (4,096 tokens): the pass holds a [windows,
 def calibration_windows(tokenizer: Any, vocab_size: int) -> tuple[list[list[int]], str]:
     """The built-in calibration corpus (calibration_ids' passages, then llama_tools/data/calibration: stories,
     explanations, chat, French, German, Spanish, Python, SQL/JavaScript/shell, notes and numbers) through the
-    tokenizer, cut into windows of WINDOW tokens (the last one ends at the corpus' end); seeded ids without one."""
+    tokenizer, cut into windows of WINDOW tokens, each led by what the tokenizer puts before a text (the last one
+    ends at the corpus' end); seeded ids without a tokenizer."""
     from importlib import resources
 
     from .prompts import PASSAGES
@@ -546,11 +547,17 @@ def calibration_windows(tokenizer: Any, vocab_size: int) -> tuple[list[list[int]
     folder = resources.files("llama_tools") / "data" / "calibration"
     texts = [text for _, text in PASSAGES] + [f.read_text(encoding="utf-8") for f in
                                               sorted(folder.iterdir(), key=lambda f: f.name) if f.name.endswith(".txt")]
+    # What the tokenizer puts before any text (Gemma's and Llama's <bos>) starts every window, as it starts a prompt:
+    # Gemma 3 270M without it at the later windows' first position, all-int4 held-out KL 0.168 (0.149 from 192 tokens).
+    lead = tokenizer.encode("")
+    lead = lead if len(lead) <= WINDOW // 4 else []
     ids = tokenizer.encode("\n\n".join(texts))
-    if len(ids) <= WINDOW:
-        return [ids], f"{len(ids)} tokens of built-in text"
-    starts = list(range(0, len(ids) - WINDOW, WINDOW))[: MAX_WINDOWS - 1] + [len(ids) - WINDOW]
-    windows = [ids[a:a + WINDOW] for a in dict.fromkeys(starts)]
+    ids = ids[len(lead):] if ids[:len(lead)] == lead else ids
+    body = WINDOW - len(lead)
+    if len(ids) <= body:
+        return [lead + ids], f"{len(lead) + len(ids)} tokens of built-in text"
+    starts = list(range(0, len(ids) - body, body))[: MAX_WINDOWS - 1] + [len(ids) - body]
+    windows = [lead + ids[a:a + body] for a in dict.fromkeys(starts)]
     return windows, f"{len(windows)} windows of {WINDOW} tokens of built-in text (prose in four languages, chat, code)"
 
 
@@ -722,6 +729,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
         measured = sum(map(len, text))
         say(f"measuring each matrix's inputs on {measured} calibration tokens")
         weights = importance(ref, text, nodes, progress)
+        release_freed_memory()  # the windows' activations are not the sensitivity pass's floor
         int4 = {**int4, "importance": weights}
         scales = None
         if algorithm == int4_scales.ALGORITHM:  # searched once, for every candidate graph and the emulation

@@ -241,10 +241,14 @@ def test_the_calibration_corpus_in_windows():
     assert len(files) >= 8
     texts = [t for _, t in PASSAGES] + [f.read_text(encoding="utf-8") for f in files]
     ids = tok.encode("\n\n".join(texts))
+    bos = src.cfg.bos_token_id
+    assert tok.encode("") == [bos] and ids[0] == bos  # tiny's sentencepiece tokenizer leads with <s>
     assert len(ids) > 8 * WINDOW  # far more than the sensitivity pass's 192 tokens
     assert 1 < len(windows) <= MAX_WINDOWS and all(len(w) == WINDOW for w in windows)
-    assert windows[0] == ids[:WINDOW] and windows[1] == ids[WINDOW:2 * WINDOW]
-    assert windows[-1] == ids[-WINDOW:] or len(ids) > MAX_WINDOWS * WINDOW
+    assert all(w[0] == bos and bos not in w[1:] for w in windows)  # every window starts as a prompt does
+    body = WINDOW - 1
+    assert windows[0] == ids[:WINDOW] and windows[1] == [bos] + ids[1 + body:1 + 2 * body]
+    assert windows[-1] == [bos] + ids[-body:] or len(ids) > MAX_WINDOWS * body
     assert f"{len(windows)} windows" in said
     # the sensitivity pass's text is the corpus' start (the passages)
     assert calibration_ids(tok, src.cfg.vocab_size)[0] == ids[:192]

@@ -61,6 +61,9 @@ MAX_EXPERTS = SIZE_LIMITS["num_local_experts"]  # as a config.json may say: ever
 MAX_EXPERT_SLICES = 2**17
 # Families whose mixture-of-experts form a GGUF architecture holds: llama.cpp writes Mixtral as 'llama'.
 MOE_FAMILY = {"llama": "mixtral"}
+# Families llama.cpp's converter writes under another family's architecture, read back as that family: Mistral is
+# Llama's block (its window, if any, kept as llama.attention.sliding_window, which llama.cpp does not apply).
+WRITTEN_AS = {"mistral": "llama"}
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-dimension RoPE divisors (Llama 3's 'llama3' scaling)
 LLAMA3_ARCHITECTURES = ("llama",)  # those whose rope_freqs.weight llama.cpp applies (and its converter writes)
 

@@ -29,7 +29,8 @@ from ...outputs import files, paths
 from ...modeling.config import ModelConfig
 from ...modeling.families import FAMILIES, FULL, SLIDING
 from ..formats import checkpoint_tensors
-from .architectures import ARCHITECTURES, GGUF, LLAMA3_ARCHITECTURES, MOE_FAMILY, ROPE_FREQS, GgufArchitecture
+from .architectures import (ARCHITECTURES, GGUF, LLAMA3_ARCHITECTURES, MOE_FAMILY, ROPE_FREQS, WRITTEN_AS,
+                            GgufArchitecture)
 from .rope_freqs import PUBLISHED, llama3_divisors
 from .vocabulary import Vocabulary, write_vocabulary
 
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
 
 # Family -> the general.architecture llama.cpp writes it as (one per family in the registry).
 ARCH_OF_FAMILY = {**{a.family: name for name, a in ARCHITECTURES.items()},
-                  **{family: name for name, family in MOE_FAMILY.items()}}  # Mixtral: 'llama' with experts
+                  **{family: name for name, family in MOE_FAMILY.items()},  # Mixtral: 'llama' with experts
+                  **WRITTEN_AS}  # Mistral: 'llama'
 # Our float dtypes -> the GGML type a matrix of it is stored as; any other dtype is stored as F32.
 FLOAT_TYPES = {dtypes.FLOAT32.name: "F32", dtypes.FLOAT16.name: "F16", dtypes.BFLOAT16.name: "BF16"}
 # llama.cpp's general.file_type (LlamaFileType) of a file whose matrices are all of one GGML type.
@@ -307,6 +309,9 @@ def write_gguf(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str | Path
         divisors = llama3_divisors(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling)  # type: ignore[arg-type]
         plan.insert(0, (ROPE_FREQS, (), (len(divisors),), "F32"))
     warnings = [f"{', '.join(odd)} matrices written as F32 (a GGUF's float types here: F32, F16, BF16)"] if odd else []
+    if cfg.family in WRITTEN_AS:
+        warnings.append(f"{cfg.family}: written as llama.cpp's {arch!r}, as its converter writes it; it reads back as "
+                        f"{a.family} (the same block)")
     sizes = {q: gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[q]] for *_, q in plan}
     nbytes = [math.prod(shape) * sizes[q][1] // sizes[q][0] for _, _, shape, q in plan]
     with _target(dst) as path:
