@@ -155,9 +155,14 @@ def test_memory_model_by_hand():
     assert m.head == 16 * 2**20 + 4 * 4096
     assert m.kv_cache == 2 * 32 * 2 * 32 * 19 * 128 * 4
     assert m.activations == 4 * (2 * 11 * (8 * 4096 + 3 * 11008 + 3 * 32 * 19) + 2 * 11 * 32000)
-    assert m.tables == 2 * 4096 * 64 * 4
+    assert m.tables == 2 * 256 * 64 * 4  # streamed: 256 positions at least, grown by doubling, not all 4,096
+    assert reference_memory(cfg, batch=1, seq=300, steps=100).tables == 2 * 800 * 64 * 4
+    assert reference_memory(cfg, batch=1, seq=5000).tables == 2 * 5000 * 64 * 4  # past max_position_embeddings
     full = reference_memory(cfg, batch=2, seq=11, steps=8, streamed=False)
     assert full.weights == 4 * 6_738_415_616 and full.head == 0
+    assert full.tables == 2 * 4096 * 64 * 4  # the plain model's cover every position
+    local = cfg.replace(rope_local_theta=1e4)  # Gemma 3's local base: a second pair of tables
+    assert reference_memory(local, batch=2, seq=11, steps=8).tables == 2 * m.tables
     assert m.total < 0.9e9 < 26e9 < full.total  # streaming: ~1/30 of the whole fp32 model
 
 
