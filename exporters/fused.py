@@ -15,11 +15,13 @@ in contrib_ops/cpu/bert/gqa_attention_base.h and group_query_attention_helper.h,
   - attention_bias [batch, 1, seq, total]: 0 where attention_mask is 1, the dtype's minimum where it is 0
     (the model's own mask value). Causality stays GQA's own.
   - rope_op "attention" (the default where head_dim % 16 == 0): do_rotary = 1, the model's cos/sin tables as
-    cos_cache/sin_cache, position_ids NOT fed: GQA then rotates each token by its cache slot (seqlens_k and
-    the sequence length), the same for every row's real tokens up to a row's padding. Scores see only
-    query-key distances, so outputs are the row's own; fed position_ids, its decode goes wrong (its cached
-    keys would mix slot and position). The cache holds keys rotated by slot: parity.keys_by_position turns
-    them back by each row's padding before comparing.
+    cos_cache/sin_cache, and as GQA's position_ids the slot positions `_slot_positions` derives from
+    attention_mask, not the caller's: with left padding each token's cache slot (the same shift for every real
+    token of a row; the caller's positions would mix slot and position in the cache and break decode), after a
+    gap its position (onnxruntime-genai right-pads a batch's prompts and appends new tokens after the padding:
+    by slot, a short row's new tokens would sit too far from its prompt). Scores see only query-key distances,
+    so outputs are the row's own. The cache holds left-padded keys rotated by slot: parity.keys_by_position
+    turns them back by each row's padding before comparing.
   - any other rope_op: do_rotary = 0, q and k arrive rotated by a RoPE node from the caller's position_ids.
   - query = the packed QKV [b, s, (q + 2 kv heads) * head_dim] with key and value omitted (GQA's packed
     form): GQA's rotary, or our RoPE node (it rotates the q and k heads and passes v through unchanged,
@@ -202,6 +204,9 @@ def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
     total_1d = g.op(p, "Unsqueeze", [total, g.const(f"{p}/axis0_", [0], i64)], name="Unsqueeze_total")  # [t]
     bias_shape = g.op(p, "Concat", [batch_1d, g.const(f"{p}/heads1", [1], i64), seq, total_1d], {"axis": 0})
     attention_bias = g.op(p, "Expand", [bias_4d, bias_shape], name="Expand_bias")  # [b, 1, s, t]
+    # What rotates q and k: GQA's slot positions with its rotary, else the caller's position_ids (our RoPE node's)
+    rotary_positions = _slot_positions(g, p, mask, total, ids_shape) if rope_op == rope_ops.IN_ATTENTION.name \
+        else position_ids
 
     # RoPE tables: fp32 for our op (it rotates in fp32), the activations' type for ORT's; Gemma 3's sliding
     # layers have their own pair.
@@ -220,7 +225,7 @@ def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
     presents = []
     for j in range(n_layers):
         cos_cache, sin_cache = layer_tables(tables, cfg.slides(j))
-        zbar, z, present = _layer(g, cfg, read, shapes, j, zbar, z, position_ids, cos_cache, sin_cache, rope_op,
+        zbar, z, present = _layer(g, cfg, read, shapes, j, zbar, z, rotary_positions, cos_cache, sin_cache, rope_op,
                                   pasts[2 * j], pasts[2 * j + 1], seqlens_k, total_i32, attention_bias, out_names)
         presents += present
 
@@ -260,6 +265,34 @@ def _gain(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int, 
     if not cfg.norm_plus_one:
         return g.lazy(name, shapes[name], lambda: read([name])[name])
     return g.lazy(name + "_plus_one", shapes[name], lambda: 1.0 + read([name])[name].float())
+
+
+def _slot_positions(g: Any, p: str, mask: Any, total: Any, ids_shape: Any) -> Any:
+    """GQA's rotary positions [b, s] for the new tokens: a real token's slot when the padding is all in front (its
+    leading zeros plus its position), its position after a gap (onnxruntime-genai right-pads a batch's prompt and
+    appends each new token after the padding), a padding slot its own index.
+
+        attention_mask [b, t] ──Cast int32──ArgMax(1)──► lead [b, 1]   (leading zeros)
+                              ──CumSum(1)──Slice last s──► c [b, s] ──► lead + c - 1 ──┐
+                              ──Slice last s──Cast bool──────────────────── Where ─────┴─► [b, s]
+        Range(t - s, t) [s] (the slots) ─────────────────────────────────────┘ (padding)
+    """
+    i64 = torch.int64
+    s = g.op(p, "Gather", [ids_shape, g.const(f"{p}/one_s", 1, i64)], {"axis": 0}, name="Gather_seq")  # s
+    first = g.op(p, "Sub", [total, s], name="Sub_first")  # t - s: the first new slot
+    minus_s = g.op(p, "Unsqueeze", [g.op(p, "Neg", [s], name="Neg_seq"), g.const(f"{p}/axis0_s", [0], i64)],
+                   name="Unsqueeze_neg_seq")  # [-s]
+    end, axis1 = g.const(f"{p}/end", [2**62], i64), g.const(f"{p}/axis1", [1], i64)
+    lead = g.op(p, "ArgMax", [g.op(p, "Cast", [mask], {"to": ir.DataType.INT32}, name="Cast_mask_i32")],
+                {"axis": 1, "keepdims": 1}, name="ArgMax_lead")  # [b, 1]: an all-zero row gives 0
+    counted = g.op(p, "CumSum", [mask, g.const(f"{p}/axis1_", 1, i64)], name="CumSum_mask")  # [b, t]
+    counted = g.op(p, "Slice", [counted, minus_s, end, axis1], name="Slice_counted")  # [b, s]
+    real = g.op(p, "Add", [lead, g.op(p, "Sub", [counted, g.const(f"{p}/one_p", 1, i64)], name="Sub_position")],
+                name="Add_lead")  # [b, s]
+    keep = g.op(p, "Cast", [g.op(p, "Slice", [mask, minus_s, end, axis1], name="Slice_mask")],
+                {"to": ir.DataType.BOOL}, name="Cast_new_keep")  # [b, s]
+    slots = g.op(p, "Range", [first, total, g.const(f"{p}/step", 1, i64)], name="Range_slots")  # [s]
+    return g.op(p, "Where", [keep, real, slots], name="Where_positions")  # [b, s]
 
 
 def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int, ...]], j: int, zbar: ir.Value, z: ir.Value,
@@ -362,8 +395,8 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
         gqa["local_window_size"] = cfg.sliding_window
     u, present_k, present_v = g.op(
         attn, GQA,
-        [*qkv_in, past_k, past_v, seqlens_k, total, *((cos_cache, sin_cache) if in_attention else (None, None)), None,
-         attention_bias],
+        [*qkv_in, past_k, past_v, seqlens_k, total, *((cos_cache, sin_cache, position_ids) if in_attention
+                                                       else (None, None, None)), attention_bias],
         gqa, domain=MS_DOMAIN,
         outputs=[None, out_names[1 + 2 * j], out_names[2 + 2 * j]])
     w, b = linear("self_attn", ["o_proj"], cfg.o_bias)

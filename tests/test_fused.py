@@ -100,8 +100,9 @@ def test_node_census(exports, rope_op):
         assert attrs == {"num_heads": 4, "kv_num_heads": 2, "do_rotary": 1, "rotary_interleaved": 0}
         assert not {OP_TYPE} & {op for _, op in by_type}
         assert [list(x.input[:3]) + list(x.input[7:10]) for x in gqa] == [
-            [f"/model/layers.{j}/self_attn/qkv_proj/MatMul/output_0", "", "", "cos_cache", "sin_cache", ""]
-            for j in range(n)]  # no position_ids: GQA places keys by slot (test_padded_prefill_and_decode_match_torch)
+            [f"/model/layers.{j}/self_attn/qkv_proj/MatMul/output_0", "", "", "cos_cache", "sin_cache",
+             "/model/attn_mask/Where_positions/output_0"]
+            for j in range(n)]  # slot positions, not the caller's (test_padded_prefill_and_decode_match_torch)
     else:
         assert attrs == {"num_heads": 4, "kv_num_heads": 2, "do_rotary": 0}  # RoPE is not GQA's
     if rope_op == "llama_tools":  # one node per layer: the q and k heads of the packed QKV, v passed through

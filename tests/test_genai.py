@@ -410,3 +410,48 @@ def test_optimum_runs_the_export_as_the_readme_shows(graph, plain, tmp_path):
     batch = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert batch[0, len(other):].tolist() == want[:10]
     assert batch[1, len(other):].tolist() == generate(reference, other, max_new_tokens=10).new_ids
+
+
+def _genai_batch(og, directory: Path, prompts: list[str], max_length: int) -> list[list[int]]:
+    """Greedy new tokens of each prompt, the prompts run as one batch by onnxruntime-genai (it pads them)."""
+    model = og.Model(str(directory))
+    tok = og.Tokenizer(model)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=max_length, do_sample=False, batch_size=len(prompts))
+    gen = og.Generator(model, params)
+    gen.append_tokens(tok.encode_batch(prompts))
+    out: list[list[int]] = [[] for _ in prompts]
+    while not gen.is_done():
+        gen.generate_next_token()
+        for row, t in zip(out, gen.get_next_tokens()):
+            row.append(int(t))
+    return out
+
+
+@pytest.mark.slow
+def test_genai_batch_of_unequal_prompts_gives_each_its_own_tokens(tokenizer_dir, tmp_path, monkeypatch):
+    """onnxruntime-genai pads a batch's shorter prompt at the end and appends each new token after the padding:
+    GQA's rotary then needs the token's position, not its slot (the fused default, RoPE inside GQA). Each row equals
+    the prompt run alone, up to the new tokens its padding leaves; without the positions fed, the short row drifts."""
+    og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai not installed (pip install '.[genai]')")
+    from llama_tools.exporters import fused
+
+    prompts = ["The quick brown fox jumps over the lazy dog and runs", "Hello"]
+
+    def export(name: str) -> Path:
+        path = tmp_path / name / "model.onnx"
+        fused.export_fused("tiny", path)
+        write_client_files(path, tokenizer_dir=tokenizer_dir)
+        return path.parent
+
+    d = export("positions")
+    longest = max(len(og.Tokenizer(og.Model(str(d))).encode(p)) for p in prompts)
+    alone = [_genai_batch(og, d, [p], longest + 12)[0] for p in prompts]
+    both = _genai_batch(og, d, prompts, longest + 12)
+    assert len(both[1]) >= 8 and all(len(a) >= 8 for a in alone)  # the short row has tokens to compare
+    for a, b in zip(alone, both):
+        assert b == a[:len(b)], (a, b)
+    monkeypatch.setattr(fused, "_slot_positions", lambda *a: None)  # negative: GQA rotates by slot alone
+    old = export("slots")
+    got = _genai_batch(og, old, prompts, longest + 12)
+    assert got[0] == both[0] and got[1] != both[1]  # the unpadded row is unchanged, the padded one is not
