@@ -29,6 +29,7 @@ from .by_layer import ByLayerReport, _by_layer
 from .parity_options import MODES, WHOLE_GRAPH_BYTES
 from .parity import ParityReport, ParityTarget, _verify, check_inputs, is_int4
 from .prompts import Inputs, default_inputs
+from .source_check import SourceReport, check_source, not_checked
 
 
 
@@ -43,14 +44,18 @@ class Verdict:
     seconds: float
     notes: list[str] = field(default_factory=list)
     export_seconds: float | None = None
+    source_check: SourceReport | None = None  # our reading of the checkpoint against its own library
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in (self.by_layer, self.whole) if r is not None)
+        return all(r.passed for r in (self.by_layer, self.whole, self.source_check) if r is not None)
 
     @property
     def first_bad(self) -> str | None:
-        """Where it fails: the layer-local check's block ('layer 12'), else the whole graph's failing checks."""
+        """Where it fails: our reading of the source, else the layer-local check's block ('layer 12'), else the
+        whole graph's failing checks."""
+        if self.source_check is not None and not self.source_check.passed:
+            return self.source_check.failure
         if self.by_layer is not None and not self.by_layer.passed:
             return self.by_layer.first_bad
         if self.whole is not None and not self.whole.passed:
@@ -74,7 +79,8 @@ class Verdict:
             assert rep is not None, "a verdict runs at least one check"
             d = rep.to_dict()
             return {**d, "inputs": self.inputs, "notes": d["notes"] + self.notes, "first_bad": self.first_bad,
-                    "export_seconds": self.export_seconds}
+                    "export_seconds": self.export_seconds, "passed": self.passed,
+                    "source_check": self.source_check.to_dict() if self.source_check is not None else None}
         first = self.by_layer or self.whole
         assert first is not None, "a verdict runs at least one check"
         return {"mode": "verdict", "onnx_path": first.onnx_path, "source": first.source, "graph": first.graph,
@@ -82,7 +88,8 @@ class Verdict:
                 "passed": self.passed, "first_bad": self.first_bad, "first_bad_layer": self.first_bad_layer,
                 "by_layer": self.by_layer.to_dict() if self.by_layer is not None else None,
                 "whole_graph": self.whole.to_dict() if self.whole is not None else None,
-                "seconds": self.seconds, "notes": self.notes, "export_seconds": self.export_seconds}
+                "seconds": self.seconds, "notes": self.notes, "export_seconds": self.export_seconds,
+                "source_check": self.source_check.to_dict() if self.source_check is not None else None}
 
 
 def parity_inputs(target: ParityTarget, prompts: list[list[int]] | None, steps: int, random_ids: int | None = None,
@@ -101,13 +108,23 @@ def parity_inputs(target: ParityTarget, prompts: list[list[int]] | None, steps: 
 
 
 def verify(target: ParityTarget, inputs: Inputs, *, mode: str = "auto", provider: str = "auto", steps: int = 8,
-           dtype: str = "float32", rope_op: str = "llama_tools", tf32: bool = False,
+           dtype: str = "float32", rope_op: str = "llama_tools", tf32: bool = False, source_check: bool = True,
            progress: Progress = silent) -> Verdict:
-    """Export on the fly when the target is a MODEL; then the layer-local check and, as MODE says, the whole graph."""
+    """Our reading of the source against its own library; export on the fly when the target is a MODEL; then the
+    layer-local check and, as MODE says, the whole graph."""
     assert mode in MODES, f"mode {mode!r} is one of {MODES}"
     if target.onnx_path is not None and is_int4(target.onnx_path):
         raise ValueError(f"{target.onnx_path}: weight-only int4 (MatMulNBits): fp32 tolerances do not apply to it; "
                          f"measure it with `llama-tools verify int4 {target.onnx_path}` (top-1, KL, perplexity)")
+    checked = (check_source(target.source, inputs.rows, seed=target.seed, progress=progress) if source_check else
+               not_checked(target.source, "--no-source-check"))
+    verdict = _verify_graph(target, inputs, mode, provider, steps, dtype, rope_op, tf32, progress)
+    verdict.source_check = checked
+    return verdict
+
+
+def _verify_graph(target: ParityTarget, inputs: Inputs, mode: str, provider: str, steps: int, dtype: str,
+                  rope_op: str, tf32: bool, progress: Progress) -> Verdict:
     if target.onnx_path is not None:
         return _run(target.onnx_path, target, inputs, mode, provider, steps, tf32, progress)
     from .onnx_export import export_onnx, read_metadata

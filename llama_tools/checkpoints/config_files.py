@@ -15,7 +15,8 @@ from typing import Any
 
 from ..modeling import dtypes
 from ..modeling.config import INT64_MAX, LAYER_LIST_LIMIT, ROPE_FACTOR_LIMIT, SIZE_LIMITS, ModelConfig, RopeScaling
-from ..modeling.families import FAMILIES, FULL, HF_NAMES, SLIDING
+from ..modeling.families import FAMILIES, FULL, HF_NAMES, ROPE_KEYS, SLIDING, UNMODELLED_KEYS
+from ..modeling.rope import SUPPORTED_SCALING
 from .formats import FORMATS
 from .header_readers import MAX_HEADER_BYTES, json_object, open_regular, real_path
 from ..modeling.presets import get_preset
@@ -150,8 +151,11 @@ def _rope_scaling(raw: Any, path: Path, where: str = "rope_scaling") -> RopeScal
         raise ValueError(f"{path}: field {where!r} must be an object or null, got {_got(raw)}")
     kind = raw.get("rope_type", raw.get("type"))
     if kind is None or kind == "default":
+        _no_unread_rope_keys(raw, path, where)
         return None
     kind = _as_str(kind, path, f"{where}.rope_type")
+    if kind in SUPPORTED_SCALING:  # a variant the model does not compute is refused where a model is built
+        _no_unread_rope_keys(raw, path, where)
     f = lambda key, default: _factor(_get(raw, key, default), path, f"{where}.{key}")  # noqa: E731
     scaling = RopeScaling(
         type=kind, factor=f("factor", 1.0), low_freq_factor=f("low_freq_factor", 1.0),
@@ -165,11 +169,70 @@ def _rope_scaling(raw: Any, path: Path, where: str = "rope_scaling") -> RopeScal
     return scaling
 
 
+def _no_unread_rope_keys(raw: dict[str, Any], path: Path, where: str) -> None:
+    """Refuse a RoPE parameter the model would not read (yarn's betas on a linear scaling, a partial rotary, ...)."""
+    for key, value in raw.items():
+        if key not in ROPE_KEYS and value is not None and not UNMODELLED_KEYS.get(key, lambda v: False)(value):
+            raise ValueError(f"{path}: field '{where}.{key}' ({_got(value)}) changes RoPE and llama-tools does not "
+                             f"read it; it would compute another model, so it refuses the config")
+
+
+def _rope_entry(raw: Any, path: Path, where: str, theta: float) -> tuple[float, RopeScaling | None]:
+    """One set of RoPE parameters (5.x `rope_parameters`, or one layer type's entry): its base and scaling."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: field {where!r} must be an object, got {_got(raw)}")
+    base = _as_float(_get(raw, "rope_theta", theta), path, f"{where}.rope_theta")
+    return base, _rope_scaling(raw, path, where)
+
+
+def _rope(data: dict[str, Any], path: Path, family: str) -> tuple[float, RopeScaling | None, float | None]:
+    """RoPE's base, scaling and sliding layers' base, from either layout transformers has written.
+
+    4.x: top-level rope_theta, rope_scaling and (Gemma 3) rope_local_base_freq. 5.x: `rope_parameters`, flat
+    or one entry per layer type ({"full_attention": {...}, "sliding_attention": {...}}). Both at once must agree.
+    """
+    keys = FAMILIES[family].hf_keys
+    default_theta = keys.get("rope_theta", 10000.0)
+    theta = _as_float(_get(data, "rope_theta", default_theta), path, "rope_theta")
+    scaling = _rope_scaling(data.get("rope_scaling"), path, "rope_scaling")
+    local = None
+    if "rope_local_base_freq" in keys:
+        local = _as_float(_get(data, "rope_local_base_freq", keys["rope_local_base_freq"]), path,
+                          "rope_local_base_freq")
+    params = data.get("rope_parameters")
+    if params is None:
+        return theta, scaling, local
+    if not isinstance(params, dict):
+        raise ValueError(f"{path}: field 'rope_parameters' must be an object, got {_got(params)}")
+    if params and set(params) <= {FULL, SLIDING}:  # one entry per layer type
+        if "layer_types" not in keys:
+            raise ValueError(f"{path}: field 'rope_parameters' gives RoPE per layer type, and a {family} model's "
+                             f"layers are all of one type; give one set of parameters")
+        if FULL in params:
+            new_theta, new_scaling = _rope_entry(params[FULL], path, f"rope_parameters.{FULL}", default_theta)
+        else:  # every layer slides: the sliding entry is the only RoPE there is
+            new_theta, new_scaling = _rope_entry(params[SLIDING], path, f"rope_parameters.{SLIDING}", default_theta)
+        if SLIDING in params:
+            local, local_scaling = _rope_entry(params[SLIDING], path, f"rope_parameters.{SLIDING}",
+                                               keys.get("rope_local_base_freq", default_theta))
+            if local_scaling is not None:
+                raise ValueError(f"{path}: field 'rope_parameters.{SLIDING}.rope_type' is {local_scaling.type!r}; "
+                                 f"llama-tools scales the RoPE of full-attention layers only")
+    else:
+        new_theta, new_scaling = _rope_entry(params, path, "rope_parameters", default_theta)
+    for key, old, new in (("rope_theta", theta, new_theta), ("rope_scaling", scaling, new_scaling)):
+        if data.get(key) is not None and old != new:
+            raise ValueError(f"{path}: fields {key!r} and 'rope_parameters' disagree ({old!r} against {new!r}); "
+                             f"keep the one the model was trained with")
+    return new_theta, new_scaling, local
+
+
 def _activation(data: dict[str, Any], path: Path, family: str) -> str:
     """The FFN gate's activation, from `hidden_activation` (Gemma) or `hidden_act`."""
-    key = "hidden_activation" if data.get("hidden_activation") is not None else "hidden_act"
-    default = FAMILIES[family].defaults.get("hidden_act", "silu")
-    name = _as_str(_get(data, key, default), path, key)
+    keys = FAMILIES[family].hf_keys
+    key = "hidden_activation" if "hidden_activation" in keys and _get(
+        data, "hidden_activation", keys["hidden_activation"]) is not None else "hidden_act"
+    name = _as_str(_get(data, key, keys.get(key, "silu")), path, key)
     if name == "gelu" and family.startswith("gemma"):
         return "gelu_tanh"
     if name not in _ACTIVATIONS:
@@ -190,10 +253,18 @@ def _listed_layer_types(data: dict[str, Any], path: Path, layers: int) -> tuple[
 
 
 def _layer_types(data: dict[str, Any], path: Path, family: str, layers: int) -> tuple[str, ...] | None:
-    """Which layers slide: the file's `layer_types`, else Gemma's pattern (2: alternate, 3: 5 of 6), else None."""
-    listed = _listed_layer_types(data, path, layers)
+    """Which layers slide: the file's `layer_types`, else Qwen's max_window_layers (the first that many full),
+    else Gemma's pattern (2: alternate, 3: 5 of 6), else None (every layer)."""
+    keys = FAMILIES[family].hf_keys
+    listed = _listed_layer_types(data, path, layers) if "layer_types" in keys else None
     if listed is not None:
         return listed
+    if "max_window_layers" in keys:
+        first = _as_int(_get(data, "max_window_layers", keys["max_window_layers"]), path, "max_window_layers", 0)
+        if layers > LAYER_LIST_LIMIT:
+            raise ValueError(f"{path}: field 'num_hidden_layers' is {layers:,}; a {family} config's sliding and "
+                             f"full layers are listed one by one, at most {LAYER_LIST_LIMIT:,}")
+        return tuple(SLIDING if j >= first else FULL for j in range(layers))
     pattern = {"gemma2": 2, "gemma3": None}.get(family, 0)
     if pattern is None:  # Gemma 3's configs name it with or without a leading underscore
         key = "sliding_window_pattern" if data.get("sliding_window_pattern") is not None else "_sliding_window_pattern"
@@ -232,78 +303,100 @@ def _family(data: dict[str, Any], path: Path) -> str:
     return family
 
 
+def _unmodelled(data: dict[str, Any], path: Path) -> None:
+    """Refuse a key that changes the math in a model no family here computes, unless it holds its neutral value."""
+    for key, neutral in UNMODELLED_KEYS.items():
+        if key in data and not neutral(data[key]):
+            raise ValueError(f"{path}: field {key!r} is {_got(data[key])}; it changes the math and llama-tools does "
+                             f"not model it, so it refuses the config rather than compute another model")
+
+
 def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> ModelConfig:
-    """Read an HF `config.json` of a LLaMA-family model into a ModelConfig; every field typed and ranged."""
+    """Read an HF `config.json` of a LLaMA-family model into a ModelConfig; every field typed and ranged.
+
+    Each family reads the keys its own code reads (families.py: hf_keys, with that code's defaults for a key the
+    file leaves out) and ignores the rest as that code does; a key of a model no family computes is refused.
+    """
     path = Path(path)
     family = _family(data, path)
+    fam = FAMILIES[family]
+    keys = fam.hf_keys
+    _unmodelled(data, path)
     integer = lambda key, minimum=1: _as_int(_require(data, path, key), path, key, minimum)  # noqa: E731
-    flag = lambda key, default=False: _as_bool(_get(data, key, default), path, key)  # noqa: E731
+    flag = lambda key: _as_bool(_get(data, key, keys.get(key, False)), path, key)  # noqa: E731
     optional = lambda key: None if data.get(key) is None else _as_int(data[key], path, key)  # noqa: E731
+    read = lambda key: data[key] if key in data else keys.get(key)  # noqa: E731  (null kept: "none")
     hidden, heads = integer("hidden_size"), integer("num_attention_heads")
-    kv = optional("num_key_value_heads") or heads
-    head_dim = optional("head_dim") or 0
+    kv = optional("num_key_value_heads") if "num_key_value_heads" in data else keys.get("num_key_value_heads")
+    kv = kv or heads
+    head_dim = (optional("head_dim") if "head_dim" in data else keys.get("head_dim")) or 0
     if not head_dim:
         _check_head_width(hidden, heads, path, ("hidden_size", "num_attention_heads"))
     # Baichuan-13B and Baichuan2-13B use ALiBi; their config.json has no flag for it, so the 13B width
     # decides unless our own `position_embedding` key says otherwise.
     pe = _as_str(_get(data, "position_embedding", ""), path, "position_embedding").upper()
     alibi = pe == "ALIBI" or (family == "baichuan" and not pe and hidden == 5120)
-    max_pos = optional("max_position_embeddings") or optional("model_max_length") or 2048
-    # transformers >= 5 writes rope_theta and the scaling under `rope_parameters` instead of top-level keys.
-    params = data.get("rope_parameters")
-    if params is not None and not isinstance(params, dict):
-        raise ValueError(f"{path}: field 'rope_parameters' must be an object, got {_got(params)}")
-    theta = data.get("rope_theta")
-    theta_field = "rope_theta" if theta is not None else "rope_parameters.rope_theta"
-    theta = theta if theta is not None else (params or {}).get("rope_theta", 10000.0)
-    scaling_field = "rope_scaling" if data.get("rope_scaling") is not None else "rope_parameters"
-    sliding = optional("sliding_window")
-    fam = FAMILIES[family]
-    use_sliding = flag("use_sliding_window", not fam.window_flag)  # Qwen ships a window it does not use
-    attention_bias = data.get("attention_bias")
+    max_pos = optional("max_position_embeddings") or optional("model_max_length") or keys.get(
+        "max_position_embeddings") or 2048
+    theta, scaling, local_theta = _rope(data, path, family)
+    sliding = None
+    if "sliding_window" in keys:
+        raw = read("sliding_window")
+        sliding = None if raw is None else _as_int(raw, path, "sliding_window")
+        if fam.window_flag and not flag("use_sliding_window"):
+            sliding = None  # Qwen ships a window it does not use
     vocab = integer("vocab_size")
-    _listed_layer_types(data, path, integer("num_hidden_layers"))  # checked even where no window uses the list
+    layers = integer("num_hidden_layers")
+    if "layer_types" in keys:
+        _listed_layer_types(data, path, layers)  # checked even where no window uses the list
+    softcap = lambda key: (None if key not in keys or read(key) is None  # noqa: E731
+                           else _as_float(read(key), path, key))
+    if "attention_bias" in keys:  # q, k, v and o together (Llama, Qwen3, Gemma)
+        qkv_bias = o_bias = flag("attention_bias")
+    elif "bias" in keys:  # InternLM2's wqkv and wo
+        qkv_bias = o_bias = flag("bias")
+    else:
+        qkv_bias, o_bias = False, False
     kw: dict[str, Any] = dict(
         name=path.parent.name or path.stem, source=str(path), family=family,
         vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=integer("intermediate_size"), num_hidden_layers=integer("num_hidden_layers"),
+        intermediate_size=integer("intermediate_size"), num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-        rms_norm_eps=_as_float(_get(data, "rms_norm_eps", 1e-6), path, "rms_norm_eps"),
+        rms_norm_eps=_as_float(_get(data, "rms_norm_eps", keys.get("rms_norm_eps", 1e-6)), path, "rms_norm_eps"),
         position_encoding="alibi" if alibi else "rope",
-        rope_theta=_as_float(theta, path, theta_field),
-        rope_scaling=_rope_scaling(data.get("rope_scaling") if data.get("rope_scaling") is not None else params,
-                                   path, scaling_field),
+        rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=max_pos,
-        tie_word_embeddings=flag("tie_word_embeddings", fam.tied_by_default),
-        qkv_bias=bool(fam.defaults.get("qkv_bias")) or (flag("attention_bias") if attention_bias is not None
-                                                        else flag("bias")),
-        o_bias=flag("attention_bias"),
-        mlp_bias=flag("mlp_bias"),
+        tie_word_embeddings=flag("tie_word_embeddings"),
+        qkv_bias=bool(fam.defaults.get("qkv_bias")) or qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=flag("mlp_bias") if "mlp_bias" in keys else False,
         # Baichuan2 (vocab 125696) normalizes lm_head rows; our own `norm_head` key overrides.
-        norm_head=flag("norm_head", family == "baichuan" and vocab == 125696),
-        sliding_window=sliding if use_sliding else None,
-        layer_types=_layer_types(data, path, family, integer("num_hidden_layers")) if use_sliding and sliding else None,
+        norm_head=_as_bool(_get(data, "norm_head", family == "baichuan" and vocab == 125696), path, "norm_head"),
+        sliding_window=sliding,
+        layer_types=_layer_types(data, path, family, layers) if sliding else None,
         qk_norm=bool(fam.defaults.get("qk_norm")),
         norm_plus_one=bool(fam.defaults.get("norm_plus_one")),
         embed_scale=bool(fam.defaults.get("embed_scale")),
         sandwich_norms=bool(fam.defaults.get("sandwich_norms")),
         hidden_act=_activation(data, path, family),
-        query_pre_attn_scalar=_optional_float(data, path, "query_pre_attn_scalar"),
-        attn_logit_softcap=_optional_float(data, path, "attn_logit_softcapping"),
-        final_logit_softcap=_optional_float(data, path, "final_logit_softcapping"),
-        rope_local_theta=_optional_float(data, path, "rope_local_base_freq"),
+        query_pre_attn_scalar=softcap("query_pre_attn_scalar"),
+        attn_logit_softcap=softcap("attn_logit_softcapping"),
+        final_logit_softcap=softcap("final_logit_softcapping"),
+        rope_local_theta=local_theta,
         bos_token_id=_token_id(data, path, "bos_token_id", 1),
         eos_token_id=_token_id(data, path, "eos_token_id", 2),
         pad_token_id=None if data.get("pad_token_id") is None else _token_id(data, path, "pad_token_id", 0),
         torch_dtype=_stored_dtype(data, path),
     )
-    experts = data.get("num_local_experts")
-    if family == "mixtral" or (experts is not None and _as_int(experts, path, "num_local_experts", 0)):
-        kw["num_experts"] = integer("num_local_experts")
-        kw["num_experts_per_tok"] = integer("num_experts_per_tok")
+    experts = read("num_local_experts")
+    if experts is not None and _as_int(experts, path, "num_local_experts", 0):
+        kw["num_experts"] = _as_int(experts, path, "num_local_experts")
+        kw["num_experts_per_tok"] = _as_int(read("num_experts_per_tok"), path, "num_experts_per_tok")
         if kw["num_experts_per_tok"] > kw["num_experts"]:
             raise ValueError(f"{path}: field 'num_experts_per_tok' ({kw['num_experts_per_tok']}) must be at most "
                              f"num_local_experts ({kw['num_experts']})")
+    elif family == "mixtral":
+        raise ValueError(f"{path}: field 'num_local_experts' must be an integer >= 1 for a Mixtral, got {_got(experts)}")
     if hidden % heads and not head_dim:
         raise ValueError(f"{path}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
     if heads % kv:
@@ -425,10 +518,14 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.rope_scaling:
         d["rope_scaling"] = {"rope_type": cfg.rope_scaling.type, **{
             k: v for k, v in dataclasses.asdict(cfg.rope_scaling).items() if k != "type"}}
-    if cfg.family == "llama":
+    keys = fam.hf_keys  # what the family's own code reads, and so what it must be told
+    if "attention_bias" in keys:
         d["attention_bias"] = cfg.o_bias
+    if "bias" in keys:
+        d["bias"] = cfg.qkv_bias
+    if "mlp_bias" in keys:
         d["mlp_bias"] = cfg.mlp_bias
-    if cfg.family == "mistral":
+    if "sliding_window" in keys:  # null, not absent: an absent window is the family's default, not none
         d["sliding_window"] = cfg.sliding_window
     if cfg.family == "mixtral":
         d["num_local_experts"] = cfg.num_experts
@@ -438,12 +535,18 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["norm_head"] = cfg.norm_head
     if cfg.family.startswith("gemma"):  # Gemma's keys; the (1 + γ), GELU and sqrt(n2) are the family's own
         d["hidden_activation"] = d["hidden_act"]
-        d.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar, attn_logit_softcapping=cfg.attn_logit_softcap,
-                 final_logit_softcapping=cfg.final_logit_softcap, sliding_window=cfg.sliding_window)
-        if cfg.rope_local_theta is not None:
-            d["rope_local_base_freq"] = cfg.rope_local_theta
+        d.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None
+                 else cfg.head_dim)
+    for key, value in (("attn_logit_softcapping", cfg.attn_logit_softcap),
+                       ("final_logit_softcapping", cfg.final_logit_softcap)):
+        if key in keys:
+            d[key] = value
+    if "rope_local_base_freq" in keys:
+        d["rope_local_base_freq"] = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
     if cfg.layer_types is not None:
         d["layer_types"] = list(cfg.layer_types)
-    if cfg.family in ("qwen2", "qwen3") and cfg.sliding_window is not None:
-        d.update(use_sliding_window=True, sliding_window=cfg.sliding_window)
+    if fam.window_flag:
+        d["use_sliding_window"] = cfg.sliding_window is not None
+        if cfg.sliding_window is not None and cfg.layer_types is None:
+            d["max_window_layers"] = 0  # every layer slides (the family's default keeps the first 28 full)
     return d

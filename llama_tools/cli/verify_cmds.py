@@ -81,12 +81,16 @@ def verify() -> None:
               help="Draw each layer's error and noise (K, V and the hidden state; the whole graph's K and V with "
                    "--checks whole), the bound and the first layer out of budget (needs the [plot] extra) "
                    "[default: no plot].")
+@click.option("--no-source-check", "no_source_check", is_flag=True,
+              help="Skip the source check (our reading of the checkpoint against transformers on the same inputs; "
+                   "`verify source` runs it alone).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress on the terminal.")
 @output_options(("table", "json"))
 @quoting(whole=size_words(WHOLE_GRAPH_BYTES))
 def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ...], ids: tuple[list[int], ...],
                   random_ids: int | None, seed: int, steps: int, provider: str, dtype: str, rope_op: str, tf32: bool,
-                  all_layers: bool, checks: str, by_layer: bool, plot: Path | None, quiet: bool, fmt: str) -> None:
+                  all_layers: bool, checks: str, by_layer: bool, plot: Path | None, no_source_check: bool, quiet: bool,
+                  fmt: str) -> None:
     """Run TARGET on onnxruntime against PyTorch float64; exit 0 only when every check passes.
 
     The verdict and the first bad layer come from each decoder layer run on its own, fed float64's input to it;
@@ -138,7 +142,7 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
     batch += [list(i) for i in ids]
     inputs = parity_inputs(tgt, batch or None, steps if mode != "layers" else 0, random_ids, seed)
     v = verify(tgt, inputs, mode=mode, provider=provider, steps=steps, dtype=dtype, rope_op=rope_op, tf32=tf32,
-               progress=terminal("parity", quiet=quiet))
+               source_check=not no_source_check, progress=terminal("parity", quiet=quiet))
     if plot is not None:
         from ..exporters.by_layer import whole_graph_series
         from ..reports.parity_plot import plot_layers
@@ -161,6 +165,8 @@ def _print_verdict(v: Any, all_layers: bool) -> None:
     first = v.by_layer or v.whole
     click.echo(f"{first.onnx_path} ({first.graph}, {first.dtype}); reference from {first.source}")
     click.echo(f"inputs: {v.inputs}; {len(v.prompt_lengths)} rows of {v.prompt_lengths} tokens, left-padded")
+    if v.source_check is not None:
+        _print_source(v.source_check)
     if v.by_layer is not None:
         r = v.by_layer
         click.echo(f"layer by layer on onnxruntime ({r.provider}), each layer fed float64's input to it:")
@@ -179,8 +185,80 @@ def _print_verdict(v: Any, all_layers: bool) -> None:
     for note in v.notes:
         click.echo(f"note: {note}")
     took = f" (after a {v.export_seconds:.1f} s export)" if v.export_seconds is not None else ""
-    where = f"; first out of budget: {v.first_bad}" if v.first_bad else ""
+    source_bad = v.source_check is not None and not v.source_check.passed
+    where = f"; {v.first_bad}" if source_bad else f"; first out of budget: {v.first_bad}" if v.first_bad else ""
     click.echo(f"{'PASS' if v.passed else 'FAIL'}{where}: checks ran in {v.seconds:.1f} s{took}")
+
+
+def _print_source(rep: Any) -> None:
+    """The source check's header line, its table and notes (one line when it did not run)."""
+    from ..exporters.source_check import source_rows
+
+    if not rep.checked:
+        click.echo(rep.headline)
+        return
+    click.echo(f"{rep.headline}, each block fed our float64 input to it:")
+    if rep.mismatch:
+        click.echo(f"FAIL: {rep.mismatch}")
+    else:
+        click.echo(render(source_rows(rep), "table", numparse=False))
+    for note in rep.notes:
+        click.echo(f"note: {note}")
+    click.echo(f"time: source check {rep.seconds:.2f} s")
+
+
+@verify.command("source", short_help="Our reading of a checkpoint against transformers' own, layer by layer.")
+@click.argument("model", type=ModelArg(weights_required_in_dir=True), default="tiny", required=False)
+@click.option("--prompt", "prompts", multiple=True, help=f"Text, encoded with the checkpoint's tokenizer "
+                                                        f"({TOKENIZER_FILES}); repeat for a batch [default: "
+                                                        f"built-in text].")
+@click.option("--ids", "ids", multiple=True, type=IdsArg(),
+              help="Raw ids instead of --prompt, e.g. '1 450 29871'; repeat for a batch.")
+@click.option("--random-ids", "random_ids", type=click.IntRange(1, 64), default=None, metavar="N",
+              help="N rows of seeded random ids instead of text.")
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
+              help="Seed of --random-ids.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress on the terminal.")
+@output_options(("table", "json"))
+def verify_source(model: Any, prompts: tuple[str, ...], ids: tuple[list[int], ...], random_ids: int | None, seed: int,
+                  quiet: bool, fmt: str) -> None:
+    """Run MODEL in transformers, read by transformers itself, against our float64 reference; exit 0 when they agree.
+
+    Each of transformers' decoder layers is fed our float64 input to it and judged as `verify parity` judges a
+    graph: a key our config reader misses or misreads shows at the first layer it touches. No graph is needed.
+
+    \b
+    Examples:
+      llama-tools verify source ./checkpoint
+      llama-tools verify source ./checkpoint --prompt "The capital of France is" --format json
+    """
+    from ..checkpoints.source import prompt_ids
+    from ..checkpoints.tokenizer import check_vocab
+
+    if random_ids is not None and (prompts or ids):
+        raise click.UsageError("give --random-ids N, or --prompt/--ids, not both")
+    for row in ids:
+        check_vocab(row, model.cfg.vocab_size, "--ids")
+    batch = [prompt_ids(model, t, None)[0] for t in prompts] + [list(i) for i in ids]
+    from ..exporters.prompts import Inputs, default_inputs
+    from ..exporters.source_check import check_source
+
+    inputs = (Inputs(batch, f"{len(batch)} row(s) given") if batch else
+              default_inputs(model, model.cfg.vocab_size, model.cfg.max_position_embeddings, random_ids=random_ids,
+                             seed=seed))
+    rep = check_source(model, inputs.rows, progress=terminal("source", quiet=quiet))
+    if not rep.checked:
+        raise click.ClickException(f"{model.spec}: the source check cannot run: {rep.reason}")
+    if fmt == "json":
+        click.echo(render([], "json", json_payload={**rep.to_dict(), "inputs": inputs.what,
+                                                    "prompt_lengths": [len(r) for r in inputs.rows]}))
+    else:
+        click.echo(f"inputs: {inputs.what}; {len(inputs.rows)} rows of {[len(r) for r in inputs.rows]} tokens, "
+                   f"left-padded")
+        _print_source(rep)
+        click.echo("PASS: our reading agrees with transformers" if rep.passed else f"FAIL: {rep.failure}")
+    if not rep.passed:
+        sys.exit(1)
 
 
 def check_onnx_exists(target: str) -> None:

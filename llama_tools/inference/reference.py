@@ -264,6 +264,13 @@ class CheckpointReader:
                 del t
         return out
 
+    def stored_tensor(self, name: str) -> torch.Tensor:
+        """A tensor under its stored name (the checkpoint's own), in fp32, as stored: no layout applied."""
+        if name not in self.info:
+            raise KeyError(f"{self.directory}: no tensor {name!r}")
+        with self._open([name]) as handles:
+            return self._owned(self._slice(handles, name, None), "cpu")
+
     def _owned(self, t: torch.Tensor, device: Any) -> torch.Tensor:
         """fp32 on `device`, never a view of a mapped file: safetensors' get_tensor already copied, torch's did not."""
         copy = self.files.kind != "safetensors" and t.dtype == torch.float32 and torch.device(device).type == "cpu"

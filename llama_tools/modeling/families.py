@@ -24,33 +24,114 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types values
 
 @dataclass(frozen=True)
 class Family:
-    """One family: its HF names and the config fields it sets beyond the LLaMA block."""
+    """One family: its HF names, the config fields it sets beyond the LLaMA block, and the config keys it reads."""
 
     name: str
     hf_classes: tuple[str, ...]  # config.json `architectures` entries
     model_types: tuple[str, ...]  # config.json `model_type` values
     defaults: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields the family sets, unless the file says
-    window_flag: bool = False  # the sliding window applies only with `use_sliding_window: true` (Qwen)
-    tied_by_default: bool = False  # HF's config class defaults tie_word_embeddings to true
+    # The config.json keys that change the math and that this family's own code reads (beyond the sizes every
+    # family requires), each with the value that code takes when the file leaves the key out. A key of
+    # MATH_KEYS missing here is one the family's code ignores, and so does the reader.
+    hf_keys: dict[str, Any] = field(default_factory=dict)
     genai_type: str = "llama"  # onnxruntime-genai's model.type
+
+    @property
+    def window_flag(self) -> bool:
+        """The sliding window applies only with `use_sliding_window: true` (Qwen ships a window it does not use)."""
+        return "use_sliding_window" in self.hf_keys
 
 
 _GEMMA = dict(norm_plus_one=True, embed_scale=True, hidden_act="gelu_tanh")
 
+# What each family's transformers config class takes when a key is absent (transformers 4.57 and 5.x agree on
+# these; tests/test_config_keys.py reads them off the installed classes). RoPE's keys are read in both layouts:
+# 4.x's top-level rope_theta / rope_scaling (/ rope_local_base_freq), 5.x's rope_parameters, flat or one entry
+# per layer type; `rope_theta` here is the base when neither says.
+_LLAMA_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+               "head_dim": None, "num_key_value_heads": None, "max_position_embeddings": 2048,
+               "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False}
+_MISTRAL_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+                 "head_dim": None, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                 "tie_word_embeddings": False, "sliding_window": 4096}
+_QWEN_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+              "head_dim": None, "num_key_value_heads": 32, "max_position_embeddings": 32768,
+              "tie_word_embeddings": False, "sliding_window": 4096, "use_sliding_window": False,
+              "max_window_layers": 28, "layer_types": None}
+_GEMMA_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh",
+               "hidden_activation": None, "head_dim": 256, "num_key_value_heads": 16, "max_position_embeddings": 8192,
+               "tie_word_embeddings": True, "attention_bias": False}
+_GEMMA2_KEYS = {**_GEMMA_KEYS, "hidden_activation": "gelu_pytorch_tanh", "num_key_value_heads": 4,
+                "sliding_window": 4096, "layer_types": None, "query_pre_attn_scalar": 256,
+                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+_GEMMA3_KEYS = {**_GEMMA2_KEYS, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                "max_position_embeddings": 131072, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                "sliding_window_pattern": 6}
+# Baichuan and InternLM2 ship their own modeling code beside the weights (trust_remote_code).
+_BAICHUAN_KEYS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
+                  "position_embedding": None, "norm_head": None}
+_INTERNLM2_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+                   "num_key_value_heads": None, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+                   "bias": True}
+
 FAMILIES: dict[str, Family] = {f.name: f for f in [
-    Family("llama", ("LlamaForCausalLM",), ("llama",)),
-    Family("mistral", ("MistralForCausalLM",), ("mistral",), genai_type="mistral"),
-    Family("mixtral", ("MixtralForCausalLM",), ("mixtral",)),
-    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), {"qkv_bias": True}, window_flag=True, genai_type="qwen2"),
-    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), {"qk_norm": True}, window_flag=True, genai_type="qwen3"),
-    Family("gemma", ("GemmaForCausalLM",), ("gemma",), _GEMMA, tied_by_default=True, genai_type="gemma"),
-    Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), {**_GEMMA, "sandwich_norms": True},
-           tied_by_default=True, genai_type="gemma2"),
+    Family("llama", ("LlamaForCausalLM",), ("llama",), hf_keys=_LLAMA_KEYS),
+    Family("mistral", ("MistralForCausalLM",), ("mistral",), hf_keys=_MISTRAL_KEYS, genai_type="mistral"),
+    Family("mixtral", ("MixtralForCausalLM",), ("mixtral",),
+           hf_keys={**_MISTRAL_KEYS, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5, "sliding_window": None,
+                    "num_local_experts": 8, "num_experts_per_tok": 2}),
+    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), {"qkv_bias": True}, hf_keys=_QWEN_KEYS, genai_type="qwen2"),
+    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), {"qk_norm": True},
+           hf_keys={**_QWEN_KEYS, "head_dim": 128, "attention_bias": False}, genai_type="qwen3"),
+    Family("gemma", ("GemmaForCausalLM",), ("gemma",), _GEMMA, hf_keys=_GEMMA_KEYS, genai_type="gemma"),
+    Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), {**_GEMMA, "sandwich_norms": True}, hf_keys=_GEMMA2_KEYS,
+           genai_type="gemma2"),
     Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), {**_GEMMA, "sandwich_norms": True, "qk_norm": True},
-           tied_by_default=True, genai_type="gemma3_text"),
-    Family("baichuan", ("BaichuanForCausalLM", "BaiChuanForCausalLM"), ("baichuan",)),
-    Family("internlm2", ("InternLM2ForCausalLM",), ("internlm2",)),
+           hf_keys=_GEMMA3_KEYS, genai_type="gemma3_text"),
+    Family("baichuan", ("BaichuanForCausalLM", "BaiChuanForCausalLM"), ("baichuan",), hf_keys=_BAICHUAN_KEYS),
+    Family("internlm2", ("InternLM2ForCausalLM",), ("internlm2",), hf_keys=_INTERNLM2_KEYS),
 ]}
+# Every optional key some family reads: a family that leaves one out of its hf_keys ignores it, as its code does.
+MATH_KEYS = frozenset(k for f in FAMILIES.values() for k in f.hf_keys)
+
+
+def _neutral(*values: Any) -> Any:
+    return lambda v: v in values
+
+
+# Keys that change the math in the transformers (or remote) code of models no family here computes: refused in one
+# line naming the key unless they hold the value that changes nothing. A config that carries one is a variant
+# (Granite's multipliers, SmolLM3's layers without RoPE, partial rotary, bidirectional attention, ...).
+UNMODELLED_KEYS: dict[str, Any] = {
+    "use_bidirectional_attention": _neutral(None, False),
+    "partial_rotary_factor": _neutral(None, 1, 1.0),
+    "rotary_pct": _neutral(None, 1, 1.0),
+    "attention_chunk_size": _neutral(None),
+    "no_rope_layers": lambda v: v is None or (isinstance(v, list) and all(x == 1 for x in v)),
+    "no_rope_layer_interval": _neutral(None, 0),
+    "embedding_multiplier": _neutral(None, 1, 1.0),
+    "residual_multiplier": _neutral(None, 1, 1.0),
+    "attention_multiplier": _neutral(None),
+    "logits_scaling": _neutral(None, 1, 1.0),
+    "clip_qkv": _neutral(None),
+    "use_qk_norm": _neutral(None, False),
+    "qk_layernorm": _neutral(None, False),
+    "rope_interleave": _neutral(None, False),
+    "q_lora_rank": _neutral(None),
+    "kv_lora_rank": _neutral(None),
+    "shared_expert_intermediate_size": _neutral(None, 0),
+    "n_shared_experts": _neutral(None, 0),
+    "num_experts": _neutral(None, 0),
+    "n_routed_experts": _neutral(None, 0),
+    "moe_intermediate_size": _neutral(None, 0),
+    "parallel_attn": _neutral(None, False),
+    "use_parallel_residual": _neutral(None, False),
+    "alibi": _neutral(None, False),
+}
+# Inside RoPE's parameters (4.x rope_scaling, 5.x rope_parameters): the keys the model reads; any other key that
+# is not null (yarn's attention_factor and betas, longrope's factor lists, ...) is refused, naming it.
+ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings"})
 FAMILY_NAMES = tuple(FAMILIES)
 # config.json `architectures` entries and `model_type` values -> family name.
 HF_NAMES = {name: f.name for f in FAMILIES.values() for name in (*f.hf_classes, *f.model_types)}

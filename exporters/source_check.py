@@ -1,0 +1,333 @@
+"""The source check: our reading of a checkpoint against the checkpoint's own library, layer by layer.
+
+Every other check compares a graph with our reference, and our reference reads the checkpoint with our own config
+reader: a misread (a key in a layout we half-know) would make the export, the reference and the verdict agree on
+the wrong model. Here transformers reads the same directory itself (AutoConfig on its config.json, its own module
+tree, the tensors under its own names) and runs the same inputs:
+
+    transformers (fp32, eager):  embed ----> layer 0 ----> ... ----> layer n8-1 ----> norm, lm_head
+                                   |           ^   |                    ^   |           ^        |
+                                   v           |   v                    |   v           |        v
+    our reference (float64):    Z^0 --------> Z^1 -------> ... -------> Z^n8 ----------+     logits
+                                (each of transformers' blocks fed our float64 input to it, rounded to fp32)
+
+Each block is judged as `verify parity --by-layer` judges a graph: error = RMS |transformers - our float64|,
+noise = the larger RMS |our fp32 - our float64| of two correct implementations; pass when error <= 8 x noise +
+1 ulp. A misread shows as an error hundreds of times the noise at the first layer it touches. Both sides stream:
+transformers' skeleton has its parameters on the meta device and each block's weights are read from the files
+as it runs and dropped after, beside one layer of ours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from llama_tools.modeling import dtypes
+from llama_tools.outputs.progress import Progress, silent
+
+from .by_layer import EMBEDDING, HEAD, BlockResult, LayerReference, per_channel
+from .compare import BUDGET, Budget, BudgetCheck, judge
+from .prompts import left_pad, positions
+
+F32 = dtypes.FLOAT32.name
+
+
+@dataclass
+class SourceReport:
+    """Our reading of a checkpoint against its own library: one result per block, or why it was not checked."""
+
+    source: str
+    library: str  # "transformers 4.57.6", or "" when none could read it
+    reason: str  # why the reading was not checked ("" when it was)
+    budget: Budget
+    blocks: list[BlockResult] = field(default_factory=list)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    mismatch: str = ""  # a structural difference found before any number: a tensor one side has and the other not
+
+    @property
+    def checked(self) -> bool:
+        return not self.reason
+
+    @property
+    def passed(self) -> bool:
+        return not self.mismatch and all(b.passed for b in self.blocks)
+
+    @property
+    def first_bad(self) -> str | None:
+        """'layer 3', 'the embedding', 'the logits', a tensor's name; None when our reading agrees."""
+        if self.mismatch:
+            return self.mismatch
+        bad = next((b for b in self.blocks if not b.passed), None)
+        if bad is None:
+            return None
+        return {EMBEDDING: "the embedding", HEAD: "the logits"}.get(bad.name, bad.name)
+
+    @property
+    def headline(self) -> str:
+        """One line: what was compared, or why not."""
+        if not self.checked:
+            return f"source check: not run: {self.reason}"
+        return f"source check: our reading of {self.source} against {self.library} (fp32, eager attention)"
+
+    @property
+    def failure(self) -> str:
+        """The FAIL line's words (empty when it passes or did not run)."""
+        if self.passed:
+            return ""
+        return (f"our reading of the checkpoint differs from what {self.library.split()[0]} computes, from "
+                f"{self.first_bad} on (the source check): the reference, and any graph judged against it, "
+                f"computes another model")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "library": self.library, "checked": self.checked, "reason": self.reason,
+                "passed": self.passed, "first_bad": self.first_bad, "mismatch": self.mismatch,
+                "blocks": [{"name": b.name, "layer": b.layer, "passed": b.passed,
+                            "checks": [c.to_dict() for c in b.checks]} for b in self.blocks],
+                "seconds": self.seconds, "notes": self.notes}
+
+
+def not_checked(source: Any, reason: str) -> SourceReport:
+    return SourceReport(str(getattr(source, "spec", source)), "", reason, BUDGET[F32])
+
+
+# --- transformers' side ------------------------------------------------------------------------------------
+
+def _library(source: Any) -> tuple[Any, Any, str] | str:
+    """(transformers, its config of the source, how it was read), or the reason the source cannot be checked."""
+    try:
+        import transformers
+    except ImportError:
+        return ("transformers is not installed, so our reading of the checkpoint is not checked against its own "
+                "library (pip install 'llama-tools[hf]')")
+    try:
+        import accelerate  # noqa: F401  (transformers' skeleton with its parameters on the meta device)
+    except ImportError:
+        return "accelerate is not installed (transformers needs it to build a model without its weights)"
+    from llama_tools.checkpoints.config_files import config_to_hf
+    from llama_tools.modeling.families import FAMILIES
+
+    cfg = source.cfg
+    if getattr(source, "kind", None) == "checkpoint" and source.path is not None:
+        if not source.path.is_dir():
+            return ("a GGUF file: transformers' GGUF loader dequantizes the whole model at once, so it is not run "
+                    "here; convert it to an HF directory and run `llama-tools verify source DIR`")
+        if not (source.path / "config.json").is_file():
+            return f"{source.path} holds Meta's params.json, which transformers does not read"
+        model_type = FAMILIES[cfg.family].model_types[0]
+        if model_type not in transformers.CONFIG_MAPPING:
+            return (f"transformers {transformers.__version__} has no code of its own for {cfg.family} (its "
+                    f"checkpoints carry remote code, which llama-tools never runs)")
+        try:
+            hf_cfg = transformers.AutoConfig.from_pretrained(str(source.path), trust_remote_code=False)
+        except Exception as e:  # noqa: BLE001  (any refusal of the library's is a reason, shown in one line)
+            return f"transformers cannot read {source.path / 'config.json'}: {str(e).splitlines()[0][:200]}"
+        return transformers, hf_cfg, f"read {source.path / 'config.json'} itself"
+    d = config_to_hf(cfg)
+    model_type = d.pop("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        return f"transformers {transformers.__version__} has no code of its own for {cfg.family}"
+    return (transformers, transformers.AutoConfig.for_model(model_type, **d),
+            f"was given {source.spec}'s config as llama-tools writes it (no checkpoint: seeded weights)")
+
+
+class _Stream:
+    """transformers' model with its parameters on the meta device; a module's weights read as it runs, then dropped."""
+
+    def __init__(self, transformers: Any, hf_cfg: Any, tensor: Callable[[str], Any]):
+        import torch
+        from accelerate import init_empty_weights
+
+        # transformers 4.56 renamed torch_dtype to dtype
+        dtype_key = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) \
+            else "torch_dtype"
+        with init_empty_weights(include_buffers=False):  # buffers (RoPE's inv_freq, Gemma's scale) computed for real
+            self.model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager",
+                                                                       **{dtype_key: torch.float32}).eval()
+        self.tensor = tensor
+        self.names: dict[int, str] = {}  # a tied parameter keeps its first name (the embedding's)
+        for n, p in self.model.named_parameters(remove_duplicate=False):
+            self.names.setdefault(id(p), n)
+
+    def params(self, module: Any) -> list[tuple[Any, str, str]]:
+        """(owner module, attribute, full parameter name) of each parameter under `module`."""
+        out = []
+        for sub in module.modules():
+            for attr, p in sub._parameters.items():
+                if p is not None:
+                    out.append((sub, attr, self.names[id(p)]))
+        return out
+
+    @contextlib.contextmanager
+    def loaded(self, module: Any, read: Callable[[str], Any] | None = None, name: str | None = None) -> Any:
+        """module's weights from the files (fp32) for the duration of the block, then back on the meta device.
+
+        read: how to read them (default: whole tensors); name: the one tensor a single-parameter module reads
+        (a tied lm_head reads the embedding's).
+        """
+        import torch
+
+        saved = []
+        for sub, attr, own in self.params(module):
+            t = (read or self.tensor)(name or own)
+            saved.append((sub, attr, sub._parameters[attr]))
+            sub._parameters[attr] = torch.nn.Parameter(t.to(torch.float32), requires_grad=False)
+        try:
+            yield
+        finally:
+            for sub, attr, p in saved:
+                sub._parameters[attr] = p
+
+
+def _tensor_reader(ref: Any) -> tuple[Callable[[str], Any], set[str]]:
+    """name -> fp32 tensor under the checkpoint's own (transformers') names, and the names the files hold."""
+    reader = ref.reader
+    if hasattr(reader, "stored_tensor"):
+        return reader.stored_tensor, set(reader.info)
+    return (lambda name: reader.read([name])[name]), set(reader.state)
+
+
+# --- The check -----------------------------------------------------------------------------------------------
+
+def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress: Progress = silent,
+                 budget: Budget | None = None) -> SourceReport:
+    """Our float64 reference against transformers on the same rows, block by block (see the module's sketch)."""
+    import torch
+
+    from llama_tools.inference.reference import reference_model
+
+    got = _library(source)
+    if isinstance(got, str):
+        return not_checked(source, got)
+    transformers, hf_cfg, how = got
+    start = time.perf_counter()
+    budget = budget or BUDGET[F32]
+    library = f"transformers {transformers.__version__}"
+    ids, mask = left_pad(rows)
+    valid = mask.astype(bool)
+    ref = reference_model(source, seed=seed, batch=len(rows), seq=ids.shape[1], float64_pass=True)
+    tensor, held = _tensor_reader(ref)
+    stream = _Stream(transformers, hf_cfg, tensor)
+    report = SourceReport(str(getattr(source, "spec", source)), library, "", budget,
+                          notes=[f"transformers {how}; each of its blocks fed our float64 input to it (in "
+                                 f"fp32); error = RMS |transformers - our float64|, noise = the larger RMS |our fp32 "
+                                 f"- float64| of two correct implementations; pass when error <= "
+                                 f"{budget.multiple:g} x noise + {budget.floor_ulps:g} ulp"])
+    tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
+    head = stream.model.get_output_embeddings()
+    embed_name = stream.names[id(stream.model.get_input_embeddings().weight)]
+    head_name = embed_name if tied else stream.names[id(head.weight)]
+    wanted = {n for n in stream.names.values() if not (tied and n == stream.names[id(head.weight)])}
+    missing = sorted(wanted - held)
+    if missing:
+        report.mismatch = (f"transformers' {type(stream.model).__name__} has a weight {missing[0]!r} that the "
+                           f"checkpoint does not hold ({len(missing)} such)")
+    unread = sorted(n for n in held - wanted - {"lm_head.weight"} if not n.endswith("rotary_emb.inv_freq"))
+    if unread and not report.mismatch:
+        report.mismatch = (f"the checkpoint's tensor {unread[0]!r} is read by llama-tools but not by transformers' "
+                           f"{type(stream.model).__name__} ({len(unread)} such)")
+    if report.mismatch:
+        report.seconds = time.perf_counter() - start
+        return report
+
+    truth, noise, alt = (LayerReference(ref.reader, torch.float64), LayerReference(ref.reader, torch.float32),
+                         LayerReference(ref.reader, torch.float32, reassociated=True))
+    f64 = lambda t: t.detach().to(torch.float64).numpy()  # noqa: E731
+    n8 = ref.cfg.num_hidden_layers
+    state: dict[str, Any] = {"z": truth.embed(ids)}  # our float64 Z^j, advanced one layer per transformers' layer
+
+    def judged(name: str, got_t: Any, t: Any, r: Any, a: Any, hidden: bool) -> BudgetCheck:
+        g = np.where(valid[..., None], f64(got_t), 0.0)  # padded positions are not compared (nor their NaN)
+        tt, rr, aa = f64(t), f64(r), f64(a)
+        if hidden:
+            g, rr, aa, tt = per_channel(g, tt, valid, rr, aa)
+        return judge(name, g, (rr, aa), tt, valid, F32, budget, logits=not hidden)
+
+    model = stream.model
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    embed, layers, final_norm = model.get_input_embeddings(), inner.layers, inner.norm
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    inverse = inverse.reshape(ids.shape)
+
+    def embed_pre(m: Any, args: tuple) -> tuple:
+        return (torch.from_numpy(inverse),) + tuple(args[1:])  # the rows the batch uses, gathered once
+
+    def layer_pre(j: int) -> Callable[..., Any]:
+        def hook(m: Any, args: tuple, kwargs: dict) -> tuple:
+            if j == 0:  # transformers' own Z^0: what its embedding and any scale of the family's made of the ids
+                z = state["z"]
+                z0 = args[0] if args else kwargs["hidden_states"]
+                r = noise.embed(ids)  # ours in fp32 (Gemma's sqrt(n2) rounded as the pass's dtype rounds it)
+                report.blocks.append(BlockResult(EMBEDDING, None, [judged("embedding Z^0", z0, z, r, r, True)]))
+            stack = contextlib.ExitStack()
+            stack.enter_context(stream.loaded(m))
+            m._source_stack = stack
+            z_in = state["z"].to(torch.float32)
+            if args:
+                args = (z_in,) + tuple(args[1:])
+            else:
+                kwargs = {**kwargs, "hidden_states": z_in}
+            return args, kwargs
+        return hook
+
+    def layer_post(j: int) -> Callable[..., None]:
+        def hook(m: Any, args: tuple, kwargs: dict, out: Any) -> None:
+            m._source_stack.close()
+            del m._source_stack
+            hf = out[0] if isinstance(out, tuple) else out
+            z = state["z"]
+            t, _, _ = truth.layer(j, z, mask)
+            r, _, _ = noise.layer(j, z.to(torch.float32), mask)
+            a, _, _ = alt.layer(j, z.to(torch.float32), mask)
+            report.blocks.append(BlockResult(f"layer {j}", j, [judged(f"layer {j} hidden Z^{j + 1}", hf, t, r, a,
+                                                                      True)]))
+            state["z"] = t
+            progress(j + 1, n8, "source check")
+        return hook
+
+    def norm_pre(m: Any, args: tuple) -> tuple:
+        return (state["z"].to(torch.float32),) + tuple(args[1:])
+
+    def head_pre(m: Any, args: tuple) -> None:
+        m._source_stack = contextlib.ExitStack()
+        m._source_stack.enter_context(stream.loaded(m, name=head_name))
+
+    def head_post(m: Any, args: tuple, out: Any) -> None:
+        m._source_stack.close()
+        del m._source_stack
+
+    embed_rows = lambda name: ref.reader.rows(embed_name, [(int(i), int(i) + 1) for i in uniq])  # noqa: E731
+    handles = [embed.register_forward_pre_hook(embed_pre), final_norm.register_forward_pre_hook(norm_pre), head.register_forward_pre_hook(head_pre),
+               head.register_forward_hook(head_post)]
+    for j, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(layer_pre(j), with_kwargs=True))
+        handles.append(layer.register_forward_hook(layer_post(j), with_kwargs=True))
+    try:
+        with torch.no_grad(), stream.loaded(embed, read=embed_rows), stream.loaded(final_norm):
+            out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                        position_ids=torch.from_numpy(positions(mask, ids.shape[1])), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    z = state["z"]
+    t, r, a = truth.head(z), noise.head(z.to(torch.float32)), alt.head(z.to(torch.float32))
+    report.blocks.append(BlockResult(HEAD, None, [judged("logits (from Z^n8)", out.logits, t, r, a, False)]))
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def source_rows(rep: SourceReport) -> list[dict[str, Any]]:
+    """The table: one row per block."""
+    rows = []
+    for b in rep.blocks:
+        c = max(b.checks, key=lambda c: c.ratio if math.isfinite(c.ratio) else math.inf)
+        rows.append({"block": b.name, "check": c.name, "RMS error to our float64 (ratio; bound)":
+                     c.figures().replace("onnxruntime", "transformers").replace("PyTorch fp32", "ours fp32"),
+                     "max abs": f"{c.max_error:.3g}", "cosine": f"{c.cosine:.7f}", "result": c.verdict})
+    return rows
