@@ -21,6 +21,7 @@ as it runs and dropped after, beside one layer of ours.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from .compare import BUDGET, Budget, BudgetCheck, judge
 from .prompts import left_pad, positions
 
 F32 = dtypes.FLOAT32.name
+HEAD_POSITIONS = 16  # positions the head is compared at (each row's last: real in every left-padded row)
 
 
 @dataclass
@@ -75,6 +77,15 @@ class SourceReport:
         if not self.checked:
             return f"source check: not run: {self.reason}"
         return f"source check: our reading of {self.source} against {self.library} (fp32, eager attention)"
+
+    @property
+    def summary(self) -> str:
+        """Its figures in a few words: how many blocks agreed, and the worst ratio to the noise against its bound."""
+        checks = [c for b in self.blocks for c in b.checks]
+        worst = max(checks, key=lambda c: c.ratio if math.isfinite(c.ratio) else math.inf)
+        verdict = "agrees" if self.passed else "differs"
+        return (f"{verdict} in all {len(self.blocks)} blocks, at most {worst.ratio:.2g}x the noise (bound "
+                f"{worst.allowed_ratio:.3g}x)")
 
     @property
     def failure(self) -> str:
@@ -124,6 +135,12 @@ def _library(source: Any) -> tuple[Any, Any, str] | str:
         if model_type not in transformers.CONFIG_MAPPING:
             return (f"transformers {transformers.__version__} has no code of its own for {cfg.family} (its "
                     f"checkpoints carry remote code, which llama-tools never runs)")
+        written = _written_by(source.path / "config.json")
+        installed = int(transformers.__version__.split(".")[0])
+        if written is not None and written[1] and installed < 5:
+            return (f"{source.path / 'config.json'} was written by transformers {written[0]} (rope_parameters), a "
+                    f"layout the installed {transformers.__version__} does not read; install transformers >= 5 to "
+                    f"check it")
         try:
             hf_cfg = transformers.AutoConfig.from_pretrained(str(source.path), trust_remote_code=False)
         except Exception as e:  # noqa: BLE001  (any refusal of the library's is a reason, shown in one line)
@@ -135,6 +152,17 @@ def _library(source: Any) -> tuple[Any, Any, str] | str:
         return f"transformers {transformers.__version__} has no code of its own for {cfg.family}"
     return (transformers, transformers.AutoConfig.for_model(model_type, **d),
             f"was given {source.spec}'s config as llama-tools writes it (no checkpoint: seeded weights)")
+
+
+def _written_by(path: Any) -> tuple[str, bool] | None:
+    """(the transformers version a config.json names, whether it is in 5.x's rope_parameters layout)."""
+    from llama_tools.checkpoints.config_files import read_json
+
+    try:
+        data = read_json(path)
+    except ValueError:
+        return None
+    return str(data.get("transformers_version", "?"))[:20], "rope_parameters" in data
 
 
 class _Stream:
@@ -243,11 +271,13 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
     state: dict[str, Any] = {"z": truth.embed(ids)}  # our float64 Z^j, advanced one layer per transformers' layer
 
     def judged(name: str, got_t: Any, t: Any, r: Any, a: Any, hidden: bool) -> BudgetCheck:
-        g = np.where(valid[..., None], f64(got_t), 0.0)  # padded positions are not compared (nor their NaN)
-        tt, rr, aa = f64(t), f64(r), f64(a)
+        v = valid[:, -got_t.shape[1]:]
+        f32 = lambda x: x.detach().to(torch.float32).numpy()  # noqa: E731  (judge widens a chunk at a time)
+        g = np.where(v[..., None], f32(got_t), np.float32(0))  # padded positions are not compared (nor their NaN)
+        tt, rr, aa = f64(t), f32(r), f32(a)
         if hidden:
-            g, rr, aa, tt = per_channel(g, tt, valid, rr, aa)
-        return judge(name, g, (rr, aa), tt, valid, F32, budget, logits=not hidden)
+            g, rr, aa, tt = per_channel(g.astype(np.float64), tt, v, rr.astype(np.float64), aa.astype(np.float64))
+        return judge(name, g, (rr, aa), tt, v, F32, budget, logits=not hidden)
 
     model = stream.model
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
@@ -294,32 +324,50 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
     def norm_pre(m: Any, args: tuple) -> tuple:
         return (state["z"].to(torch.float32),) + tuple(args[1:])
 
-    def head_pre(m: Any, args: tuple) -> None:
-        m._source_stack = contextlib.ExitStack()
-        m._source_stack.enter_context(stream.loaded(m, name=head_name))
-
-    def head_post(m: Any, args: tuple, out: Any) -> None:
-        m._source_stack.close()
-        del m._source_stack
-
     embed_rows = lambda name: ref.reader.rows(embed_name, [(int(i), int(i) + 1) for i in uniq])  # noqa: E731
-    handles = [embed.register_forward_pre_hook(embed_pre), final_norm.register_forward_pre_hook(norm_pre), head.register_forward_pre_hook(head_pre),
-               head.register_forward_hook(head_post)]
+    handles = [embed.register_forward_pre_hook(embed_pre), final_norm.register_forward_pre_hook(norm_pre)]
+    assert type(head) is torch.nn.Linear and head.bias is None, f"{type(model).__name__}'s head is a plain Linear"
+    model.set_output_embeddings(slab_head(lambda a, b: ref.reader.rows(head_name, [(a, b)]), head.out_features))
+    assert model.get_output_embeddings() is not head, "transformers' head replaced by the slabbed one"
     for j, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(layer_pre(j), with_kwargs=True))
         handles.append(layer.register_forward_hook(layer_post(j), with_kwargs=True))
+    # The head is the same function at every position: its last HEAD_POSITIONS (real in every left-padded row)
+    # show any misread of it, at a fraction of the vocabulary-wide logits' memory.
+    keep = min(HEAD_POSITIONS, ids.shape[1])
+    forward = inspect.signature(model.forward).parameters
+    keep_arg = {("logits_to_keep" if "logits_to_keep" in forward else "num_logits_to_keep"): keep}
     try:
         with torch.no_grad(), stream.loaded(embed, read=embed_rows), stream.loaded(final_norm):
             out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                        position_ids=torch.from_numpy(positions(mask, ids.shape[1])), use_cache=False)
+                        position_ids=torch.from_numpy(positions(mask, ids.shape[1])), use_cache=False, **keep_arg)
     finally:
         for h in handles:
             h.remove()
-    z = state["z"]
+    logits = out.logits[:, -keep:]  # [b, keep, n1]
+    del out, stream
+    z = state["z"][:, -keep:]
+    valid = valid[:, -keep:]
     t, r, a = truth.head(z), noise.head(z.to(torch.float32)), alt.head(z.to(torch.float32))
-    report.blocks.append(BlockResult(HEAD, None, [judged("logits (from Z^n8)", out.logits, t, r, a, False)]))
+    report.blocks.append(BlockResult(HEAD, None, [judged(f"logits (from Z^n8, last {keep} positions)", logits, t, r,
+                                                         a, False)]))
     report.seconds = time.perf_counter() - start
     return report
+
+
+SLAB_BYTES = 64 * 2**20  # lm_head rows read at a time by the source check's head
+
+
+def slab_head(rows: Callable[[int, int], Any], vocab: int) -> Any:
+    """transformers' lm_head (a Linear without bias) computed a slab of vocabulary rows at a time from the files."""
+    import torch
+
+    class SlabHead(torch.nn.Module):
+        def forward(self, x: Any) -> Any:  # x: [b, n3, n2] -> [b, n3, n1]
+            step = max(1, SLAB_BYTES // (4 * x.shape[-1]))
+            return torch.cat([x @ rows(a, min(a + step, vocab)).T for a in range(0, vocab, step)], dim=-1)
+
+    return SlabHead()
 
 
 def source_rows(rep: SourceReport) -> list[dict[str, Any]]:

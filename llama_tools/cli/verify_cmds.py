@@ -166,7 +166,7 @@ def _print_verdict(v: Any, all_layers: bool) -> None:
     click.echo(f"{first.onnx_path} ({first.graph}, {first.dtype}); reference from {first.source}")
     click.echo(f"inputs: {v.inputs}; {len(v.prompt_lengths)} rows of {v.prompt_lengths} tokens, left-padded")
     if v.source_check is not None:
-        _print_source(v.source_check)
+        _print_source(v.source_check, brief=not all_layers)
     if v.by_layer is not None:
         r = v.by_layer
         click.echo(f"layer by layer on onnxruntime ({r.provider}), each layer fed float64's input to it:")
@@ -190,12 +190,15 @@ def _print_verdict(v: Any, all_layers: bool) -> None:
     click.echo(f"{'PASS' if v.passed else 'FAIL'}{where}: checks ran in {v.seconds:.1f} s{took}")
 
 
-def _print_source(rep: Any) -> None:
-    """The source check's header line, its table and notes (one line when it did not run)."""
+def _print_source(rep: Any, brief: bool = False) -> None:
+    """The source check's header line, its table and notes (one line when it did not run, or passed and `brief`)."""
     from ..exporters.source_check import source_rows
 
     if not rep.checked:
         click.echo(rep.headline)
+        return
+    if brief and rep.passed:
+        click.echo(f"{rep.headline}: {rep.summary} (--all-layers: every block)")
         return
     click.echo(f"{rep.headline}, each block fed our float64 input to it:")
     if rep.mismatch:
