@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llama_tools.exporters.compare import judge
+from llama_tools.exporters.verification.compare import judge
 from llama_tools.exporters.foreign import describe_graph, foreign_lm
 from llama_tools.exporters.onnx_export import export_onnx
-from llama_tools.exporters.parity import onnx_step, run_trace, torch_step
+from llama_tools.exporters.verification.parity import onnx_step, run_trace, torch_step
 from llama_tools.exporters.pipeline import export
 from llama_tools.exporters.prompts import left_pad
 from llama_tools.exporters.runtime import OnnxLM, create_session
@@ -71,7 +71,7 @@ def fp16_over_fp32(path: str, steps: int = 4) -> dict[str, dict[str, list[float]
     layer and tensor, on the model's built-in text: layer by layer (each fed float64's input, as --checks layers
     does) and through the whole graph (prefill K/V, logits, decode logits). What the fp16 fallback (compare.py
     FP16_PER_FP32) scales fp32's noise by where PyTorch fp16 overflows."""
-    from llama_tools.exporters.by_layer import LayerReference, per_channel
+    from llama_tools.exporters.verification.by_layer import LayerReference, per_channel
     from llama_tools.exporters.prompts import default_inputs
 
     src = resolve(path)

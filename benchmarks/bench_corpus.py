@@ -105,8 +105,8 @@ def embed_scale_of(path: Path) -> float | None:
 def verdict(path: Path, source: str, random_ids: int | None = None, seed: int = 0, steps: int = 4,
             mode: str = "auto") -> dict:
     """The default `verify parity` (real text, or random ids): verdict, where, worst ratios and bounds."""
-    from llama_tools.exporters.parity import resolve_target
-    from llama_tools.exporters.verdict import parity_inputs, verify
+    from llama_tools.exporters.verification.parity import resolve_target
+    from llama_tools.exporters.verification.verdict import parity_inputs, verify
 
     t0 = time.perf_counter()
     target = resolve_target(str(path), source)

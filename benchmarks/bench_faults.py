@@ -175,13 +175,13 @@ class Verdict:
 
 def check(onnx_path: str | Path, mode: str, source: str | None = None, steps: int = 8) -> Verdict:
     """One `verify parity` run (whole graph or --by-layer) as the CLI would make it."""
-    from llama_tools.exporters.by_layer import verify_by_layer
-    from llama_tools.exporters.parity import resolve_target, verify_parity
+    from llama_tools.exporters.verification.by_layer import verify_by_layer
+    from llama_tools.exporters.verification.parity import resolve_target, verify_parity
 
     t0 = time.perf_counter()
     target = resolve_target(str(onnx_path), source)
     if mode == "default":
-        from llama_tools.exporters.verdict import parity_inputs, verify
+        from llama_tools.exporters.verification.verdict import parity_inputs, verify
 
         v = verify(target, parity_inputs(target, None, steps), provider="cpu", steps=steps)
         checks = [c for r in (v.by_layer, v.whole) if r is not None for c in r.checks]

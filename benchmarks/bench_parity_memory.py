@@ -84,8 +84,8 @@ print(json.dumps({"mode": mode, "base": base, "peak": hwm(),
 PARITY_CHILD = r"""
 import json, resource, sys, time
 import onnxruntime, torch
-from llama_tools.exporters.by_layer import verify_by_layer
-from llama_tools.exporters.parity import resolve_target, verify_parity
+from llama_tools.exporters.verification.by_layer import verify_by_layer
+from llama_tools.exporters.verification.parity import resolve_target, verify_parity
 
 def rss(field="VmRSS:"):
     with open("/proc/self/status") as f:

@@ -674,7 +674,7 @@ def measure_quant_parity(onnx_path: str | Path, reference: Any = None, *, prompt
     from .runtime import OnnxLM, create_session
 
     from .foreign import check_matches, describe_graph, foreign_lm
-    from .parity import has_our_metadata
+    from .verification.parity import has_our_metadata
 
     onnx_path = Path(onnx_path)
     io = None

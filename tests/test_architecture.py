@@ -91,7 +91,7 @@ def violations(mods: dict[str, set[str]]) -> list[str]:
 
 def test_arrows_point_one_way():
     mods = modules()
-    assert CLI in mods and "llama_tools.exporters.parity" in mods and "llama_tools.reports.shapes" in mods
+    assert CLI in mods and "llama_tools.exporters.verification.parity" in mods and "llama_tools.reports.shapes" in mods
     assert violations(mods) == []
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from llama_tools.exporters.compare import BUDGET, EPS, FP16_PER_FP32, Budget, judge
+from llama_tools.exporters.verification.compare import BUDGET, EPS, FP16_PER_FP32, Budget, judge
 from llama_tools.modeling.model import RMSNorm, wide
 
 B = Budget(multiple=4.0, floor_ulps=1.0, min_cosine=0.9)

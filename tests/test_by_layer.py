@@ -17,10 +17,10 @@ from click.testing import CliRunner
 from llama_tools.cli import cli
 from llama_tools.checkpoints.convert import save_checkpoint
 from llama_tools.exporters import runtime
-from llama_tools.exporters.by_layer import EMBEDDING, HEAD, BlockRunner, GraphBlocks, verify_by_layer
+from llama_tools.exporters.verification.by_layer import EMBEDDING, HEAD, BlockRunner, GraphBlocks, verify_by_layer
 from llama_tools.exporters.fused import export_fused
 from llama_tools.exporters.onnx_export import export_onnx
-from llama_tools.exporters.parity import resolve_target
+from llama_tools.exporters.verification.parity import resolve_target
 from llama_tools.exporters.prompts import left_pad, positions
 from llama_tools.modeling.presets import get_preset
 from helpers import sharp
@@ -179,7 +179,7 @@ def test_a_graph_without_layer_names_is_refused(tmp_path):
 
 def test_the_float64_layer_widened_on_use_is_the_float64_layer(checkpoint):
     """The truth keeps matrices in fp32 and widens each as it runs: bit for bit a layer built in float64."""
-    from llama_tools.exporters.by_layer import LayerReference
+    from llama_tools.exporters.verification.by_layer import LayerReference
     from llama_tools.modeling.model import DecoderLayer
     from llama_tools.inference.reference import CheckpointReader
 
@@ -206,8 +206,8 @@ def test_per_channel_units_keep_a_massive_channel_from_hiding_an_error():
     Judged as one tensor the massive channel's rounding sets the noise and the error hides; in channel units
     it fails. Without the error both pass.
     """
-    from llama_tools.exporters.by_layer import per_channel
-    from llama_tools.exporters.compare import judge
+    from llama_tools.exporters.verification.by_layer import per_channel
+    from llama_tools.exporters.verification.compare import judge
 
     rng = np.random.default_rng(0)
     truth = rng.standard_normal((2, 8, 16))  # [batch, seq, n2]

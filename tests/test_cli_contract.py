@@ -26,10 +26,10 @@ from click.testing import CliRunner
 from llama_tools.cli import cli
 from llama_tools.cli.params import size_words, usage_line
 from llama_tools.exporters.graph_meta import has_our_metadata, is_int4, names
-from llama_tools.exporters.parity_options import WHOLE_GRAPH_BYTES
+from llama_tools.exporters.verification.parity_options import WHOLE_GRAPH_BYTES
 from llama_tools.exporters.preflight import SINGLE_FILE_MAX_BYTES
 from llama_tools.exporters.quant_options import ACCURACY_LEVEL, BLOCK_SIZE, DEFAULT_ALGORITHM, PROMPT_IDS
-from llama_tools.exporters.verify_preflight import Room
+from llama_tools.exporters.verification.verify_preflight import Room
 from llama_tools.checkpoints.formats import WRITABLE
 from llama_tools.inference.generation import next_token
 from llama_tools.modeling.presets import ALIASES, PRESETS, get_preset

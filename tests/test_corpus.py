@@ -23,8 +23,8 @@ from click.testing import CliRunner
 
 from llama_tools.cli import cli
 from llama_tools.exporters.onnx_export import export_onnx
-from llama_tools.exporters.parity import resolve_target
-from llama_tools.exporters.verdict import parity_inputs, verify
+from llama_tools.exporters.verification.parity import resolve_target
+from llama_tools.exporters.verification.verdict import parity_inputs, verify
 from llama_tools.checkpoints.source import resolve
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,8 +24,8 @@ transformers = pytest.importorskip("transformers")
 
 from llama_tools import load_model  # noqa: E402
 from llama_tools.cli import cli  # noqa: E402
-from llama_tools.exporters.parity import resolve_target  # noqa: E402
-from llama_tools.exporters.verdict import parity_inputs, verify  # noqa: E402
+from llama_tools.exporters.verification.parity import resolve_target  # noqa: E402
+from llama_tools.exporters.verification.verdict import parity_inputs, verify  # noqa: E402
 from helpers import add_llama_hparams, finish_gguf  # noqa: E402
 from llama_tools.checkpoints.config_files import load_config  # noqa: E402
 

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from llama_tools.cli import cli
 from llama_tools.checkpoints.convert import save_checkpoint
 from llama_tools.exporters.foreign import describe_graph
-from llama_tools.exporters.parity import resolve_target, verify_parity
+from llama_tools.exporters.verification.parity import resolve_target, verify_parity
 from llama_tools.modeling.presets import get_preset
 from helpers import sharp
 

@@ -17,8 +17,8 @@ import torch
 from llama_tools.exporters.fused import FUSED_ROPE_OPS, StaticKVSession, check_fusable, export_fused
 from llama_tools.exporters.graph_io import io_names
 from llama_tools.exporters.onnx_export import read_metadata
-from llama_tools.exporters.compare import TOLERANCES, compare
-from llama_tools.exporters.parity import keys_by_position, resolve_target, verify_parity
+from llama_tools.exporters.verification.compare import TOLERANCES, compare
+from llama_tools.exporters.verification.parity import keys_by_position, resolve_target, verify_parity
 from llama_tools.exporters.prompts import left_pad, positions
 from llama_tools.exporters.rope_ops import DOMAIN, OP_TYPE, rope_function
 from llama_tools.exporters.runtime import OnnxLM, create_session
@@ -457,7 +457,7 @@ def test_a_sliding_window_is_grouped_query_attentions_local_window(tmp_path):
     the verdict fails the same graph with the window one key wider (the attribute is not a no-op)."""
     import onnx_ir as ir
 
-    from llama_tools.exporters.verdict import parity_inputs, verify
+    from llama_tools.exporters.verification.verdict import parity_inputs, verify
 
     import json
 

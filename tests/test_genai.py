@@ -301,7 +301,7 @@ def _genai_greedy(og, directory: Path, prompt: list[int], new: int) -> list[int]
 
 def _onnx_greedy(path: Path, prompt: list[int], new: int) -> list[int]:
     """The graph's own greedy tokens through onnxruntime, our runner."""
-    from llama_tools.exporters.parity import positions
+    from llama_tools.exporters.verification.parity import positions
     from llama_tools.exporters.runtime import OnnxLM, create_session
 
     lm = OnnxLM(create_session(path, "cpu"), CFG.num_hidden_layers, CFG.num_key_value_heads, CFG.head_dim)

@@ -15,7 +15,7 @@ import torch
 
 from llama_tools.exporters.fused import export_fused
 from llama_tools.exporters.onnx_export import export_onnx
-from llama_tools.exporters.parity import resolve_target, verify_parity
+from llama_tools.exporters.verification.parity import resolve_target, verify_parity
 from llama_tools.checkpoints.loading import load_model
 from llama_tools.checkpoints.source import resolve
 

@@ -457,7 +457,7 @@ def test_an_empty_onnx_says_empty_file(inputs, cwd, tripwires):
 
 def test_an_onnx_whose_source_moved_hints_at_source(exported, inputs, cwd, tmp_path_factory, tripwires):
     from llama_tools.exporters.onnx_export import META
-    from llama_tools.exporters.parity import resolve_target
+    from llama_tools.exporters.verification.parity import resolve_target
 
     d = tmp_path_factory.mktemp("moved")
     src = d / "ckpt"
@@ -497,7 +497,7 @@ def test_an_hf_export_passes_against_its_meta_copy(exported, meta_copy, cwd, mon
     assert rows["present.*"].rstrip().endswith("pass") and "8/8 steps agree" in rows["greedy decode"], r.stdout
     assert r.stdout.splitlines()[-1].startswith("PASS")
     # Negative: without the permutation the same K caches differ from layer 0 (the check can fail).
-    from llama_tools.exporters import parity
+    from llama_tools.exporters.verification import parity
 
     monkeypatch.setattr(parity, "_channel_order", lambda g, ref, n: __import__("numpy").arange(n))
     r = invoke(["verify", "parity", exported["onnx"], "--source", meta_copy])

@@ -418,7 +418,7 @@ def test_verify_parity_makes_its_temp_dir_through_files(monkeypatch):
     """The export on the fly goes to files.temp_dir("parity") (swept as above), not tempfile's own."""
     import inspect
 
-    from llama_tools.exporters import parity
+    from llama_tools.exporters.verification import parity
 
     assert 'files.temp_dir("parity")' in inspect.getsource(parity.verify_parity)
 

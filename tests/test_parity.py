@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 import llama_tools.exporters.runtime as runtime
 from llama_tools.exporters.onnx_export import export_onnx
-from llama_tools.exporters.compare import BUDGET, Tolerance, compare
-from llama_tools.exporters.parity import resolve_target, verify_parity
+from llama_tools.exporters.verification.compare import BUDGET, Tolerance, compare
+from llama_tools.exporters.verification.parity import resolve_target, verify_parity
 from llama_tools.exporters.prompts import left_pad, positions
 from llama_tools.cli import cli
 from llama_tools.modeling.presets import get_preset

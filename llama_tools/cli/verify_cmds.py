@@ -12,7 +12,7 @@ import click
 
 from ..modeling import dtypes
 from ..outputs.tables import render
-from ..exporters.parity_options import MODES, WHOLE_GRAPH_BYTES
+from ..exporters.verification.parity_options import MODES, WHOLE_GRAPH_BYTES
 from ..exporters.quant_options import PROMPT_IDS
 from ..outputs.progress import terminal
 
@@ -115,7 +115,7 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
         raise click.UsageError(f"--by-layer is --checks layers; it cannot go with --checks {checks}")
     mode = "layers" if by_layer else checks
     from ..exporters.preflight import check_args
-    from ..exporters.verify_preflight import parity_room
+    from ..exporters.verification.verify_preflight import parity_room
     from ..checkpoints.tokenizer import check_vocab
 
     from ..checkpoints.source import prompt_ids
@@ -133,8 +133,8 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
         from ..reports.parity_plot import check_plot_path
 
         check_plot_path(plot)  # last of the cheap checks: it imports matplotlib
-    from ..exporters.parity import resolve_target
-    from ..exporters.verdict import parity_inputs, verify
+    from ..exporters.verification.parity import resolve_target
+    from ..exporters.verification.verdict import parity_inputs, verify
 
     tgt = resolve_target(target, source)
     if batch is None:
@@ -144,7 +144,7 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
     v = verify(tgt, inputs, mode=mode, provider=provider, steps=steps, dtype=dtype, rope_op=rope_op, tf32=tf32,
                source_check=not no_source_check, progress=terminal("parity", quiet=quiet))
     if plot is not None:
-        from ..exporters.by_layer import whole_graph_series
+        from ..exporters.verification.by_layer import whole_graph_series
         from ..reports.parity_plot import plot_layers
 
         plot_layers(v.by_layer.series() if v.by_layer is not None else whole_graph_series(v.whole), plot)
@@ -160,7 +160,7 @@ def verify_parity(target: str | None, source: str | None, prompts: tuple[str, ..
 
 def _print_verdict(v: Any, all_layers: bool) -> None:
     """The header, the layer-local table, the whole-graph table, notes, times and the verdict line."""
-    from ..exporters.by_layer import by_layer_rows
+    from ..exporters.verification.by_layer import by_layer_rows
 
     first = v.by_layer or v.whole
     click.echo(f"{first.onnx_path} ({first.graph}, {first.dtype}); reference from {first.source}")
@@ -192,7 +192,7 @@ def _print_verdict(v: Any, all_layers: bool) -> None:
 
 def _print_source(rep: Any, brief: bool = False) -> None:
     """The source check's header line, its table and notes (one line when it did not run, or passed and `brief`)."""
-    from ..exporters.source_check import source_rows
+    from ..exporters.verification.source_check import source_rows
 
     if not rep.checked:
         click.echo(rep.headline)
@@ -244,7 +244,7 @@ def verify_source(model: Any, prompts: tuple[str, ...], ids: tuple[list[int], ..
         check_vocab(row, model.cfg.vocab_size, "--ids")
     batch = [prompt_ids(model, t, None)[0] for t in prompts] + [list(i) for i in ids]
     from ..exporters.prompts import Inputs, default_inputs
-    from ..exporters.source_check import check_source
+    from ..exporters.verification.source_check import check_source
 
     inputs = (Inputs(batch, f"{len(batch)} row(s) given") if batch else
               default_inputs(model, model.cfg.vocab_size, model.cfg.max_position_embeddings, random_ids=random_ids,
@@ -328,7 +328,7 @@ def verify_int4(target: Path, source: Any, steps: int, prompt: str | None, ids: 
     check_onnx_exists(str(target))
     if prompt is not None and ids is not None:
         raise click.UsageError("give at most one of --prompt TEXT or --ids '1 2 3'")
-    from ..exporters.verify_preflight import int4_source
+    from ..exporters.verification.verify_preflight import int4_source
     from ..checkpoints.header_readers import open_regular
     from ..checkpoints.source import load_tokenizer, no_tokenizer, prompt_ids
 

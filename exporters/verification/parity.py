@@ -30,12 +30,12 @@ from llama_tools.checkpoints.source import ModelSource, resolve
 from llama_tools.checkpoints.tokenizer import check_vocab
 
 from .compare import BUDGET, DTYPE_LABEL, FP16_PER_FP32, BudgetCheck, Budget, DecodeCheck, judge, margin
-from .foreign import GraphIO, check_matches, describe_graph, foreign_lm
-from .graph_meta import has_our_metadata, is_int4  # noqa: F401  (verdict, by_layer, quantize import them from here)
-from .onnx_export import ExportMetadata, export_onnx, read_metadata
-from .prompts import default_prompts, left_pad, positions
-from . import rope_ops
-from .runtime import OnnxLM, create_session
+from ..foreign import GraphIO, check_matches, describe_graph, foreign_lm
+from ..graph_meta import has_our_metadata, is_int4  # noqa: F401  (verdict, by_layer, quantize import them from here)
+from ..onnx_export import ExportMetadata, export_onnx, read_metadata
+from ..prompts import default_prompts, left_pad, positions
+from .. import rope_ops
+from ..runtime import OnnxLM, create_session
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 from llama_tools.modeling.config import ModelConfig
 from llama_tools.checkpoints.source import ModelSource, resolve
 
-from .graph_meta import INT4_OP, check_int4_graph, has_our_metadata, is_int4, read_metadata
+from ..graph_meta import INT4_OP, check_int4_graph, has_our_metadata, is_int4, read_metadata
 
 
 @dataclass(frozen=True)

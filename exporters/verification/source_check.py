@@ -34,7 +34,7 @@ from llama_tools.outputs.progress import Progress, silent
 
 from .by_layer import EMBEDDING, HEAD, BlockResult, LayerReference, per_channel
 from .compare import BUDGET, Budget, BudgetCheck, judge
-from .prompts import left_pad, positions
+from ..prompts import left_pad, positions
 
 F32 = dtypes.FLOAT32.name
 HEAD_POSITIONS = 16  # positions the head is compared at (each row's last: real in every left-padded row)
@@ -213,12 +213,13 @@ class _Stream:
                 sub._parameters[attr] = p
 
 
-def _tensor_reader(ref: Any) -> tuple[Callable[[str], Any], set[str]]:
-    """name -> fp32 tensor under the checkpoint's own (transformers') names, and the names the files hold."""
+def _tensor_reader(ref: Any) -> tuple[Callable[[str], Any], set[str], set[str]]:
+    """name -> fp32 tensor under the checkpoint's own (transformers') names; the names the files hold; the names
+    our reading reads."""
     reader = ref.reader
     if hasattr(reader, "stored_tensor"):
-        return reader.stored_tensor, set(reader.info)
-    return (lambda name: reader.read([name])[name]), set(reader.state)
+        return reader.stored_tensor, set(reader.info), {w.stored for w in reader.where.values()}
+    return (lambda name: reader.read([name])[name]), set(reader.state), set(reader.state)
 
 
 # --- The check -----------------------------------------------------------------------------------------------
@@ -240,7 +241,7 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
     ids, mask = left_pad(rows)
     valid = mask.astype(bool)
     ref = reference_model(source, seed=seed, batch=len(rows), seq=ids.shape[1], float64_pass=True)
-    tensor, held = _tensor_reader(ref)
+    tensor, held, ours = _tensor_reader(ref)
     stream = _Stream(transformers, hf_cfg, tensor)
     report = SourceReport(str(getattr(source, "spec", source)), library, "", budget,
                           notes=[f"transformers {how}; each of its blocks fed our float64 input to it (in "
@@ -252,11 +253,11 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
     embed_name = stream.names[id(stream.model.get_input_embeddings().weight)]
     head_name = embed_name if tied else stream.names[id(head.weight)]
     wanted = {n for n in stream.names.values() if not (tied and n == stream.names[id(head.weight)])}
-    missing = sorted(wanted - held)
+    missing = [n for n in stream.names.values() if n in wanted and n not in held]  # in the model's own order
     if missing:
         report.mismatch = (f"transformers' {type(stream.model).__name__} has a weight {missing[0]!r} that the "
                            f"checkpoint does not hold ({len(missing)} such)")
-    unread = sorted(n for n in held - wanted - {"lm_head.weight"} if not n.endswith("rotary_emb.inv_freq"))
+    unread = sorted(ours - wanted - ({embed_name.replace("model.embed_tokens", "lm_head")} if tied else set()))
     if unread and not report.mismatch:
         report.mismatch = (f"the checkpoint's tensor {unread[0]!r} is read by llama-tools but not by transformers' "
                            f"{type(stream.model).__name__} ({len(unread)} such)")

@@ -42,11 +42,11 @@ from llama_tools.outputs import files
 from llama_tools.outputs.progress import Progress, release_freed_memory, silent
 
 from .compare import DTYPE_LABEL, FP16_PER_FP32, Budget, BudgetCheck, judge
-from .graph_io import INPUT_IDS, LOGITS, present_name
-from .onnx_export import export_onnx, read_metadata
-from .prompts import default_prompts, left_pad, positions
-from .emulation import emulate_bf16, is_bf16_graph
-from .runtime import (EMULATED_BF16, bf16_bits_to_float32, cuda_unusable, float32_to_bf16_bits, numpy_to_ortvalue,
+from ..graph_io import INPUT_IDS, LOGITS, present_name
+from ..onnx_export import export_onnx, read_metadata
+from ..prompts import default_prompts, left_pad, positions
+from ..emulation import emulate_bf16, is_bf16_graph
+from ..runtime import (EMULATED_BF16, bf16_bits_to_float32, cuda_unusable, float32_to_bf16_bits, numpy_to_ortvalue,
                       onnxruntime, ortvalue_to_numpy, provider_list, run_bound, window_slots, windowed_pasts)
 
 LAYER_NODE = re.compile(r"/model/layers\.(\d+)/")

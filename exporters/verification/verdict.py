@@ -28,7 +28,7 @@ from llama_tools.outputs.progress import Progress, silent
 from .by_layer import ByLayerReport, _by_layer
 from .parity_options import MODES, WHOLE_GRAPH_BYTES
 from .parity import ParityReport, ParityTarget, _verify, check_inputs, is_int4
-from .prompts import Inputs, default_inputs
+from ..prompts import Inputs, default_inputs
 from .source_check import SourceReport, check_source, not_checked
 
 
@@ -127,7 +127,7 @@ def _verify_graph(target: ParityTarget, inputs: Inputs, mode: str, provider: str
                   rope_op: str, tf32: bool, progress: Progress) -> Verdict:
     if target.onnx_path is not None:
         return _run(target.onnx_path, target, inputs, mode, provider, steps, tf32, progress)
-    from .onnx_export import export_onnx, read_metadata
+    from ..onnx_export import export_onnx, read_metadata
 
     with files.temp_dir("parity") as tmp:  # removed on SIGTERM too, and after a SIGKILL by the next run
         exported = export_onnx(target.source, Path(tmp) / "model.onnx", dtype=dtype, rope_op=rope_op,

@@ -1,0 +1,153 @@
+"""The source check: our reading of a checkpoint judged against transformers' own, in verify parity and verify source.
+
+A checkpoint read right agrees block by block within the fp32 noise; a reading made wrong on purpose (the config
+reader made to ignore one key, as a reader that half-knows a layout would) turns the default `verify parity` into a
+FAIL that names the source check and the first layer it touches; without transformers the header says the reading
+was not checked; the real Gemma 3 270M, as transformers saves it, is read right in both config layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from config_cases import CASES  # noqa: E402
+from test_config_layouts import hf_checkpoint  # noqa: E402
+
+from llama_tools.checkpoints import config_files  # noqa: E402
+from llama_tools.checkpoints.source import resolve  # noqa: E402
+from llama_tools.cli import cli  # noqa: E402
+from llama_tools.exporters.prompts import random_rows  # noqa: E402
+from llama_tools.exporters.verification.source_check import check_source  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "data" / "transformers5"
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("gemma3")
+    hf_checkpoint("gemma3-linear", d)
+    return d
+
+
+def _rows() -> list[list[int]]:
+    rows = random_rows(256, 3, 0)
+    rows[0] = rows[0] * 4  # 44 positions: past the window of 16, so the sliding layers' base and mask matter
+    return rows
+
+
+@pytest.mark.parametrize("case", ["llama-llama3", "qwen2", "gemma2", "mixtral"])
+def test_a_reading_that_agrees_passes_every_block(tmp_path, case):
+    hf_checkpoint(case, tmp_path)
+    rep = check_source(resolve(str(tmp_path)), _rows())
+    assert rep.checked and rep.library.startswith("transformers ")
+    assert [b.name for b in rep.blocks] == ["embedding", *(f"layer {j}" for j in range(4)), "head"]
+    assert rep.passed, [(b.name, b.checks[0].figures()) for b in rep.blocks]
+    assert all(c.ratio < 3 for b in rep.blocks for c in b.checks)  # measured 0.9-1.2x: far under the bound of 8x
+
+
+def _ignore_local_base(monkeypatch) -> None:
+    """Plant a misread: the config reader loses Gemma 3's sliding layers' base (what rope_parameters misread did)."""
+    rope = config_files._rope
+    monkeypatch.setattr(config_files, "_rope", lambda data, path, family: (*rope(data, path, family)[:2], None))
+
+
+def test_a_planted_misread_fails_the_default_verify_naming_the_source_check(gemma3, monkeypatch):
+    ok = CliRunner().invoke(cli, ["verify", "parity", str(gemma3), "--random-ids", "2", "-q", "--checks", "layers"])
+    assert ok.exit_code == 0, ok.output[-2000:]
+    assert "source check: our reading of" in ok.output and "agrees in all 6 blocks" in ok.output
+    _ignore_local_base(monkeypatch)
+    bad = CliRunner().invoke(cli, ["verify", "parity", str(gemma3), "--random-ids", "2", "-q", "--checks", "layers"])
+    assert bad.exit_code == 1, bad.output[-2000:]
+    last = bad.output.strip().splitlines()[-1]
+    assert last.startswith("FAIL; our reading of the checkpoint differs from what transformers computes, from layer 0")
+    assert "(the source check)" in last
+    # the graph agrees with the (wrong) reference: the export alone would have passed
+    assert "layer by layer on onnxruntime" in bad.output and "FAIL: error over budget" in bad.output
+    data = json.loads(CliRunner().invoke(cli, ["verify", "parity", str(gemma3), "--random-ids", "2", "-q",
+                                               "--checks", "layers", "--format", "json"]).output)
+    assert data["passed"] is False and data["mode"] == "by-layer"
+    assert all(b["passed"] for b in data["blocks"])  # the graph's own blocks agree with the misread reference
+    assert data["source_check"]["first_bad"] == "layer 0" and data["source_check"]["checked"]
+
+
+def test_verify_source_alone(gemma3, monkeypatch):
+    r = CliRunner().invoke(cli, ["verify", "source", str(gemma3), "--random-ids", "3", "--format", "json"])
+    assert r.exit_code == 0, r.output[-2000:]
+    data = json.loads(r.output)
+    assert data["passed"] and data["checked"] and len(data["blocks"]) == 6
+    _ignore_local_base(monkeypatch)
+    r = CliRunner().invoke(cli, ["verify", "source", str(gemma3), "--random-ids", "3"])
+    assert r.exit_code == 1
+    assert "FAIL: our reading of the checkpoint differs" in r.output
+    assert "layer 0    layer 0 hidden Z^1" in r.output and "FAIL: error over budget" in r.output
+
+
+def test_a_tensor_only_one_side_expects_is_named(tmp_path, monkeypatch):
+    """A key that adds tensors, lost by our reader: transformers wants q/k/v/o biases the reading never predicted."""
+    hf_checkpoint("llama-linear", tmp_path)  # no biases in the files
+    data = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**data, "attention_bias": True}))
+    from llama_tools.modeling.families import FAMILIES
+
+    monkeypatch.delitem(FAMILIES["llama"].hf_keys, "attention_bias")  # the planted misread: the key unread
+    rep = check_source(resolve(str(tmp_path)), _rows())
+    assert rep.checked and not rep.passed and not rep.blocks
+    assert rep.mismatch.startswith("transformers' LlamaForCausalLM has a weight 'model.layers.0.self_attn.q_proj.bias' "
+                                   "that the checkpoint does not hold")
+
+
+def test_without_transformers_the_header_says_not_checked(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    r = CliRunner().invoke(cli, ["verify", "parity", "--random-ids", "2", "-q", "--checks", "layers"])
+    assert r.exit_code == 0, r.output[-2000:]
+    assert "source check: not run: transformers is not installed" in r.output
+    r = CliRunner().invoke(cli, ["verify", "source"])
+    assert r.exit_code == 1 and r.output.startswith("Error: tiny: the source check cannot run: transformers is not")
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_a_layout_the_installed_transformers_does_not_read_is_not_judged_by_it(gemma3, tmp_path):
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        pytest.skip("transformers >= 5 reads both layouts")
+    d = tmp_path / "v5"
+    shutil.copytree(gemma3, d)
+    shutil.copy(FIXTURES / "gemma3-linear.json", d / "config.json")
+    rep = check_source(resolve(str(d)), _rows())
+    assert not rep.checked and "rope_parameters" in rep.reason and "transformers >= 5" in rep.reason
+    assert rep.passed  # not run is no failure: the header says it, the graph checks still decide
+
+
+@pytest.mark.slow
+def test_the_real_gemma3_is_read_as_transformers_reads_it(tmp_path):
+    """Gemma 3 270M as transformers saves it (18 layers, 5 local : 1 global at bases 1e4 / 1e6): read right in the
+    installed layout and in transformers 5's (rope_parameters per layer type), and a lost base is seen."""
+    import realmodels
+
+    try:
+        d = realmodels.gemma3_hf()
+    except realmodels.Unavailable as e:
+        pytest.skip(str(e))
+    src = resolve(str(d))
+    assert (src.cfg.rope_theta, src.cfg.rope_local_theta) == (1e6, 1e4)
+    rows = [list(range(2, 60))]
+    rep = check_source(src, rows)
+    assert rep.passed, [(b.name, b.checks[0].figures()) for b in rep.blocks]
+    v5 = json.loads((d / "config.json").read_text())
+    v5["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": v5.pop("rope_theta")},
+                             "sliding_attention": {"rope_type": "default",
+                                                   "rope_theta": v5.pop("rope_local_base_freq")}}
+    del v5["rope_scaling"]
+    (tmp_path / "config.json").write_text(json.dumps(v5))
+    assert config_files.load_config(tmp_path / "config.json").replace(source="", name="") == \
+        src.cfg.replace(source="", name="")
