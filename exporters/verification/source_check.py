@@ -37,7 +37,8 @@ from .compare import BUDGET, Budget, BudgetCheck, judge
 from ..prompts import left_pad, positions
 
 F32 = dtypes.FLOAT32.name
-HEAD_POSITIONS = 16  # positions the head is compared at (each row's last: real in every left-padded row)
+GGUF_WHOLE_BYTES = 4 * 2**30  # a GGUF is dequantized whole by transformers' loader: at most this much fp32
+HEAD_POSITIONS = 16  # positions the head is compared at: each row's last (its padding left out)
 
 
 @dataclass
@@ -110,8 +111,9 @@ def not_checked(source: Any, reason: str) -> SourceReport:
 
 # --- transformers' side ------------------------------------------------------------------------------------
 
-def _library(source: Any) -> tuple[Any, Any, str] | str:
-    """(transformers, its config of the source, how it was read), or the reason the source cannot be checked."""
+def _library(source: Any) -> tuple[Any, Any, str, dict[str, Any] | None] | str:
+    """(transformers, its config of the source, how it was read, its weights where it had to load them whole), or
+    the reason the source cannot be checked."""
     try:
         import transformers
     except ImportError:
@@ -127,8 +129,7 @@ def _library(source: Any) -> tuple[Any, Any, str] | str:
     cfg = source.cfg
     if getattr(source, "kind", None) == "checkpoint" and source.path is not None:
         if not source.path.is_dir():
-            return ("a GGUF file: transformers' GGUF loader dequantizes the whole model at once, so it is not run "
-                    "here; convert it to an HF directory and run `llama-tools verify source DIR`")
+            return _gguf(transformers, source)
         if not (source.path / "config.json").is_file():
             return f"{source.path} holds Meta's params.json, which transformers does not read"
         model_type = FAMILIES[cfg.family].model_types[0]
@@ -145,13 +146,39 @@ def _library(source: Any) -> tuple[Any, Any, str] | str:
             hf_cfg = transformers.AutoConfig.from_pretrained(str(source.path), trust_remote_code=False)
         except Exception as e:  # noqa: BLE001  (any refusal of the library's is a reason, shown in one line)
             return f"transformers cannot read {source.path / 'config.json'}: {str(e).splitlines()[0][:200]}"
-        return transformers, hf_cfg, f"read {source.path / 'config.json'} itself"
+        return transformers, hf_cfg, f"read {source.path / 'config.json'} itself", None
     d = config_to_hf(cfg)
     model_type = d.pop("model_type")
     if model_type not in transformers.CONFIG_MAPPING:
         return f"transformers {transformers.__version__} has no code of its own for {cfg.family}"
     return (transformers, transformers.AutoConfig.for_model(model_type, **d),
-            f"was given {source.spec}'s config as llama-tools writes it (no checkpoint: seeded weights)")
+            f"was given {source.spec}'s config as llama-tools writes it (no checkpoint: seeded weights)", None)
+
+
+def _gguf(transformers: Any, source: Any) -> tuple[Any, Any, str, dict[str, Any]] | str:
+    """A GGUF file through transformers' own GGUF loader, which dequantizes the whole model at once (bounded)."""
+    import torch
+
+    from llama_tools.counting.accounting import count_params
+
+    need = 4 * count_params(source.cfg).total
+    if need > GGUF_WHOLE_BYTES:
+        return (f"a GGUF file: transformers' GGUF loader dequantizes the whole model at once ({need / 2**30:.1f} GiB "
+                f"in fp32, over the {GGUF_WHOLE_BYTES / 2**30:g} GiB this check loads); convert it to an HF "
+                f"directory and run `llama-tools verify source DIR`")
+    path = source.path
+    dtype_key = "dtype" if _version(transformers) >= (4, 56) else "torch_dtype"
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  **{dtype_key: torch.float32})
+    except Exception as e:  # noqa: BLE001  (any refusal of the library's is a reason, shown in one line)
+        return f"transformers' GGUF loader cannot read {path}: {(str(e).splitlines() or [''])[0][:200]}"
+    state = dict(model.state_dict())
+    return transformers, model.config, f"read {path} itself (its GGUF loader, dequantized whole)", state
+
+
+def _version(transformers: Any) -> tuple[int, int]:
+    return tuple(int(x) for x in transformers.__version__.split(".")[:2])  # type: ignore[return-value]
 
 
 def _written_by(path: Any) -> tuple[str, bool] | None:
@@ -173,8 +200,7 @@ class _Stream:
         from accelerate import init_empty_weights
 
         # transformers 4.56 renamed torch_dtype to dtype
-        dtype_key = "dtype" if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 56) \
-            else "torch_dtype"
+        dtype_key = "dtype" if _version(transformers) >= (4, 56) else "torch_dtype"
         with init_empty_weights(include_buffers=False):  # buffers (RoPE's inv_freq, Gemma's scale) computed for real
             self.model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager",
                                                                        **{dtype_key: torch.float32}).eval()
@@ -234,14 +260,14 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
     got = _library(source)
     if isinstance(got, str):
         return not_checked(source, got)
-    transformers, hf_cfg, how = got
+    transformers, hf_cfg, how, loaded = got
     start = time.perf_counter()
     budget = budget or BUDGET[F32]
     library = f"transformers {transformers.__version__}"
     ids, mask = left_pad(rows)
     valid = mask.astype(bool)
     ref = reference_model(source, seed=seed, batch=len(rows), seq=ids.shape[1], float64_pass=True)
-    tensor, held, ours = _tensor_reader(ref)
+    tensor, held, ours = _tensor_reader(ref) if loaded is None else (loaded.__getitem__, set(loaded), set())
     stream = _Stream(transformers, hf_cfg, tensor)
     report = SourceReport(str(getattr(source, "spec", source)), library, "", budget,
                           notes=[f"transformers {how}; each of its blocks fed our float64 input to it (in "
@@ -325,24 +351,35 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
     def norm_pre(m: Any, args: tuple) -> tuple:
         return (state["z"].to(torch.float32),) + tuple(args[1:])
 
-    embed_rows = lambda name: ref.reader.rows(embed_name, [(int(i), int(i) + 1) for i in uniq])  # noqa: E731
+    if loaded is None:  # row ranges read from the files; else from the model transformers loaded whole
+        rows_of = lambda name, ranges: ref.reader.rows(name, ranges)  # noqa: E731
+    else:
+        rows_of = lambda name, ranges: torch.cat([loaded[name][a:b] for a, b in ranges])  # noqa: E731
+    embed_rows = lambda name: rows_of(embed_name, [(int(i), int(i) + 1) for i in uniq])  # noqa: E731
     handles = [embed.register_forward_pre_hook(embed_pre), final_norm.register_forward_pre_hook(norm_pre)]
     assert type(head) is torch.nn.Linear and head.bias is None, f"{type(model).__name__}'s head is a plain Linear"
-    model.set_output_embeddings(slab_head(lambda a, b: ref.reader.rows(head_name, [(a, b)]), head.out_features))
+    model.set_output_embeddings(slab_head(lambda a, b: rows_of(head_name, [(a, b)]), head.out_features))
     assert model.get_output_embeddings() is not head, "transformers' head replaced by the slabbed one"
     for j, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(layer_pre(j), with_kwargs=True))
         handles.append(layer.register_forward_hook(layer_post(j), with_kwargs=True))
-    # The head is the same function at every position: its last HEAD_POSITIONS (real in every left-padded row)
-    # show any misread of it, at a fraction of the vocabulary-wide logits' memory.
+    # The head is the same function at every position: each row's last HEAD_POSITIONS (padding left out) show
+    # any misread of it, at a fraction of the vocabulary-wide logits' memory.
     keep = min(HEAD_POSITIONS, ids.shape[1])
     forward = inspect.signature(model.forward).parameters
     keep_arg = {("logits_to_keep" if "logits_to_keep" in forward else "num_logits_to_keep"): keep}
+    padding_idx = getattr(embed, "padding_idx", None)
+    embed.padding_idx = None  # only gradients read it, and the gathered table has fewer rows than its index
     try:
         with torch.no_grad(), stream.loaded(embed, read=embed_rows), stream.loaded(final_norm):
             out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
                         position_ids=torch.from_numpy(positions(mask, ids.shape[1])), use_cache=False, **keep_arg)
+    except (RuntimeError, ValueError, TypeError, AssertionError, IndexError, KeyError, AttributeError) as e:
+        # transformers' own code failing on this checkpoint says nothing of our reading: not checked, and why
+        return not_checked(source, f"{library} failed to run it: {type(e).__name__}: "
+                                   f"{(str(e).splitlines() or [''])[0][:200]}")
     finally:
+        embed.padding_idx = padding_idx
         for h in handles:
             h.remove()
     logits = out.logits[:, -keep:]  # [b, keep, n1]
