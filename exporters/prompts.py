@@ -73,18 +73,46 @@ def random_rows(vocab_size: int, count: int, seed: int) -> list[list[int]]:
     return [rng.integers(3, vocab_size, size=lengths[i % len(lengths)]).tolist() for i in range(count)]
 
 
+# A chat template is a program the checkpoint ships: rendered in a child bounded in time, memory and output.
+RENDER_SECONDS = 5.0
+RENDER_MEMORY_BYTES = 256 * 2**20
+RENDER_CHARS = 64 * 2**10  # far past any real turn (SmolLM2's: 100 characters)
+
+
 def render_chat(template: str, user: str, bos: str | None, eos: str | None) -> str:
-    """One user turn and the generation prompt through the model's Jinja chat template (sandboxed, as transformers)."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    """One user turn and the generation prompt through the model's Jinja chat template (sandboxed, as transformers),
+    in a child process bounded by RENDER_SECONDS, RENDER_MEMORY_BYTES and RENDER_CHARS; ValueError saying why not."""
+    from llama_tools.outputs.bounded import Exceeded, bounded_call
 
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
+    def render() -> str:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=[{"role": "user", "content": user}], add_generation_prompt=True,
-                                            bos_token=bos or "", eos_token=eos or "")
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        out, size = [], 0
+        for piece in env.from_string(template).generate(messages=[{"role": "user", "content": user}],
+                                                        add_generation_prompt=True, bos_token=bos or "",
+                                                        eos_token=eos or ""):
+            size += len(piece)
+            if size > RENDER_CHARS:
+                raise ValueError(f"renders past {RENDER_CHARS:,} characters")
+            out.append(piece)
+        text = "".join(out)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("renders text that is not UTF-8 (a lone surrogate)") from None
+        return text
+
+    try:
+        return bounded_call(render, seconds=RENDER_SECONDS, memory_bytes=RENDER_MEMORY_BYTES,
+                            answer_bytes=8 * RENDER_CHARS)
+    except Exceeded as e:
+        raise ValueError(str(e)) from None
 
 
 def text_inputs(tok: Any, vocab_size: int, longest: int) -> Inputs:
@@ -92,14 +120,14 @@ def text_inputs(tok: Any, vocab_size: int, longest: int) -> Inputs:
     from llama_tools.checkpoints.tokenizer import check_vocab
 
     texts = list(PASSAGES)
-    rendered = None
+    rendered, why = None, ""
     template = getattr(tok, "chat_template", None)
     if template:
         try:
             rendered = render_chat(template, CHAT_TURN, tok.piece_of(tok.special.bos_id),
                                    tok.piece_of(tok.special.eos_ids[0] if tok.special.eos_ids else None))
-        except Exception:  # noqa: BLE001  a template we cannot render: the turn goes in as plain text, said below
-            rendered = None
+        except Exception as e:  # noqa: BLE001  a template we cannot render: the turn goes in as plain text, said below
+            rendered, why = None, f" as plain text: the model's chat template {e}"
     rows, names = [], []
     for (name, text), cap in zip(texts + [("chat turn", rendered or CHAT_TURN)], ROW_TOKENS):
         ids = tok.encode(text, bos=None if rendered is None or name != "chat turn" else False)[:min(cap, longest)]
@@ -112,7 +140,7 @@ def text_inputs(tok: Any, vocab_size: int, longest: int) -> Inputs:
                              f"vocabulary of {vocab_size}; the tokenizer does not fit the model (pass --random-ids N "
                              f"to check the graph without it)") from None
         rows.append(ids)
-        names.append(name + (" in the model's chat template" if name == "chat turn" and rendered else ""))
+        names.append(name + ((" in the model's chat template" if rendered else why) if name == "chat turn" else ""))
     return Inputs(rows, f"built-in text through {tok.path.name} ({', '.join(names)})")
 
 

@@ -1,4 +1,4 @@
-"""`verify parity` and `verify int4`: an ONNX graph against PyTorch."""
+"""`verify parity`, `verify source` and `verify int4`: an ONNX graph against PyTorch, our reading against transformers."""
 
 from __future__ import annotations
 
@@ -38,13 +38,14 @@ def check_provider(provider: str) -> None:
         raise click.BadParameter(f"cuda: {why}; install onnxruntime-gpu or use --provider cpu", param_hint="--provider")
 
 
-@cli.group(cls=Group, short_help="Check an ONNX export against PyTorch (parity, or int4 quality).")
+@cli.group(cls=Group, short_help="Check an ONNX export against PyTorch, and our reading against transformers.")
 def verify() -> None:
-    """Check an export against the PyTorch model.
+    """Check an export against the PyTorch model, and the PyTorch model against the checkpoint's own library.
 
     \b
     Examples:
       llama-tools verify parity plain/model.onnx
+      llama-tools verify source ./checkpoint
       llama-tools verify int4 int4/model.onnx
     """
 
