@@ -324,7 +324,8 @@ def test_byte_level_vocabulary_encodes_as_tokenizers(tmp_path):
     encodes_alike(tmp_path / "m.gguf", d / "tokenizer.json")
     fields = {k: f.contents() for k, f in gguf.GGUFReader(tmp_path / "m.gguf").fields.items()}
     data = json.loads((d / "tokenizer.json").read_text())
-    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "llama-bpe"
+    # Llama 3's split, merges always applied (this trained tokenizer.json has no ignore_merges): llama.cpp's 'smaug-bpe'
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "smaug-bpe"
     assert fields["tokenizer.ggml.merges"] == [" ".join(m) if isinstance(m, list) else m
                                               for m in data["model"]["merges"]]
     assert fields["tokenizer.ggml.token_type"][:2] == [3, 3]  # the special tokens: CONTROL
@@ -333,14 +334,14 @@ def test_byte_level_vocabulary_encodes_as_tokenizers(tmp_path):
 
 
 def test_negative_another_pre_tokenizer_name_encodes_otherwise(tmp_path):
-    """Negative case: the same vocabulary under GPT-2's split ('gpt2') encodes "(x" otherwise than Llama 3's."""
+    """Negative case: the same vocabulary under GPT-2's split ('gpt-2') encodes "(x" otherwise than Llama 3's."""
     d = tiny_with({"tokenizer.json": byte_level_tokenizer_json(llama3_pre())}, tmp_path / "src", vocab_size=420,
                   bos_token_id=0, eos_token_id=1)
     cfg = resolve(d).cfg
     vocab, _ = gguf_vocabulary.source_vocabulary(resolve(d), cfg)
-    assert vocab is not None and vocab.pre == "llama-bpe"
+    assert vocab is not None and vocab.pre == "smaug-bpe"
     gguf_write.write_gguf(cfg, read_checkpoint(d).state, tmp_path / "m.gguf",
-                          vocabulary=dataclasses.replace(vocab, pre="gpt2"))
+                          vocabulary=dataclasses.replace(vocab, pre="gpt-2"))
     text = "print(x)\n\tif y:"  # Llama 3's split keeps "(x" together, GPT-2's does not
     assert GgufTokenizer(tmp_path / "m.gguf").encode(text) != Tokenizer(d / "tokenizer.json").encode(text)
 

@@ -20,6 +20,7 @@ import functools
 import json
 import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,22 @@ def _split_then_bytes(split: str) -> Any:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
+# GPT-2's split, as llama.cpp writes it (tokenizers' ByteLevel regex, less its last "|\s+": llama.cpp keeps what no
+# regex matches as a piece of its own anyway).
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# llama.cpp's "default" BPE split (llm_tokenizer_bpe, its default case): these regexes one after another, each
+# splitting the pieces the one before left.
+DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")
+
+
+def _llama_cpp_default() -> Any:
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in DEFAULT_SPLITS]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
 def _llama3() -> Any:
     return _split_then_bytes(LLAMA3_SPLIT)
 
@@ -72,13 +89,47 @@ def _qwen2() -> Any:
     return _split_then_bytes(QWEN2_SPLIT)
 
 
-# tokenizer.ggml.pre (llama.cpp's pre-tokenizer name) -> the same split as a tokenizers pre-tokenizer.
-PRE_TOKENIZERS: dict[str, Callable[[], Any]] = {
-    "default": _byte_level, "gpt2": _byte_level,
-    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
-                    _digits_then_byte_level),
-    "llama-bpe": _llama3, "llama3": _llama3, "qwen2": _qwen2,
+@dataclass(frozen=True)
+class PreTokenizer:
+    """How llama.cpp tokenizes a byte-level BPE vocabulary under one tokenizer.ggml.pre name (src/llama-vocab.cpp:
+    the name's branch in llama_vocab::impl::load sets the flags, llm_tokenizer_bpe's switch its regexes)."""
+
+    split: Callable[[], Any]  # its regexes, as the tokenizers pre-tokenizer that splits text the same way
+    ignore_merges: bool = False  # a pre-token that is a token stays whole (tokenizer.json's model.ignore_merges)
+    add_bos: bool = False  # whether llama.cpp adds BOS when the file has no tokenizer.ggml.add_bos_token
+
+
+_GPT2 = PreTokenizer(_byte_level)
+_DIGITS = PreTokenizer(_digits_then_byte_level)
+_QWEN2 = PreTokenizer(_qwen2)
+_LLAMA3 = PreTokenizer(_llama3, ignore_merges=True, add_bos=True)
+_LLAMA3_MERGED = PreTokenizer(_llama3)  # Llama 3's regex, merges always applied, no BOS by default
+_LLAMA3_NO_BOS = PreTokenizer(_llama3, ignore_merges=True)
+
+# tokenizer.ggml.pre -> how llama.cpp tokenizes under it: every name llama.cpp accepts whose regexes and flags are one
+# of the splits above. Names it gives more (jina-v1-en, roberta-bpe: a SEP added; jais-2: its own whitespace runs;
+# tekken, gpt-4o, deepseek-*, ...: regexes of their own) are not here: such a GGUF's vocabulary is refused by name.
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
+                     "mellum", "modern-bert", "exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling"), _GPT2),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
+                    _DIGITS),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "stablelm2", "megrez", "hunyuan", "solar-open"),
+                    _QWEN2),
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano"), _LLAMA3),
+    # chatglm-bpe, glm4, glm5 have no default BOS id either: the file's tokenizer.ggml.bos_token_id is what is read
+    **dict.fromkeys(("smaug-bpe", "dbrx", "chatglm-bpe"), _LLAMA3_MERGED),
+    **dict.fromkeys(("glm4", "glm5"), _LLAMA3_NO_BOS),
+    # llama.cpp's split for a name it does not know of old, or none (a GGUF without tokenizer.ggml.pre): never written
+    "default": PreTokenizer(_llama_cpp_default),
 }
+# The name `convert --to gguf` writes for each split above: convert_hf_to_gguf.py's name for a tokenizer of it.
+WRITTEN_PRE = ("gpt-2", "smollm", "qwen2", "llama-bpe", "smaug-bpe")
+# Names this package wrote or read before, which llama.cpp refuses ("unknown pre-tokenizer type") -> llama.cpp's name
+# for the same split: read as it (older files still read), and renamed when a GGUF's vocabulary is copied.
+LEGACY_PRE = {"gpt2": "gpt-2", "minerva": "minerva-7b"}
+PRE_TOKENIZERS.update({old: PRE_TOKENIZERS[new] for old, new in LEGACY_PRE.items()})
 
 
 @contextlib.contextmanager
@@ -173,9 +224,10 @@ def tokenizer_json_from_gguf(reader_or_fields: Any) -> dict[str, str]:
         if bad is not None:
             raise ValueError(f"tokenizer.ggml.merges entry {bad} is {' '.join(merges[bad])[:40]!r}, not two pieces "
                              f"joined by a space")
-        add_bos = bool(f.get("tokenizer.ggml.add_bos_token", False))
+        split = PRE_TOKENIZERS[pre]
+        add_bos = bool(f.get("tokenizer.ggml.add_bos_token", split.add_bos))  # llama.cpp's default for the name
         add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False))
-        build = lambda: _byte_level_bpe(tokens, merges, PRE_TOKENIZERS[pre](), types)  # noqa: E731
+        build = lambda: _byte_level_bpe(tokens, merges, split, types)  # noqa: E731
         cls = "GPT2Tokenizer"
     elif kind == "llama":
         scores = _list_of(f, "tokenizer.ggml.scores", numbers.Real, "numbers")
@@ -199,11 +251,12 @@ def tokenizer_json_from_gguf(reader_or_fields: Any) -> dict[str, str]:
 
 # --- Building the two kinds -----------------------------------------------------------------------------------
 
-def _byte_level_bpe(tokens: list[str], merges: list[tuple[str, ...]], pre: Any, types: list[int]) -> Any:
+def _byte_level_bpe(tokens: list[str], merges: list[tuple[str, ...]], pre: PreTokenizer, types: list[int]) -> Any:
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-    tok.pre_tokenizer = pre
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
+                               ignore_merges=pre.ignore_merges))
+    tok.pre_tokenizer = pre.split()
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
                             for t, ty in zip(tokens, types) if ty == CONTROL])

@@ -27,17 +27,21 @@ class GgufArchitecture:
     swa_pattern: int = 0  # llama.cpp's sliding-window pattern when the file names none: n - 1 local, 1 global
     swa_base: float | None = None  # the local layers' RoPE base when the file names none (llama.cpp's default)
     big_layers: int = 0  # the block count of the size that scales queries by n2 / n5, not n6 (Gemma 2/3 27B)
+    caps_attention: bool = False  # llama.cpp soft-caps attention scores by {arch}.attn_logit_softcapping
+    # llama.cpp's (attention, final logit) soft-caps when the file names none; None: no cap (Gemma 2 always caps)
+    default_caps: tuple[float | None, float | None] = (None, None)
 
 
 # llama.cpp writes Mistral as "llama" and permutes its q/k rows to Meta's interleaved order (its rope type NORM);
 # the others keep HF's rows (rope type NEOX: the two halves); biases and q/k norms are found by tensor names.
 # Gemma's converter adds 1 to every norm gain, and llama.cpp fixes what the files leave out (the window pattern,
-# the local base, the query scale) by architecture and size: so do we.
+# the local base, the query scale, Gemma 2's caps) by architecture and size: so do we (src/models/gemma*.cpp).
 ARCHITECTURES = {"llama": GgufArchitecture("llama", GGUF.rope_layout),
                  "qwen2": GgufArchitecture("qwen2", HALF),
                  "qwen3": GgufArchitecture("qwen3", HALF),
                  "gemma": GgufArchitecture("gemma", HALF, gains_plus_one=True),
-                 "gemma2": GgufArchitecture("gemma2", HALF, gains_plus_one=True, swa_pattern=2, big_layers=46),
+                 "gemma2": GgufArchitecture("gemma2", HALF, gains_plus_one=True, swa_pattern=2, big_layers=46,
+                                            caps_attention=True, default_caps=(50.0, 30.0)),
                  "gemma3": GgufArchitecture("gemma3", HALF, gains_plus_one=True, swa_pattern=6, swa_base=10000.0,
                                             big_layers=62)}
 LAYER = re.compile(r"^blk\.(\d+)\.")

@@ -1,9 +1,12 @@
 """A GGUF vocabulary to write (tokenizer.ggml.*): from a sentencepiece tokenizer.model, a byte-level BPE
-tokenizer.json, or a GGUF's own fields copied as they are."""
+tokenizer.json (llama.cpp's 'gpt2', its split named from tokenizer_files.WRITTEN_PRE), a sentencepiece-style
+tokenizer.json alone (Gemma as transformers 5 saves it: llama.cpp's 'llama'), or a GGUF's own fields copied as they
+are. Each is checked by llama.cpp itself in tests/test_gguf_llamacpp.py."""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -12,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from ...modeling.config import ModelConfig
 from ..header_readers import json_object
 from ..source_files import MAX_TOKENIZER_FILE_BYTES, read_bounded, template_problem
-from ..tokenizer_files import CONTROL, NORMAL, PRE_TOKENIZERS, UNUSED, USER_DEFINED
+from ..tokenizer_files import (BYTE, CONTROL, LEGACY_PRE, NORMAL, PRE_TOKENIZERS, SPACE, UNKNOWN, UNUSED,
+                               USER_DEFINED, WRITTEN_PRE)
 from .architectures import KIND
 
 if TYPE_CHECKING:
@@ -44,25 +48,31 @@ class Vocabulary:
 def source_vocabulary(source: ModelSource, cfg: ModelConfig) -> tuple[Vocabulary | None, list[str]]:
     """The vocabulary SOURCE ships, for tokenizer.ggml.*, and warnings; None (said why) when it has none to write."""
     if source.weights is not None and source.weights.kind == KIND and source.path is not None:
-        return gguf_vocabulary(source.path), []
+        vocab = gguf_vocabulary(source.path)
+        held = any(key == "tokenizer.ggml.tokens" for key, *_ in vocab.fields)
+        return vocab, [] if held else [f"{source.path}: holds no vocabulary (tokenizer.ggml.tokens); the GGUF is "
+                                       f"written without one, which llama.cpp needs to run it"]
     found = source.tokenizer
     if found is None:
         return None, [f"{source.label}: no tokenizer beside it; the GGUF is written without a vocabulary, which "
                       f"llama.cpp needs to run it"]
     folder = found.parent
-    spm = found if found.suffix == ".model" else folder / "tokenizer.model"
+    spm, hf = (found if found.suffix == ".model" else folder / "tokenizer.model"), folder / "tokenizer.json"
     try:
-        data = _tokenizer_json(folder / "tokenizer.json")
+        data = _tokenizer_json(hf)
         if data is not None and _byte_level(data):
-            vocab = bpe_vocabulary(folder / "tokenizer.json", data, cfg.vocab_size)
-        elif spm.is_file():
+            vocab = bpe_vocabulary(hf, data, cfg.vocab_size)
+        elif spm.is_file():  # sentencepiece's own file first: its scores and types as llama.cpp's converter reads them
             vocab = sentencepiece_vocabulary(spm, cfg.vocab_size)
+        elif data is not None:  # Gemma saved by transformers 5: tokenizer.json alone
+            vocab = sentencepiece_json_vocabulary(hf, data, cfg.vocab_size)
         else:
-            raise ValueError(f"{folder / 'tokenizer.json'}: not a byte-level BPE tokenizer, and no tokenizer.model "
-                             f"beside it; llama.cpp's 'gpt2' and 'llama' vocabularies are written from those")
-        return vocab, _tokenizer_behaviour(vocab, folder / "tokenizer.json" if vocab.model == "gpt2" else spm, cfg)
+            raise ValueError(f"{folder}: no tokenizer.json or tokenizer.model; llama.cpp's vocabularies are written "
+                             f"from those")
+        return vocab, _tokenizer_behaviour(vocab, Path(vocab.source), cfg)
     except ValueError as e:
-        return None, [f"{str(e).splitlines()[0]}; the GGUF is written without a vocabulary"]
+        return None, [f"{str(e).splitlines()[0]}; the GGUF is written without a vocabulary, which llama.cpp needs to "
+                      f"run it"]
 
 
 def _tokenizer_json(path: Path) -> dict[str, Any] | None:
@@ -116,24 +126,28 @@ def _splitting(value: Any) -> Any:
 
 
 @lru_cache(maxsize=1)
-def _pre_names() -> tuple[tuple[str, Any], ...]:
-    # llama.cpp's "default" is a regex set of its own, not GPT-2's byte-level split: never written for one.
-    return tuple((name, _pre_json(build)) for name, build in PRE_TOKENIZERS.items() if name != "default")
+def _pre_names() -> tuple[tuple[str, Any, bool], ...]:
+    """(name, split as tokenizer.json writes it, ignore_merges) of each name `convert --to gguf` writes."""
+    return tuple((name, _pre_json(PRE_TOKENIZERS[name].split), PRE_TOKENIZERS[name].ignore_merges)
+                 for name in WRITTEN_PRE)
 
 
-def pre_tokenizer_name(pre: Any) -> str | None:
-    """llama.cpp's name (tokenizer.ggml.pre) for a tokenizer.json pre-tokenizer that splits as one we build."""
+def pre_tokenizer_name(pre: Any, ignore_merges: bool = False) -> str | None:
+    """llama.cpp's name (tokenizer.ggml.pre) for a tokenizer.json pre-tokenizer and model.ignore_merges under which
+    llama.cpp splits and merges as tokenizers does: None when llama.cpp has none."""
     want = _splitting(pre)
-    return next((name for name, built in _pre_names() if built == want), None)
+    return next((name for name, built, ignore in _pre_names() if built == want and ignore == ignore_merges), None)
 
 
 def bpe_vocabulary(path: Path, data: dict[str, Any], vocab_size: int) -> Vocabulary:
     """A byte-level BPE tokenizer.json as llama.cpp's 'gpt2' vocabulary: tokens by id, types, merges, pre."""
     model = data["model"]
-    pre = pre_tokenizer_name(data.get("pre_tokenizer"))
+    ignore_merges = bool(model.get("ignore_merges", False))
+    pre = pre_tokenizer_name(data.get("pre_tokenizer"), ignore_merges)
     if pre is None:
-        known = ", ".join(name for name, _ in _pre_names())
-        raise ValueError(f"{path}: its pre-tokenizer splits as none that llama.cpp names here ({known})")
+        known = ", ".join(f"{name}{' (ignore_merges)' if ignore else ''}" for name, _, ignore in _pre_names())
+        raise ValueError(f"{path}: its pre-tokenizer{' with ignore_merges' if ignore_merges else ''} splits as none "
+                         f"that llama.cpp names here ({known})")
     odd = next((k for k in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "byte_fallback")
                 if model.get(k)), None)
     if odd:
@@ -141,6 +155,18 @@ def bpe_vocabulary(path: Path, data: dict[str, Any], vocab_size: int) -> Vocabul
     norm = data.get("normalizer")
     if norm is not None and not (isinstance(norm, dict) and norm.get("type") == "NFC"):
         raise ValueError(f"{path}: normalizer {str(norm)[:60]} has no place in a 'gpt2' GGUF vocabulary")
+    tokens, types, vocab = _tokens_by_id(path, data, vocab_size)
+    # llama.cpp splits a merge at its first space: a piece holding one cannot be said in a 'gpt2' vocabulary
+    merges = [f"{a} {b}" for a, b in _merges(path, model, spaces=False)]
+    unk = model.get("unk_token")
+    return Vocabulary(str(path), "gpt2", tokens, types, None, merges, pre,
+                      unk_id=vocab.get(unk) if isinstance(unk, str) and type(vocab.get(unk)) is int else None)
+
+
+def _tokens_by_id(path: Path, data: dict[str, Any], vocab_size: int) -> tuple[list[str], list[int], dict[str, Any]]:
+    """A tokenizer.json's tokens by id, one per embedding row, and their llama.cpp types (added tokens CONTROL if
+    special, else USER_DEFINED; an id no token has is llama.cpp's filler [PADn], UNUSED); and model.vocab."""
+    model = data["model"]
     tokens: list[str | None] = [None] * vocab_size
     types = [NORMAL] * vocab_size
     vocab, added = model.get("vocab"), data.get("added_tokens") or []
@@ -155,18 +181,82 @@ def bpe_vocabulary(path: Path, data: dict[str, Any], vocab_size: int) -> Vocabul
                              f"embedding rows")
         tokens[i], types[i] = token, kind
     for i, t in enumerate(tokens):
-        if t is None:  # llama.cpp's filler for an id no token has
+        if t is None:
             tokens[i], types[i] = f"[PAD{i}]", UNUSED
-    merges = []
-    for m in model.get("merges") or []:  # "a b", or ["a", "b"] (tokenizers >= 0.20)
+    return tokens, types, vocab  # type: ignore[return-value]
+
+
+def _merges(path: Path, model: dict[str, Any], *, spaces: bool) -> list[tuple[str, str]]:
+    """model.merges as pairs, in rank order: "a b", or ["a", "b"] (tokenizers >= 0.20, whose pieces may hold spaces:
+    allowed when SPACES)."""
+    out = []
+    for m in model.get("merges") or []:
         a, b = m.split(" ", 1) if isinstance(m, str) and " " in m else m if isinstance(m, list) and len(m) == 2 \
             else ("", "")
-        if not (isinstance(a, str) and isinstance(b, str) and a and b and " " not in a and " " not in b):
-            raise ValueError(f"{path}: merge {str(m)[:40]!r} is not two tokens without spaces")
-        merges.append(f"{a} {b}")
+        if not (isinstance(a, str) and isinstance(b, str) and a and b and (spaces or " " not in a + b)):
+            raise ValueError(f"{path}: merge {str(m)[:40]!r} is not two tokens{'' if spaces else ' without spaces'}")
+        out.append((a, b))
+    return out
+
+
+# A sentencepiece-style BPE tokenizer.json (transformers' conversion of a tokenizer.model: Gemma's, Llama 2's): spaces
+# become "▁" in its normalizer, a character no piece holds becomes its bytes <0xXX>. Its normalizer is one of these
+# (the second puts "▁" before the text too: llama.cpp's add_space_prefix); its pre-tokenizer none, or Gemma's split on
+# " ", which finds none once the normalizer has run.
+_REPLACE_SPACES = {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}
+_NORMALIZERS = {False: (_REPLACE_SPACES, {"type": "Sequence", "normalizers": [_REPLACE_SPACES]}),
+                True: ({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": SPACE}, _REPLACE_SPACES]},)}
+_NO_OP_SPLITS = (None, {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False})
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
+
+
+def _sentencepiece_style(data: dict[str, Any]) -> bool:
+    """A BPE tokenizer.json with byte fallback: sentencepiece's kind, as transformers converts a tokenizer.model."""
+    return data["model"].get("type") == "BPE" and data["model"].get("byte_fallback") is True
+
+
+def sentencepiece_json_vocabulary(path: Path, data: dict[str, Any], vocab_size: int) -> Vocabulary:
+    """A sentencepiece-style BPE tokenizer.json (Gemma's, saved without its tokenizer.model) as llama.cpp's 'llama'
+    vocabulary: tokens, types, and scores that make llama.cpp's merges tokenizers' own.
+
+    llama.cpp's 'llama' tokenizer merges, among adjacent pieces whose join is a token, the join of highest score
+    (leftmost first), as sentencepiece does; tokenizers applies the merge of lowest rank. transformers lists a
+    tokenizer.model's merges by the merged piece's score (every split of it into two tokens), so a token's score is
+    minus the rank of its first merge: llama.cpp then merges in tokenizers' order. A token no merge makes is scored
+    below all of them (sentencepiece's BPE never makes one; llama.cpp joins it last, if ever).
+    """
+    model = data["model"]
+    if not _sentencepiece_style(data):
+        raise ValueError(f"{path}: not a byte-level BPE tokenizer, nor a BPE with byte fallback (sentencepiece's "
+                         f"kind), and no tokenizer.model beside it; llama.cpp's 'gpt2' and 'llama' vocabularies are "
+                         f"written from those")
+    odd = next((k for k in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "ignore_merges")
+                if model.get(k)), None)
+    if odd:
+        raise ValueError(f"{path}: BPE option {odd}={model[odd]!r} has no place in a 'llama' GGUF vocabulary")
+    norm, pre = data.get("normalizer"), data.get("pre_tokenizer")
+    prefix = next((p for p, forms in _NORMALIZERS.items() if norm in forms), None)
+    if prefix is None or pre not in _NO_OP_SPLITS:
+        what = f"normalizer {str(norm)[:60]}" if prefix is None else f"pre-tokenizer {str(pre)[:60]}"
+        raise ValueError(f"{path}: {what} is not sentencepiece's (spaces as {SPACE!r}, no split); llama.cpp's 'llama' "
+                         f"vocabulary has no equivalent")
+    tokens, types, vocab = _tokens_by_id(path, data, vocab_size)
+    for piece, i in vocab.items():
+        if types[i] == NORMAL and _BYTE_PIECE.fullmatch(piece):
+            types[i] = BYTE
     unk = model.get("unk_token")
-    return Vocabulary(str(path), "gpt2", tokens, types, None, merges, pre,  # type: ignore[arg-type]
-                      unk_id=vocab.get(unk) if isinstance(unk, str) and type(vocab.get(unk)) is int else None)
+    unk_id = vocab.get(unk) if isinstance(unk, str) else None
+    if type(unk_id) is int:
+        types[unk_id] = UNKNOWN
+    merges = _merges(path, model, spaces=True)
+    last = -float(len(merges) + 1)
+    scores = [last] * vocab_size
+    for rank in range(len(merges) - 1, -1, -1):  # the first (lowest) rank that makes a token wins
+        i = vocab.get(merges[rank][0] + merges[rank][1])
+        if type(i) is int and 0 <= i < vocab_size:
+            scores[i] = -float(rank)
+    return Vocabulary(str(path), "llama", tokens, types, scores, unk_id=unk_id if type(unk_id) is int else None,
+                      add_space_prefix=prefix)
 
 
 def sentencepiece_vocabulary(path: Path, vocab_size: int) -> Vocabulary:
@@ -211,6 +301,8 @@ def gguf_vocabulary(path: Path) -> Vocabulary:
         value = f.contents()
         if kinds[0] == gguf.GGUFValueType.ARRAY and (not value or len(kinds) != 2):
             continue  # empty, or arrays of arrays: the writer has no form for them, and no vocabulary uses one
+        if key == "tokenizer.ggml.pre" and value in LEGACY_PRE:  # what we wrote before llama.cpp's names
+            value = LEGACY_PRE[value]
         out.fields.append((key, value, kinds[0], kinds[1] if len(kinds) > 1 else None))
     return out
 

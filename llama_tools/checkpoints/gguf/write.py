@@ -5,11 +5,12 @@ What is written is what llama.cpp's converter writes and what this package reads
   (llama's rows interleaved by llama.cpp's permutation) and whether norm gains are stored as 1 + γ (Gemma's);
 - the metadata keys: the gguf library's own (GGUFWriter.add_* formats gguf.Keys with the architecture);
 - the tensor names: formats.FORMATS["gguf"] (token_embd, blk.N.attn_q, ..., output_norm, output), the reader's table;
-- the vocabulary as tokenizer.ggml.*: vocabulary.py's (a tokenizer.model, a byte-level tokenizer.json, a GGUF's own).
+- the vocabulary as tokenizer.ggml.*: vocabulary.py's (a tokenizer.model, a tokenizer.json, a GGUF's own).
 Matrices are stored in the source's float type or --dtype's (F32, F16, BF16), 1-D tensors (norms, biases) in F32 as
 llama.cpp keeps them. One tensor at a time is converted (rows permuted, cast) and written; the file appears at once
-(files.atomic_file). Where a config departs from what llama.cpp fixes per architecture (Gemma's layer pattern, query
-scale, local RoPE base), the key config.py reads is written and a warning says that llama.cpp does not read it.
+(files.atomic_file). Where a config departs from what llama.cpp fixes per architecture (Gemma 2/3's query scale,
+Gemma 2's soft-caps, a window or local RoPE base where llama.cpp has none), the key config.py reads is written and a
+warning says what llama.cpp computes instead; Gemma 2/3's layer pattern and local RoPE base llama.cpp reads.
 No torch at import.
 """
 
@@ -171,12 +172,8 @@ def _hparams(w: Any, cfg: ModelConfig, arch: str, a: GgufArchitecture) -> list[s
         w.add_rope_scaling_orig_ctx_len(s.original_max_position_embeddings)
     if cfg.sliding_window is not None:
         w.add_sliding_window(cfg.sliding_window)
-        if cfg.layer_types != _layer_rule(a, n):
+        if cfg.layer_types != _layer_rule(a, n):  # llama.cpp's Gemma 2/3 read it (per layer, true = local)
             w.add_sliding_window_pattern([cfg.slides(j) for j in range(n)])
-            if a.swa_pattern:
-                said.append(f"{arch}: local layers {[j for j in range(n) if cfg.slides(j)]} are not llama.cpp's "
-                            f"pattern ({a.swa_pattern - 1} local, 1 global); written as "
-                            f"{arch}.attention.sliding_window_pattern, which llama.cpp does not read for {arch}")
         if not a.swa_pattern:
             said.append(f"{arch}: llama.cpp attends to all positions for {arch}; the sliding window of "
                         f"{cfg.sliding_window} is read back by llama-tools only")
@@ -197,15 +194,23 @@ def _hparams(w: Any, cfg: ModelConfig, arch: str, a: GgufArchitecture) -> list[s
                             f"{back!r}, not {cfg.attention_scale!r}")
         if cfg.attn_logit_softcap:
             w.add_attn_logit_softcapping(cfg.attn_logit_softcap)
+            if not a.caps_attention:
+                said.append(f"{arch}: attention scores are soft-capped at {cfg.attn_logit_softcap:g}, written as "
+                            f"{arch}.attn_logit_softcapping; llama.cpp's {arch} applies no attention cap")
         if cfg.final_logit_softcap:
             w.add_final_logit_softcapping(cfg.final_logit_softcap)
+        for what, mine, theirs in (("attention scores", cfg.attn_logit_softcap, a.default_caps[0]),
+                                   ("logits", cfg.final_logit_softcap, a.default_caps[1])):
+            if not mine and theirs:  # a GGUF has no way to say "no cap" to it (a cap of 0 divides by zero)
+                said.append(f"{arch}: the config soft-caps no {what}; llama.cpp's {arch} caps them at {theirs:g} "
+                            f"all the same (a GGUF cannot say 'no cap'): its large {what} come out smaller")
     local = cfg.rope_local_theta if cfg.rope_local_theta is not None else (
         cfg.rope_theta if a.swa_base is not None else None)  # None: the local layers use the global base
     if local is not None and local != a.swa_base:
-        w.add_rope_freq_base_swa(local)
-        said.append(f"{arch}: the local layers' RoPE base {local:g} is written as {arch}.rope.freq_base_swa; "
-                    f"llama.cpp " + (f"fixes it at {a.swa_base:g}" if a.swa_base is not None else "has none")
-                    + f" for {arch}")
+        w.add_rope_freq_base_swa(local)  # llama.cpp's Gemma 2/3 read it
+        if not a.swa_pattern:
+            said.append(f"{arch}: the local layers' RoPE base {local:g} is written as {arch}.rope.freq_base_swa; "
+                        f"llama.cpp has none for {arch}")
     return said
 
 
