@@ -532,6 +532,9 @@ WINDOW = 256  # tokens per calibration window: each runs from position 0, as a p
 MAX_WINDOWS = 16  # at most this many (4,096 tokens): the pass holds a [windows, WINDOW, n2] stream
 
 
+MIN_CALIBRATION_TOKENS = 64  # the corpus is ~10 kB: a real tokenizer gives thousands of tokens
+
+
 def calibration_windows(tokenizer: Any, vocab_size: int) -> tuple[list[list[int]], str]:
     """The built-in calibration corpus (calibration_ids' passages, then llama_tools/data/calibration: stories,
     explanations, chat, French, German, Spanish, Python, SQL/JavaScript/shell, notes and numbers) through the
@@ -554,6 +557,11 @@ def calibration_windows(tokenizer: Any, vocab_size: int) -> tuple[list[list[int]
     ids = tokenizer.encode("\n\n".join(texts))
     ids = ids[len(lead):] if ids[:len(lead)] == lead else ids
     body = WINDOW - len(lead)
+    if len(ids) < MIN_CALIBRATION_TOKENS:
+        raise ValueError(f"{getattr(tokenizer, 'path', 'the tokenizer')}: encodes the built-in calibration text "
+                         f"({sum(map(len, texts)):,} characters) to {len(ids)} tokens, too few to measure which int4 "
+                         f"matrices matter (at least {MIN_CALIBRATION_TOKENS}); the tokenizer does not read text as "
+                         f"the model's does")
     if len(ids) <= body:
         return [lead + ids], f"{len(lead) + len(ids)} tokens of built-in text"
     starts = list(range(0, len(ids) - body, body))[: MAX_WINDOWS - 1] + [len(ids) - body]

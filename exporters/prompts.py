@@ -141,6 +141,9 @@ def text_inputs(tok: Any, vocab_size: int, longest: int) -> Inputs:
                              f"to check the graph without it)") from None
         rows.append(ids)
         names.append(name + ((" in the model's chat template" if rendered else why) if name == "chat turn" else ""))
+    if not rows:
+        raise ValueError(f"{tok.path}: encodes every built-in text to no tokens at all; the tokenizer does not read "
+                         f"text as the model's does (pass --random-ids N or --ids to check the graph without it)")
     return Inputs(rows, f"built-in text through {tok.path.name} ({', '.join(names)})")
 
 

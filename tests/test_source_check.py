@@ -151,3 +151,34 @@ def test_the_real_gemma3_is_read_as_transformers_reads_it(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(v5))
     assert config_files.load_config(tmp_path / "config.json").replace(source="", name="") == \
         src.cfg.replace(source="", name="")
+
+
+def test_a_gguf_is_judged_by_llama_cpp_and_a_misread_is_seen(tmp_path, monkeypatch):
+    """tiny (with its tokenizer) to GGUF in F32, then llama.cpp reads the file itself: our reading of it agrees; with
+    the RoPE base misread from the GGUF, llama.cpp's logits are far past the F32 bound."""
+    pytest.importorskip("llama_cpp")
+    from llama_tools.checkpoints.gguf import tensors
+    from llama_tools.exporters.verification.source_check import LLAMACPP_TOLERANCE
+
+    path = tmp_path / "m.gguf"
+    r = CliRunner().invoke(cli, ["convert", "tiny", str(path), "--to", "gguf"])
+    assert r.exit_code == 0, r.output[-1500:]
+    rows = [list(range(3, 200)), list(range(300, 340))]  # positions far enough that the base matters
+    rep = check_source(resolve(str(path)), rows)
+    assert rep.checked and rep.library.startswith("llama.cpp") and rep.passed, rep.blocks[0].checks[0].figures()
+    check = rep.blocks[0].checks[0]
+    assert check.kind == "F32" and check.error < LLAMACPP_TOLERANCE["F32"] / 4 and check.top1 > 0.95
+    read = tensors.gguf_config
+    monkeypatch.setattr(tensors, "gguf_config", lambda reader, p: read(reader, p).replace(rope_theta=1000.0))
+    bad = check_source(resolve(str(path)), rows)
+    assert not bad.passed and bad.blocks[0].checks[0].error > 5 * LLAMACPP_TOLERANCE["F32"]  # tiny: 9x
+    assert "differs from what llama.cpp computes (the source check)" in bad.failure
+
+
+def test_a_gguf_llama_cpp_cannot_load_is_said_not_judged(gemma3, tmp_path):
+    pytest.importorskip("llama_cpp")
+    path = tmp_path / "m.gguf"
+    r = CliRunner().invoke(cli, ["convert", str(gemma3), str(path), "--to", "gguf"])  # no tokenizer: no vocabulary
+    assert r.exit_code == 0, r.output[-1500:]
+    rep = check_source(resolve(str(path)), _rows())
+    assert not rep.checked and rep.reason.startswith(f"llama.cpp cannot load {path}")

@@ -21,8 +21,10 @@ as it runs and dropped after, beside one layer of ours.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -37,7 +39,13 @@ from .compare import BUDGET, Budget, BudgetCheck, judge
 from ..prompts import left_pad, positions
 
 F32 = dtypes.FLOAT32.name
-GGUF_WHOLE_BYTES = 4 * 2**30  # a GGUF is dequantized whole by transformers' loader: at most this much fp32
+# A GGUF's library is llama.cpp: its logits against our float64 reference on the same (dequantized) weights, within
+# what llama.cpp's own arithmetic costs at the file's weight type, measured (relative RMS of the logits): F32 files at
+# most 1.1e-4 (Gemma's GELU through an fp16 table), F16 7.4e-4, BF16 7.4e-3 (activations rounded to the weights'
+# type), quantized ones 3.6e-2 (activations quantized to 8 bits: SmolLM2 Q4_1). A misread is far past these: Gemma 3's
+# global base swapped 0.30, its local base 0.26, its layer pattern lost 0.32, Gemma's (1 + gain) lost 0.96; Llama
+# 3.1's scaling lost 6.4e-4 (seen in F32 files only).
+LLAMACPP_TOLERANCE = {"F32": 5e-4, "F16": 5e-3, "BF16": 3e-2, "quantized": 0.1}
 HEAD_POSITIONS = 16  # positions the head is compared at: each row's last (its padding left out)
 
 
@@ -77,12 +85,15 @@ class SourceReport:
         """One line: what was compared, or why not."""
         if not self.checked:
             return f"source check: not run: {self.reason}"
-        return f"source check: our reading of {self.source} against {self.library} (fp32, eager attention)"
+        how = "" if self.library.startswith("llama.cpp") else " (fp32, eager attention)"
+        return f"source check: our reading of {self.source} against {self.library}{how}"
 
     @property
     def summary(self) -> str:
         """Its figures in a few words: how many blocks agreed, and the worst ratio to the noise against its bound."""
         checks = [c for b in self.blocks for c in b.checks]
+        if len(checks) == 1 and isinstance(checks[0], ToleranceCheck):
+            return f"{'agrees' if self.passed else 'differs'}: {checks[0].figures()}"
         worst = max(checks, key=lambda c: c.ratio if math.isfinite(c.ratio) else math.inf)
         verdict = "agrees" if self.passed else "differs"
         return (f"{verdict} in all {len(self.blocks)} blocks, at most {worst.ratio:.2g}x the noise (bound "
@@ -93,9 +104,9 @@ class SourceReport:
         """The FAIL line's words (empty when it passes or did not run)."""
         if self.passed:
             return ""
-        return (f"our reading of the checkpoint differs from what {self.library.split()[0]} computes, from "
-                f"{self.first_bad} on (the source check): the reference, and any graph judged against it, "
-                f"computes another model")
+        where = "" if self.library.startswith("llama.cpp") else f", from {self.first_bad} on"
+        return (f"our reading of the checkpoint differs from what {self.library.split()[0]} computes{where} (the "
+                f"source check): the reference, and any graph judged against it, computes another model")
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "library": self.library, "checked": self.checked, "reason": self.reason,
@@ -111,9 +122,8 @@ def not_checked(source: Any, reason: str) -> SourceReport:
 
 # --- transformers' side ------------------------------------------------------------------------------------
 
-def _library(source: Any) -> tuple[Any, Any, str, dict[str, Any] | None] | str:
-    """(transformers, its config of the source, how it was read, its weights where it had to load them whole), or
-    the reason the source cannot be checked."""
+def _library(source: Any) -> tuple[Any, Any, str] | str:
+    """(transformers, its config of the source, how it was read), or the reason the source cannot be checked."""
     try:
         import transformers
     except ImportError:
@@ -128,8 +138,6 @@ def _library(source: Any) -> tuple[Any, Any, str, dict[str, Any] | None] | str:
 
     cfg = source.cfg
     if getattr(source, "kind", None) == "checkpoint" and source.path is not None:
-        if not source.path.is_dir():
-            return _gguf(transformers, source)
         if not (source.path / "config.json").is_file():
             return f"{source.path} holds Meta's params.json, which transformers does not read"
         model_type = FAMILIES[cfg.family].model_types[0]
@@ -146,35 +154,13 @@ def _library(source: Any) -> tuple[Any, Any, str, dict[str, Any] | None] | str:
             hf_cfg = transformers.AutoConfig.from_pretrained(str(source.path), trust_remote_code=False)
         except Exception as e:  # noqa: BLE001  (any refusal of the library's is a reason, shown in one line)
             return f"transformers cannot read {source.path / 'config.json'}: {str(e).splitlines()[0][:200]}"
-        return transformers, hf_cfg, f"read {source.path / 'config.json'} itself", None
+        return transformers, hf_cfg, f"read {source.path / 'config.json'} itself"
     d = config_to_hf(cfg)
     model_type = d.pop("model_type")
     if model_type not in transformers.CONFIG_MAPPING:
         return f"transformers {transformers.__version__} has no code of its own for {cfg.family}"
     return (transformers, transformers.AutoConfig.for_model(model_type, **d),
-            f"was given {source.spec}'s config as llama-tools writes it (no checkpoint: seeded weights)", None)
-
-
-def _gguf(transformers: Any, source: Any) -> tuple[Any, Any, str, dict[str, Any]] | str:
-    """A GGUF file through transformers' own GGUF loader, which dequantizes the whole model at once (bounded)."""
-    import torch
-
-    from llama_tools.counting.accounting import count_params
-
-    need = 4 * count_params(source.cfg).total
-    if need > GGUF_WHOLE_BYTES:
-        return (f"a GGUF file: transformers' GGUF loader dequantizes the whole model at once ({need / 2**30:.1f} GiB "
-                f"in fp32, over the {GGUF_WHOLE_BYTES / 2**30:g} GiB this check loads); convert it to an HF "
-                f"directory and run `llama-tools verify source DIR`")
-    path = source.path
-    dtype_key = "dtype" if _version(transformers) >= (4, 56) else "torch_dtype"
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                  **{dtype_key: torch.float32})
-    except Exception as e:  # noqa: BLE001  (any refusal of the library's is a reason, shown in one line)
-        return f"transformers' GGUF loader cannot read {path}: {(str(e).splitlines() or [''])[0][:200]}"
-    state = dict(model.state_dict())
-    return transformers, model.config, f"read {path} itself (its GGUF loader, dequantized whole)", state
+            f"was given {source.spec}'s config as llama-tools writes it (no checkpoint: seeded weights)")
 
 
 def _version(transformers: Any) -> tuple[int, int]:
@@ -257,17 +243,19 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
 
     from llama_tools.inference.reference import reference_model
 
+    if getattr(source, "kind", None) == "checkpoint" and source.path is not None and not source.path.is_dir():
+        return check_gguf(source, rows, progress=progress)
     got = _library(source)
     if isinstance(got, str):
         return not_checked(source, got)
-    transformers, hf_cfg, how, loaded = got
+    transformers, hf_cfg, how = got
     start = time.perf_counter()
     budget = budget or BUDGET[F32]
     library = f"transformers {transformers.__version__}"
     ids, mask = left_pad(rows)
     valid = mask.astype(bool)
     ref = reference_model(source, seed=seed, batch=len(rows), seq=ids.shape[1], float64_pass=True)
-    tensor, held, ours = _tensor_reader(ref) if loaded is None else (loaded.__getitem__, set(loaded), set())
+    tensor, held, ours = _tensor_reader(ref)
     stream = _Stream(transformers, hf_cfg, tensor)
     report = SourceReport(str(getattr(source, "spec", source)), library, "", budget,
                           notes=[f"transformers {how}; each of its blocks fed our float64 input to it (in "
@@ -351,10 +339,7 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
     def norm_pre(m: Any, args: tuple) -> tuple:
         return (state["z"].to(torch.float32),) + tuple(args[1:])
 
-    if loaded is None:  # row ranges read from the files; else from the model transformers loaded whole
-        rows_of = lambda name, ranges: ref.reader.rows(name, ranges)  # noqa: E731
-    else:
-        rows_of = lambda name, ranges: torch.cat([loaded[name][a:b] for a, b in ranges])  # noqa: E731
+    rows_of = lambda name, ranges: ref.reader.rows(name, ranges)  # noqa: E731  (row ranges from the files)
     embed_rows = lambda name: rows_of(embed_name, [(int(i), int(i) + 1) for i in uniq])  # noqa: E731
     handles = [embed.register_forward_pre_hook(embed_pre), final_norm.register_forward_pre_hook(norm_pre)]
     assert type(head) is torch.nn.Linear and head.bias is None, f"{type(model).__name__}'s head is a plain Linear"
@@ -406,6 +391,107 @@ def slab_head(rows: Callable[[int, int], Any], vocab: int) -> Any:
             return torch.cat([x @ rows(a, min(a + step, vocab)).T for a in range(0, vocab, step)], dim=-1)
 
     return SlabHead()
+
+
+@dataclass(frozen=True)
+class ToleranceCheck:
+    """llama.cpp's logits against our float64: a relative RMS within what llama.cpp's arithmetic costs the file."""
+
+    name: str
+    error: float  # RMS |llama.cpp - our float64| / RMS |our float64| over every position of every row
+    tolerance: float
+    kind: str  # the file's weight type: F32, F16, BF16, quantized
+    max_error: float
+    cosine: float
+    top1: float  # positions whose argmax agrees
+    nonfinite: int
+
+    @property
+    def passed(self) -> bool:
+        return self.nonfinite == 0 and self.error <= self.tolerance
+
+    @property
+    def ratio(self) -> float:
+        return self.error / self.tolerance
+
+    @property
+    def verdict(self) -> str:
+        if self.passed:
+            return "pass"
+        return f"FAIL: {self.nonfinite} NaN/Inf" if self.nonfinite else "FAIL: error over its bound"
+
+    def figures(self) -> str:
+        return (f"llama.cpp {self.error:.2g} relative RMS (bound {self.tolerance:g}, llama.cpp's rounding of a "
+                f"{self.kind} file); top-1 {self.top1:.1%}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "passed": self.passed, "verdict": self.verdict, "ratio": self.ratio}
+
+
+def gguf_kind(path: Any) -> str:
+    """The weight type of a GGUF's matrices: F32, F16, BF16 or quantized (any other)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    kinds = {t.tensor_type for t in GGUFReader(str(path)).tensors if len(t.shape) == 2}
+    named = {GGMLQuantizationType.F32: "F32", GGMLQuantizationType.F16: "F16", GGMLQuantizationType.BF16: "BF16"}
+    names = {named.get(k, "quantized") for k in kinds}
+    for kind in ("quantized", "BF16", "F16"):  # the coarsest type present decides
+        if kind in names:
+            return kind
+    return "F32"
+
+
+def check_gguf(source: Any, rows: list[list[int]], *, progress: Progress = silent) -> SourceReport:
+    """A GGUF judged by its own library: llama.cpp's logits on each row against our float64 reference's."""
+    import torch
+
+    from llama_tools.inference.reference import reference_model
+
+    try:
+        import llama_cpp
+    except ImportError:
+        return not_checked(source, "a GGUF's library is llama.cpp, which is not installed here (pip install "
+                                   "llama-cpp-python); transformers' GGUF loader is no judge of one (it ignores "
+                                   "Gemma's caps, layer pattern and local base)")
+    start = time.perf_counter()
+    kind = gguf_kind(source.path)
+    longest = max(len(r) for r in rows)
+    ref = reference_model(source, dtype=torch.float64, batch=1, seq=longest, float64_pass=True)
+    try:
+        llm = llama_cpp.Llama(model_path=str(source.path), n_ctx=longest + 1, logits_all=True, verbose=False,
+                              n_threads=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    except (ValueError, RuntimeError) as e:  # llama.cpp refusing the file is said, not judged (no vocabulary, ...)
+        return not_checked(source, f"llama.cpp cannot load {source.path}: {(str(e).splitlines() or [''])[0][:200]}")
+    sq_e = sq_t = dot = sq_g = 0.0
+    max_error, agree, n, nonfinite = 0.0, 0, 0, 0
+    for i, row in enumerate(rows):
+        llm.reset()
+        llm.eval(row)
+        got = np.asarray(llm.scores[:len(row)], dtype=np.float64)  # [n3, n1]
+        with torch.no_grad():
+            truth = ref(torch.tensor([row])).logits[0].numpy()  # [n3, n1] float64
+        nonfinite += int(got.size - np.isfinite(got).sum())
+        d = got - truth
+        sq_e, sq_t = sq_e + float(np.square(d).sum()), sq_t + float(np.square(truth).sum())
+        dot, sq_g = dot + float((got * truth).sum()), sq_g + float(np.square(got).sum())
+        max_error = max(max_error, float(np.abs(d).max()))
+        agree, n = agree + int((got.argmax(-1) == truth.argmax(-1)).sum()), n + len(row)
+        progress(i + 1, len(rows), "source check (llama.cpp)")
+    del llm
+    error = math.sqrt(sq_e / sq_t) if sq_t else 0.0
+    check = ToleranceCheck(f"logits ({n} positions)", error, LLAMACPP_TOLERANCE[kind], kind, max_error,
+                           dot / math.sqrt(sq_g * sq_t) if sq_g and sq_t else 1.0, agree / max(n, 1), nonfinite)
+    version = getattr(llama_cpp, "__version__", "?")
+    report = SourceReport(str(getattr(source, "spec", source)), f"llama.cpp (llama-cpp-python {version})", "",
+                          BUDGET[F32], [BlockResult("whole model", None, [check])],  # type: ignore[list-item]
+                          notes=[f"llama.cpp read {source.path} itself and ran each row whole; error = RMS "
+                                 f"|llama.cpp - our float64| / RMS |our float64| over the logits, within what "
+                                 f"llama.cpp's own arithmetic costs a {kind} file (measured); the misreads measured "
+                                 f"were 0.26-0.96 (Gemma's bases, layer pattern, gains), and 6.4e-4 for a lost "
+                                 f"Llama 3.1 scaling, which only an F32 file's bound sees; each row whole, so no "
+                                 f"layer is named"])
+    report.seconds = time.perf_counter() - start
+    return report
 
 
 def source_rows(rep: SourceReport) -> list[dict[str, Any]]:

@@ -260,7 +260,8 @@ def verify_source(model: Any, prompts: tuple[str, ...], ids: tuple[list[int], ..
         click.echo(f"inputs: {inputs.what}; {len(inputs.rows)} rows of {[len(r) for r in inputs.rows]} tokens, "
                    f"left-padded")
         _print_source(rep)
-        click.echo("PASS: our reading agrees with transformers" if rep.passed else f"FAIL: {rep.failure}")
+        library = rep.library.split()[0]
+        click.echo(f"PASS: our reading agrees with {library}" if rep.passed else f"FAIL: {rep.failure}")
     if not rep.passed:
         sys.exit(1)
 

@@ -14,6 +14,7 @@ a family modelled natively never imports it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import re
@@ -70,6 +71,8 @@ def check_tree_sizes(data: dict[str, Any], path: Path | str) -> None:
             todo += [(where, x) for x in v]
         elif type(v) is int:
             limit, what = _tree_limit(where.rsplit(".", 1)[-1])
+            if v < 0 and what != "a size":  # a negative count is no count (transformers builds 0 of them)
+                raise ValueError(f"{path}: field {where!r} is {v:,}; a count of {what} must be >= 0; fix the config")
             if abs(v) > limit:
                 raise ValueError(f"{path}: field {where!r} is {v:,}, over the {limit:,} llama-tools lets transformers "
                                  f"build ({what}: far past any published model); fix the config")
@@ -171,8 +174,32 @@ def module_tree(foreign: ForeignConfig) -> ModuleTree:
     return _tree(str(foreign.path), foreign.name, json.dumps(foreign.data, sort_keys=True))
 
 
+# transformers builds in a forked child bounded in time and memory: whatever key or list of a config multiplies the
+# modules it builds (a block count under any name, a per-layer list), the build stops at these and says so.
+TREE_SECONDS = 60.0
+TREE_MEMORY_BYTES = 2**30
+TREE_ANSWER_BYTES = 64 * 2**20  # the shapes, as JSON: DeepSeek-V3's 61 x 256 experts take ~5 MB
+
+
 @functools.lru_cache(maxsize=4)  # count-params then report shapes in one process (the tests) build it once
 def _tree(path: str, name: str, text: str) -> ModuleTree:
+    from ..outputs.bounded import Exceeded, bounded_call
+
+    try:
+        d = bounded_call(lambda: dataclasses.asdict(_build(path, name, text)), seconds=TREE_SECONDS,
+                         memory_bytes=TREE_MEMORY_BYTES, answer_bytes=TREE_ANSWER_BYTES)
+    except Exceeded as e:
+        message = str(e)
+        if message.startswith("ValueError: "):  # the build's own one-line refusal, which names the file
+            raise ValueError(message.removeprefix("ValueError: ")) from None
+        raise ValueError(f"{path}: transformers' module tree of it {message} (the bound is {TREE_SECONDS:g} s and "
+                         f"{TREE_MEMORY_BYTES / 2**30:g} GiB); some size or list in the config is far past any "
+                         f"published model: fix it") from None
+    weights = tuple(ModuleWeight(w["name"], tuple(w["shape"]), w["component"], w["layer"]) for w in d.pop("weights"))
+    return ModuleTree(**{**d, "weights": weights, "notes": tuple(d["notes"])})
+
+
+def _build(path: str, name: str, text: str) -> ModuleTree:
     data = json.loads(text)
     arch = ForeignConfig(path, Path(path), data).architecture
     model_type = data.get("model_type")
