@@ -75,3 +75,32 @@ def test_verify_parity_runs_the_chat_turn_as_plain_text_and_says_why(tiny_hf, tm
     assert r.exit_code == 0, r.output[-1500:]
     first = r.output.splitlines()[0]
     assert "chat turn as plain text: the model's chat template " + HOSTILE[case][1] in first
+
+
+GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 3, "n_embd": 64, "n_head": 4,
+        "vocab_size": 100, "n_positions": 64}
+
+
+def test_the_transformers_module_tree_is_built_under_a_bound(tmp_path, monkeypatch):
+    """Whatever key multiplies what transformers builds, the build stops at its time bound with one line."""
+    pytest.importorskip("transformers")
+    from llama_tools.counting import transformers_count as tc
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**GPT2, "n_layer": 2000}))
+    monkeypatch.setattr(tc, "TREE_SECONDS", 0.5)
+    tc._tree.cache_clear()
+    t0 = time.monotonic()
+    r = CliRunner().invoke(cli, ["count-params", str(path)])
+    assert time.monotonic() - t0 < 20
+    assert r.exit_code == 1 and r.output.startswith(f"Error: {path}: transformers' module tree of it ran past 0.5 s")
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_a_negative_count_is_refused(tmp_path):
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**GPT2, "n_layer": -3}))
+    r = CliRunner().invoke(cli, ["count-params", str(path)])
+    assert r.exit_code == 1 and r.output.strip() == (f"Error: {path}: field 'n_layer' is -3; a count of layers must "
+                                                     f"be >= 0; fix the config")
