@@ -100,7 +100,7 @@ def test_the_graphs_are_what_they_say(graphs):
 
 
 COMMANDS = [["count-params"], ["presets"], ["report", "shapes"], ["report", "regenerate"], ["convert"],
-            ["tokenize"], ["generate"], ["export", "onnx"], ["verify", "parity"], ["verify", "int4"]]
+            ["tokenize"], ["generate"], ["export", "onnx"], ["verify", "parity"], ["verify", "source"], ["verify", "int4"]]
 
 # verify int4 starts from the built-in text's first sentence (tiny's tokenizer: 34 tokens) in a context of 256
 _DEFAULT_PROMPT = len(load_tokenizer(resolve("tiny")).encode(QUALITY_PROMPT))
@@ -161,6 +161,10 @@ REFUSALS = [
     (["verify", "parity", "foreign.onnx"], "foreign.onnx was not written by llama-tools; pass --source", ()),
     (["verify", "parity", "int4.onnx"], "verify int4 int4.onnx", GRAPH),
     (["verify", "parity", "fp32.onnx", "--steps", "300"], "exceeds the model's context of 256", GRAPH),
+    # verify source
+    (["verify", "source", "./nowhere"], "./nowhere: no such file or directory", ()),
+    (["verify", "source", "tiny", "--random-ids", "2", "--ids", "1"], "not both", ()),
+    (["verify", "source", "tiny", "--ids", "1 999"], "999 is outside the vocabulary", ()),
     # verify int4
     (["verify", "int4", "missing/model.onnx"], "no such file", ()),
     (["verify", "int4", "fp32.onnx"], "nothing in it is int4", ()),

@@ -432,12 +432,8 @@ def test_a_foreign_config_is_refused_before_transformers_or_torch_is_imported(ch
 
 def test_negative_the_probe_sees_an_import_when_one_happens(tmp_path):
     """The probe is a real check: a config within the bounds is built, and torch is imported for it."""
-    cfg = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 512, "hidden_size": 64,
-           "intermediate_size": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
-           "num_experts_per_tok": 2}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    out = probe("count-params", str(tmp_path / "config.json"))
+    # (count-params builds transformers' tree in a forked child: the command's own process imports no torch for it)
+    out = probe("generate", "tiny", "--ids", "1 2", "--max-new-tokens", "1")
     assert out["code"] in (0, None) and "torch" in out["heavy"], out
 
 

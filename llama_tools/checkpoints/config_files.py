@@ -340,6 +340,8 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
         "max_position_embeddings") or 2048
     theta, scaling, local_theta = _rope(data, path, family)
     sliding = None
+    if data.get("sliding_window") is not None:  # typed and bounded even where the family's code ignores it
+        _as_int(data["sliding_window"], path, "sliding_window")
     if "sliding_window" in keys:
         raw = read("sliding_window")
         sliding = None if raw is None else _as_int(raw, path, "sliding_window")
@@ -347,8 +349,7 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
             sliding = None  # Qwen ships a window it does not use
     vocab = integer("vocab_size")
     layers = integer("num_hidden_layers")
-    if "layer_types" in keys:
-        _listed_layer_types(data, path, layers)  # checked even where no window uses the list
+    _listed_layer_types(data, path, layers)  # checked even where no window (or no family code) uses the list
     softcap = lambda key: (None if key not in keys or read(key) is None  # noqa: E731
                            else _as_float(read(key), path, key))
     if "attention_bias" in keys:  # q, k, v and o together (Llama, Qwen3, Gemma)
