@@ -54,7 +54,7 @@ def bounded_call(fn: Callable[[], Any], *, seconds: float, memory_bytes: int, an
             except MemoryError:
                 payload = json.dumps([False, f"ran out of its {memory_bytes / 2**20:,.0f} MiB"]).encode()
             except Exception as e:  # noqa: BLE001  (the parent decides what it means)
-                message = (str(e).splitlines() or [""])[0][:200]
+                message = (str(e).splitlines() or [""])[0][:2000]  # one line, whole (ours name a file and a fix)
                 payload = json.dumps([False, f"{type(e).__name__}: {message}"]).encode()
             if len(payload) > answer_bytes:
                 payload = json.dumps([False, f"its answer is over {answer_bytes:,} bytes"]).encode()
