@@ -223,6 +223,8 @@ def tree_refuses(data: dict[str, Any]) -> bool:
         (k, v) for k, v in data.get("text_config", {}).items() if type(v) is int]
     if any(abs(v) > TREE_BOUND.get(k, 2**40) for k, v in ints):
         return True
+    if any(v < 0 and k in TREE_BOUND for k, v in ints):  # a negative count of layers, experts or heads
+        return True
     layers = max(v for k, v in ints if k == "num_hidden_layers")
     experts = max(v for k, v in ints if k.startswith("num_experts"))
     return layers * (experts + 1) > 2**15
