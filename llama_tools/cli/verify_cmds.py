@@ -27,6 +27,23 @@ provider_option = click.option("--provider", type=Choice(["auto", "cpu", "cuda"]
                                help="auto: CUDA when a session really runs on it, else the CPU.")
 
 
+def input_options(f: Any) -> Any:
+    """The rows both sides run: --prompt, --ids, --random-ids N and its --seed (verify parity and verify source)."""
+    for option in reversed([
+        click.option("--prompt", "prompts", multiple=True, help=f"Text, encoded with the checkpoint's tokenizer "
+                                                                f"({TOKENIZER_FILES}); repeat for a batch [default: "
+                                                                f"built-in text]."),
+        click.option("--ids", "ids", multiple=True, type=IdsArg(),
+                     help="Raw ids instead of --prompt, e.g. '1 450 29871'; repeat for a batch."),
+        click.option("--random-ids", "random_ids", type=click.IntRange(1, 64), default=None, metavar="N",
+                     help="N rows of seeded random ids instead of text: a stress test (the default only without a "
+                          "tokenizer)."),
+        click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
+                     help="Seed of --random-ids.")]):
+        f = option(f)
+    return f
+
+
 def check_provider(provider: str) -> None:
     """--provider cuda where onnxruntime cannot run CUDA: one line, before any weight is read."""
     if provider != "cuda":
@@ -54,16 +71,7 @@ def verify() -> None:
 @click.argument("target", required=False)
 @click.option("--source", default=None, help="The PyTorch side when TARGET is an .onnx file "
                                               "[default: the source in the file's metadata].")
-@click.option("--prompt", "prompts", multiple=True, help=f"Text, encoded with the checkpoint's tokenizer "
-                                                        f"({TOKENIZER_FILES}); repeat for a batch [default: "
-                                                        f"built-in text].")
-@click.option("--ids", "ids", multiple=True, type=IdsArg(),
-              help="Raw ids instead of --prompt, e.g. '1 450 29871'; repeat for a batch.")
-@click.option("--random-ids", "random_ids", type=click.IntRange(1, 64), default=None, metavar="N",
-              help="N rows of seeded random ids instead of text: a stress test (the default only without a "
-                   "tokenizer).")
-@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
-              help="Seed of --random-ids.")
+@input_options
 @click.option("--steps", type=click.IntRange(min=0), default=8, show_default=True,
               help="Greedy decode steps through the KV cache (whole-graph check).")
 @provider_option
@@ -213,15 +221,7 @@ def _print_source(rep: Any, brief: bool = False) -> None:
 
 @verify.command("source", short_help="Our reading of a checkpoint against transformers' own, layer by layer.")
 @click.argument("model", type=ModelArg(weights_required_in_dir=True), default="tiny", required=False)
-@click.option("--prompt", "prompts", multiple=True, help=f"Text, encoded with the checkpoint's tokenizer "
-                                                        f"({TOKENIZER_FILES}); repeat for a batch [default: "
-                                                        f"built-in text].")
-@click.option("--ids", "ids", multiple=True, type=IdsArg(),
-              help="Raw ids instead of --prompt, e.g. '1 450 29871'; repeat for a batch.")
-@click.option("--random-ids", "random_ids", type=click.IntRange(1, 64), default=None, metavar="N",
-              help="N rows of seeded random ids instead of text.")
-@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
-              help="Seed of --random-ids.")
+@input_options
 @click.option("-q", "--quiet", is_flag=True, help="No progress on the terminal.")
 @output_options(("table", "json"))
 def verify_source(model: Any, prompts: tuple[str, ...], ids: tuple[list[int], ...], random_ids: int | None, seed: int,
