@@ -1,17 +1,15 @@
 """Refusals that need no weights happen before torch is imported (issue 19 item 4), in a real process, in every command.
 
-Each refusal runs the CLI in a fresh interpreter and reports the exit code, its stderr, which heavy modules got
-imported and its CPU time. The contract: exit 1, one stderr line naming what is wrong, none of torch, numpy,
-onnxruntime, pandas or matplotlib imported (onnx only where the refusal reads a graph's own metadata), and a CPU
-time of at most ~4x that of `python -c "import click"` (FACTOR; refusals that read a graph excepted: onnx's import
-alone takes that long).
+Each refusal runs the CLI in a fresh interpreter and reports the exit code, its stderr and which packages got
+imported. The contract: exit 1, one stderr line naming what is wrong, and no package imported beyond the standard
+library, click and ours (onnx and what it pulls in only where the refusal reads a graph's own metadata). What that
+costs in CPU time, against a bare `import click`, is benchmarks/bench_startup.py's figure: a time is not a test.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -33,33 +31,24 @@ try:
     cli(sys.argv[1:], prog_name="llama-tools")
 except SystemExit as e:
     code = e.code
-print(json.dumps({{"code": code, "heavy": sorted(m for m in {HEAVY!r} if m in sys.modules)}}))
+top = {{m.split(".")[0] for m in sys.modules}} - set(sys.stdlib_module_names)
+print(json.dumps({{"code": code, "heavy": sorted(m for m in {HEAVY!r} if m in sys.modules),
+                  "packages": sorted(m for m in top if not m.startswith("_"))}}))
 """
-# A refusal's CPU time, at most, in units of `python -c "import click"`'s: ~4x measured (3.0-4.1x: the package's
-# own imports, which resolving MODEL needs), with room for a machine shared with other work.
-FACTOR = 4.5
+# What any refusal may import besides the standard library: sentencepiece where the refusal reads MODEL's tokenizer
+# (a prompt's length, a token id's range; its import costs what click's does). The editable install's finder and
+# setuptools' `_distutils_hack` start with an underscore and are left out above.
+LIGHT = {"click", "llama_tools", "sentencepiece"}
 TINY = get_preset("tiny")  # vocab 512, context 256
 BIG = "1" + "0" * 21
 GRAPH = ("onnx", "numpy")  # what reading a graph's metadata imports (onnx imports numpy)
 
 
-def _cpu(cmd: list[str], cwd=None) -> tuple[subprocess.CompletedProcess, float]:
-    """Run `cmd`; its result and the CPU seconds (user + system) the child used."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=120, stdin=subprocess.DEVNULL)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-
-
 def probe(*args: str, cwd=None) -> dict:
-    r, cpu = _cpu([sys.executable, "-c", PROBE, *args], cwd=cwd)
-    return {**json.loads(r.stdout.strip().splitlines()[-1]), "stderr": r.stderr, "cpu": cpu}
-
-
-@pytest.fixture(scope="module")
-def click_cpu() -> float:
-    """The yardstick: the least CPU time of a bare `import click` over a few runs."""
-    return min(_cpu([sys.executable, "-c", "import click"])[1] for _ in range(5))
+    """Run the CLI with `args` in a fresh interpreter: its exit code, stderr, heavy modules and top-level packages."""
+    r = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=cwd, timeout=120,
+                       stdin=subprocess.DEVNULL)
+    return {**json.loads(r.stdout.strip().splitlines()[-1]), "stderr": r.stderr}
 
 
 def write_graph(path: Path, op: str = "MatMul", config: dict | None = None, static_kv: int | None = None) -> Path:
@@ -179,17 +168,15 @@ REFUSALS = [
 
 
 @pytest.mark.parametrize("args, says, allowed", REFUSALS, ids=[" ".join(a)[:60] for a, _, _ in REFUSALS])
-def test_refused_before_torch(args, says, allowed, graphs, click_cpu):
+def test_refused_before_torch(args, says, allowed, graphs):
     out = probe(*args, cwd=graphs)
     lines = out["stderr"].strip().splitlines()
     assert out["code"] == 1 and len(lines) == 1 and says in lines[0], out
     assert lines[0].startswith("Error: ") and "Traceback" not in out["stderr"], out
     heavy = [m for m in out["heavy"] if m not in allowed]
     assert heavy == [], f"{' '.join(args)} imported {heavy} before refusing"
-    if not allowed:  # a machine busy elsewhere can slow one run: the least of three is the figure
-        cpu = min([out["cpu"]] + [probe(*args, cwd=graphs)["cpu"] for _ in range(2) if out["cpu"] > FACTOR * click_cpu])
-        assert cpu <= FACTOR * click_cpu, f"{' '.join(args)}: {cpu * 1000:.0f} ms of CPU, over {FACTOR}x " \
-                                          f"`import click`'s {click_cpu * 1000:.0f} ms"
+    if not allowed:
+        assert set(out["packages"]) <= LIGHT, f"{' '.join(args)} imported {set(out['packages']) - LIGHT}"
 
 
 def test_every_command_is_covered():
@@ -228,8 +215,8 @@ def test_export_refuses_to_overwrite_its_input_before_torch(tmp_path):
     assert out["code"] == 1 and "this run reads" in out["stderr"] and "torch" not in out["heavy"], out
 
 
-def test_the_probe_sees_torch(tmp_path, click_cpu):
-    """Negative case: a command that runs the model does import torch, the probe says so, and takes longer."""
+def test_the_probe_sees_torch(tmp_path):
+    """Negative case: a command that runs the model does import torch, and the probe says so in both lists."""
     out = probe("generate", "tiny", "--ids", "1 2", "--max-new-tokens", "1", "-q", cwd=tmp_path)
     assert out["code"] in (0, None) and "torch" in out["heavy"], out
-    assert out["cpu"] > FACTOR * click_cpu, out
+    assert "torch" in out["packages"] and not set(out["packages"]) <= LIGHT, out
