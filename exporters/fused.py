@@ -66,7 +66,7 @@ from llama_tools.modeling.weights import weight_specs
 
 from . import rope_ops
 from .graph_io import GQA, MS_DOMAIN, io_names
-from .onnx_export import META, TABLE_NAMES, ExportResult, real_weights, save_model, set_metadata
+from .onnx_export import META, TABLE_NAMES, ExportResult, check_fixed_tables, real_weights, save_model, set_metadata
 from .onnx_save import Rows
 from .preflight import DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD_BYTES, check_args
 
@@ -473,6 +473,7 @@ def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rop
     torch_dtype = dtypes.to_torch(dt.name)
     if isinstance(source, (str, Path)):
         source = resolve(source)
+    check_fixed_tables(source if isinstance(source, ModelConfig) else source.cfg)
     if isinstance(source, ModelSource) and source.weights is not None:  # a checkpoint: read when written
         from llama_tools.inference.reference import open_reader
 

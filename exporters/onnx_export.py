@@ -25,6 +25,7 @@ from llama_tools.outputs import files, paths
 from llama_tools.modeling.config import ModelConfig
 from llama_tools.checkpoints.loading import load_model
 from llama_tools.modeling.model import Llama, rope_tables_of
+from llama_tools.modeling.rope import fixed_tables_error
 from llama_tools.outputs.progress import Progress, peak_rss_bytes, silent
 from llama_tools.checkpoints.source import ModelSource, resolve
 from llama_tools.modeling.weights import weight_specs
@@ -153,6 +154,13 @@ def save_model(model: ir.Model, output: Path, threshold: int, check: bool, progr
 
 # --- The entry points ----------------------------------------------------------------------------------------
 
+def check_fixed_tables(cfg: ModelConfig) -> None:
+    """One line when cfg's RoPE tables depend on the pass's length (dynamic, longrope): a graph holds fixed ones."""
+    why = fixed_tables_error(cfg, "an ONNX graph")
+    if why:
+        raise ValueError(why)
+
+
 def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | Path, *, dtype: Any = "float32",
                 rope_op: str = rope_ops.OURS.name, opset: int | None = None, seed: int = 0, check: bool = True,
                 external_data_threshold_bytes: int = EXTERNAL_DATA_THRESHOLD_BYTES,
@@ -171,6 +179,7 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     paths.check_output_path(output.parent / (output.name + ".data"))
     if isinstance(source, (str, Path)):
         source = resolve(source)
+    check_fixed_tables(source if isinstance(source, ModelConfig) else source.cfg)
     torch_dtype = dtypes.to_torch(dt.name)
     streamed = isinstance(source, ModelSource) and source.weights is not None
     if streamed:  # a checkpoint: each weight is read from its file when it is written, one at a time

@@ -408,7 +408,7 @@ def keys_by_position(meta: ExportMetadata, mask: np.ndarray) -> Callable[[int, n
 
     cfg = meta.config
     pads = (np.cumsum(mask, axis=1) == 0).sum(axis=1)  # [b]: the zeros before a row's first token
-    tables = rope_tables_of(cfg, length=int(pads.max()) + 1)
+    tables = rope_tables_of(cfg, length=int(pads.max()) + 1, rotation_only=True)  # a turn: no attention factor
     assert tables is not None, "a graph whose attention rotates has RoPE tables"
 
     def turned_back(layer: int, keys: np.ndarray) -> np.ndarray:

@@ -15,8 +15,8 @@ from typing import Any
 
 from ..modeling import dtypes
 from ..modeling.config import INT64_MAX, LAYER_LIST_LIMIT, ROPE_FACTOR_LIMIT, SIZE_LIMITS, ModelConfig, RopeScaling
-from ..modeling.families import FAMILIES, FULL, HF_NAMES, ROPE_KEYS, SLIDING, UNMODELLED_KEYS
-from ..modeling.rope import SUPPORTED_SCALING
+from ..modeling.families import FAMILIES, FULL, HF_NAMES, ROPE_KEYS, ROPE_TYPE_KEYS, SLIDING, UNMODELLED_KEYS
+from ..modeling.rope import SUPPORTED_SCALING, longrope_attention_factor, yarn_attention_factor
 from .formats import FORMATS
 from .header_readers import MAX_HEADER_BYTES, json_object, open_regular, real_path
 from ..modeling.presets import get_preset
@@ -144,48 +144,94 @@ def _factor(v: Any, path: Path, field_name: str) -> float:
     return x
 
 
-def _rope_scaling(raw: Any, path: Path, where: str = "rope_scaling") -> RopeScaling | None:
+def _rope_scaling(raw: Any, path: Path, where: str = "rope_scaling", max_pos: int = 2048,
+                  top_original: int | None = None) -> RopeScaling | None:
+    """One RoPE scaling, transformers' defaults resolved into it (yarn's and longrope's attention factor and
+    original context, yarn's betas), so that the model reads every number it computes with from RopeScaling.
+
+    max_pos: the config's max_position_embeddings; top_original: its top-level original_max_position_embeddings
+    (where transformers 4.57's longrope reads it, Phi-3's layout)."""
     if raw is None or raw == {}:
         return None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: field {where!r} must be an object or null, got {_got(raw)}")
     kind = raw.get("rope_type", raw.get("type"))
     if kind is None or kind == "default":
-        _no_unread_rope_keys(raw, path, where)
+        _no_unread_rope_keys(raw, path, where, "default")
         return None
     kind = _as_str(kind, path, f"{where}.rope_type")
     if kind in SUPPORTED_SCALING:  # a variant the model does not compute is refused where a model is built
-        _no_unread_rope_keys(raw, path, where)
+        _no_unread_rope_keys(raw, path, where, kind)
     f = lambda key, default: _factor(_get(raw, key, default), path, f"{where}.{key}")  # noqa: E731
+    inner = None if raw.get("original_max_position_embeddings") is None else _as_int(
+        raw["original_max_position_embeddings"], path, f"{where}.original_max_position_embeddings")
+    extra: dict[str, Any] = {}
+    original = inner if inner is not None else 8192
+    factor = f("factor", 1.0)
+    if kind == "yarn":
+        original = inner if inner is not None else max_pos  # transformers: the config's context when unsaid
+        number = lambda key, default: default if raw.get(key) is None else _as_float(  # noqa: E731
+            raw[key], path, f"{where}.{key}")
+        mscale, mscale_all_dim = number("mscale", None), number("mscale_all_dim", None)
+        attention = number("attention_factor", None)
+        extra = dict(attention_factor=yarn_attention_factor(factor, mscale, mscale_all_dim) if attention is None
+                     else attention, beta_fast=number("beta_fast", 0.0) or 32.0,
+                     beta_slow=number("beta_slow", 0.0) or 1.0,
+                     truncate=_as_bool(_get(raw, "truncate", True), path, f"{where}.truncate"))
+    elif kind == "dynamic":
+        # transformers 4.57 grows the base past config.max_position_embeddings and reads no other length
+        if inner is not None and inner != max_pos:
+            raise ValueError(f"{path}: field '{where}.original_max_position_embeddings' ({inner}) differs from "
+                             f"max_position_embeddings ({max_pos}); transformers 4.57's dynamic scaling reads the "
+                             f"latter, later versions may read the former: make them agree")
+        original = max_pos
+    elif kind == "longrope":
+        if top_original is not None and inner is not None and top_original != inner:
+            raise ValueError(f"{path}: fields 'original_max_position_embeddings' ({top_original}) and "
+                             f"'{where}.original_max_position_embeddings' ({inner}) disagree; keep one")
+        given = top_original if top_original is not None else inner
+        original = given if given is not None else max_pos
+        if given is not None:  # transformers: the factor is the ratio of the two contexts then
+            factor = max_pos / given
+        lists = {}
+        for key in ("short_factor", "long_factor"):
+            v = raw.get(key)
+            if not isinstance(v, list) or not v:
+                raise ValueError(f"{path}: field '{where}.{key}' must be a list of numbers for longrope scaling, "
+                                 f"got {_got(v)}")
+            lists[key] = tuple(_factor(x, path, f"{where}.{key}[{i}]") for i, x in enumerate(v))
+        attention = raw.get("attention_factor")
+        extra = dict(lists, attention_factor=longrope_attention_factor(factor, original) if attention is None
+                     else _as_float(attention, path, f"{where}.attention_factor"))
     scaling = RopeScaling(
-        type=kind, factor=f("factor", 1.0), low_freq_factor=f("low_freq_factor", 1.0),
-        high_freq_factor=f("high_freq_factor", 4.0),
-        original_max_position_embeddings=_as_int(_get(raw, "original_max_position_embeddings", 8192), path,
-                                                 f"{where}.original_max_position_embeddings"),
-    )
+        type=kind, factor=factor, low_freq_factor=f("low_freq_factor", 1.0),
+        high_freq_factor=f("high_freq_factor", 4.0), original_max_position_embeddings=original, **extra)
     if kind == "llama3" and not scaling.high_freq_factor > scaling.low_freq_factor:
         raise ValueError(f"{path}: field '{where}.high_freq_factor' ({scaling.high_freq_factor}) must be greater "
                          f"than low_freq_factor ({scaling.low_freq_factor}) for llama3 scaling")
     return scaling
 
 
-def _no_unread_rope_keys(raw: dict[str, Any], path: Path, where: str) -> None:
+def _no_unread_rope_keys(raw: dict[str, Any], path: Path, where: str, kind: str) -> None:
     """Refuse a RoPE parameter the model would not read (yarn's betas on a linear scaling, a partial rotary, ...)."""
+    known = ROPE_KEYS | ROPE_TYPE_KEYS.get(kind, frozenset())
     for key, value in raw.items():
-        if key not in ROPE_KEYS and value is not None and not UNMODELLED_KEYS.get(key, lambda v: False)(value):
+        if key not in known and value is not None and not UNMODELLED_KEYS.get(key, lambda v: False)(value):
             raise ValueError(f"{path}: field '{where}.{key}' ({_got(value)}) changes RoPE and llama-tools does not "
                              f"read it; it would compute another model, so it refuses the config")
 
 
-def _rope_entry(raw: Any, path: Path, where: str, theta: float) -> tuple[float, RopeScaling | None]:
+def _rope_entry(raw: Any, path: Path, where: str, theta: float, max_pos: int = 2048,
+                top_original: int | None = None) -> tuple[float, RopeScaling | None]:
     """One set of RoPE parameters (5.x `rope_parameters`, or one layer type's entry): its base and scaling."""
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: field {where!r} must be an object, got {_got(raw)}")
     base = _as_float(_get(raw, "rope_theta", theta), path, f"{where}.rope_theta")
-    return base, _rope_scaling(raw, path, where)
+    return base, _rope_scaling(raw, path, where, max_pos, top_original)
 
 
-def _rope(data: dict[str, Any], path: Path, family: str) -> tuple[float, RopeScaling | None, float | None]:
+def _rope(data: dict[str, Any], path: Path, family: str,
+          max_pos: int = 2048) -> tuple[float, RopeScaling | None, float | None]:
     """RoPE's base, scaling and sliding layers' base, from either layout transformers has written.
 
     4.x: top-level rope_theta, rope_scaling and (Gemma 3) rope_local_base_freq. 5.x: `rope_parameters`, flat
@@ -194,7 +240,9 @@ def _rope(data: dict[str, Any], path: Path, family: str) -> tuple[float, RopeSca
     keys = FAMILIES[family].hf_keys
     default_theta = keys.get("rope_theta", 10000.0)
     theta = _as_float(_get(data, "rope_theta", default_theta), path, "rope_theta")
-    scaling = _rope_scaling(data.get("rope_scaling"), path, "rope_scaling")
+    top = None if data.get("original_max_position_embeddings") is None else _as_int(
+        data["original_max_position_embeddings"], path, "original_max_position_embeddings")
+    scaling = _rope_scaling(data.get("rope_scaling"), path, "rope_scaling", max_pos, top)
     local = None
     if "rope_local_base_freq" in keys:
         local = _as_float(_get(data, "rope_local_base_freq", keys["rope_local_base_freq"]), path,
@@ -209,9 +257,11 @@ def _rope(data: dict[str, Any], path: Path, family: str) -> tuple[float, RopeSca
             raise ValueError(f"{path}: field 'rope_parameters' gives RoPE per layer type, and a {family} model's "
                              f"layers are all of one type; give one set of parameters")
         if FULL in params:
-            new_theta, new_scaling = _rope_entry(params[FULL], path, f"rope_parameters.{FULL}", default_theta)
+            new_theta, new_scaling = _rope_entry(params[FULL], path, f"rope_parameters.{FULL}", default_theta,
+                                                 max_pos, top)
         else:  # every layer slides: the sliding entry is the only RoPE there is
-            new_theta, new_scaling = _rope_entry(params[SLIDING], path, f"rope_parameters.{SLIDING}", default_theta)
+            new_theta, new_scaling = _rope_entry(params[SLIDING], path, f"rope_parameters.{SLIDING}", default_theta,
+                                                 max_pos, top)
         if SLIDING in params:
             local, local_scaling = _rope_entry(params[SLIDING], path, f"rope_parameters.{SLIDING}",
                                                keys.get("rope_local_base_freq", default_theta))
@@ -219,12 +269,30 @@ def _rope(data: dict[str, Any], path: Path, family: str) -> tuple[float, RopeSca
                 raise ValueError(f"{path}: field 'rope_parameters.{SLIDING}.rope_type' is {local_scaling.type!r}; "
                                  f"llama-tools scales the RoPE of full-attention layers only")
     else:
-        new_theta, new_scaling = _rope_entry(params, path, "rope_parameters", default_theta)
+        new_theta, new_scaling = _rope_entry(params, path, "rope_parameters", default_theta, max_pos, top)
     for key, old, new in (("rope_theta", theta, new_theta), ("rope_scaling", scaling, new_scaling)):
         if data.get(key) is not None and old != new:
             raise ValueError(f"{path}: fields {key!r} and 'rope_parameters' disagree ({old!r} against {new!r}); "
                              f"keep the one the model was trained with")
     return new_theta, new_scaling, local
+
+
+def hf_rope_scaling(cfg: ModelConfig) -> dict[str, Any]:
+    """cfg's rope_scaling as transformers reads it: each type's own keys, defaults written out."""
+    s = cfg.rope_scaling
+    assert s is not None
+    keys = {"linear": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            "dynamic": ("factor",),
+            "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                     "truncate"),
+            "longrope": ("factor", "original_max_position_embeddings", "attention_factor", "short_factor",
+                         "long_factor")}.get(s.type, ("factor", "low_freq_factor", "high_freq_factor",
+                                                      "original_max_position_embeddings"))
+    out: dict[str, Any] = {"rope_type": s.type}
+    for k in keys:
+        v = getattr(s, k)
+        out[k] = list(v) if isinstance(v, tuple) else v
+    return out
 
 
 def _activation(data: dict[str, Any], path: Path, family: str) -> str:
@@ -338,7 +406,7 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
     alibi = pe == "ALIBI" or (family == "baichuan" and not pe and hidden == 5120)
     max_pos = optional("max_position_embeddings") or optional("model_max_length") or keys.get(
         "max_position_embeddings") or 2048
-    theta, scaling, local_theta = _rope(data, path, family)
+    theta, scaling, local_theta = _rope(data, path, family, max_pos)
     sliding = None
     if data.get("sliding_window") is not None:  # typed and bounded even where the family's code ignores it
         _as_int(data["sliding_window"], path, "sliding_window")
@@ -517,8 +585,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.pad_token_id is not None:  # only the source's own: HF reads an absent pad as "none", not as eos
         d["pad_token_id"] = cfg.pad_token_id
     if cfg.rope_scaling:
-        d["rope_scaling"] = {"rope_type": cfg.rope_scaling.type, **{
-            k: v for k, v in dataclasses.asdict(cfg.rope_scaling).items() if k != "type"}}
+        d["rope_scaling"] = hf_rope_scaling(cfg)
+        if cfg.rope_scaling.type == "longrope":  # where transformers 4.57's longrope reads the original context
+            d["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings
     keys = fam.hf_keys  # what the family's own code reads, and so what it must be told
     if "attention_bias" in keys:
         d["attention_bias"] = cfg.o_bias

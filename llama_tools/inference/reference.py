@@ -34,6 +34,7 @@ from ..checkpoints.layouts import split_qkv
 from ..modeling.model import (
     CausalLMOutput, DecoderLayer, KVCache, RMSNorm, RopeTables, layer_masks, layer_tables, norm, positions, rope_tables_of,
     softcap)
+from ..modeling.rope import per_pass
 from ..outputs.progress import Progress, silent
 from ..checkpoints.source import ModelSource, resolve
 from ..modeling.weights import weight_specs
@@ -344,6 +345,9 @@ class StreamedReference:
         """RoPE tables for positions 0..positions-1 at least, in fp32 as the model keeps them (float64 for a float64
         truth): grown by doubling, never past max_position_embeddings (Gemma 3's 32,768 x 2 tables would be 67 MB
         held for a 192-token pass)."""
+        if per_pass(self.cfg):  # dynamic, longrope: the tables of this pass's length (rope.py), never reused
+            dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+            return rope_tables_of(self.cfg, self.device, dtype, length=positions, seq_len=positions)
         have = 0 if self._rope is None else self._rope[0].shape[0]
         if self._rope is None or have < positions:
             length = min(max(positions, 2 * have, 256), self.cfg.max_position_embeddings)

@@ -62,6 +62,19 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn and longrope: cos and sin are multiplied by this (transformers' attention_factor, yarn's mscale ratio);
+    # None: 1. The reader resolves transformers' defaults into it (config_files._rope_scaling).
+    attention_factor: float | None = None
+    beta_fast: float = 32.0  # yarn: the ramp's ends, in rotations over the original context
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole dimensions
+    short_factor: tuple[float, ...] | None = None  # longrope: per-frequency divisors, n6/2 each
+    long_factor: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("short_factor", "long_factor"):  # lists from JSON or asdict: tuples, so the config hashes
+            if isinstance(getattr(self, f), list):
+                object.__setattr__(self, f, tuple(getattr(self, f)))
 
     def validate(self, where: str) -> None:
         """Raise ValueError naming the first field out of range (a type a string, factors > 0, ...)."""
@@ -75,6 +88,19 @@ class RopeScaling:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"{where}: field rope_scaling.original_max_position_embeddings must be an integer "
                              f">= 1, got {n!r}")
+        for f in ("attention_factor", "beta_fast", "beta_slow"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or (f == "attention_factor" and v <= 0)):
+                raise ValueError(f"{where}: field rope_scaling.{f} must be a finite number"
+                                 f"{' > 0' if f == 'attention_factor' else ''}, got {v!r}")
+        for f in ("short_factor", "long_factor"):
+            v = getattr(self, f)
+            if v is not None and not all(not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+                                         and x > 0 for x in v):
+                raise ValueError(f"{where}: field rope_scaling.{f} must be a list of finite numbers > 0")
+        if self.type == "longrope" and (self.short_factor is None or self.long_factor is None):
+            raise ValueError(f"{where}: longrope scaling needs rope_scaling.short_factor and long_factor")
         if self.type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(f"{where}: field rope_scaling.high_freq_factor must be greater than low_freq_factor "
                              f"for llama3 scaling, got {self.high_freq_factor} <= {self.low_freq_factor}")
@@ -181,6 +207,11 @@ class ModelConfig:
             raise ValueError(f"{where}: field sliding_window must be an integer >= 1 or null, got {sw!r}")
         if self.rope_scaling is not None:
             self.rope_scaling.validate(where)
+            for f in ("short_factor", "long_factor"):
+                v = getattr(self.rope_scaling, f)
+                if v is not None and len(v) != self.head_dim // 2:
+                    raise ValueError(f"{where}: field rope_scaling.{f} must hold head_dim / 2 = {self.head_dim // 2} "
+                                     f"numbers, got {len(v)}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"{where}: hidden_act must be one of {', '.join(ACTIVATIONS)}, got {self.hidden_act!r}")
         for f in ("qk_norm", "norm_plus_one", "embed_scale", "sandwich_norms"):

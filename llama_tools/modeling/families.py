@@ -132,6 +132,11 @@ UNMODELLED_KEYS: dict[str, Any] = {
 # is not null (yarn's attention_factor and betas, longrope's factor lists, ...) is refused, naming it.
 ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings"})
+# Read besides those by one scaling type only (transformers 4.57's modeling_rope_utils; DeepSeek's mscale pair).
+ROPE_TYPE_KEYS = {
+    "yarn": frozenset({"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}),
+    "longrope": frozenset({"attention_factor", "short_factor", "long_factor"}),
+}
 FAMILY_NAMES = tuple(FAMILIES)
 # config.json `architectures` entries and `model_type` values -> family name.
 HF_NAMES = {name: f.name for f in FAMILIES.values() for name in (*f.hf_classes, *f.model_types)}

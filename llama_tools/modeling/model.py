@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .rope import rope_inv_freq
+from .rope import per_pass, rope_attention_factor, rope_inv_freq
 from .rope_layouts import INTERLEAVED
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (K, V): [batch, kv_heads, past, n6]
@@ -74,31 +74,41 @@ ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh
 
 def rope_cache(cfg: ModelConfig, device: torch.device | str | None = None,
                dtype: torch.dtype = torch.float32, local: bool = False,
-               length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               length: int | None = None, seq_len: int | None = None,
+               rotation_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos(i θ̄_t), sin(i θ̄_t) for every position i < max_position_embeddings (or `length`): [max_pos, n6/2], fp32
-    (or `dtype`).
+    (or `dtype`); times yarn's or longrope's attention factor, as transformers scales them.
 
     local: the sliding layers' tables (Gemma 3: base rope_local_theta, no scaling).
+    seq_len: the pass's length, for the scalings whose tables depend on it (dynamic, longrope: rope.py).
+    rotation_only: without the attention factor (a rotation by the angles alone, as turning keys back needs).
     """
     if local:
         cfg = cfg.replace(rope_theta=cfg.rope_local_theta, rope_scaling=None)
-    inv_freq = torch.tensor(rope_inv_freq(cfg), dtype=torch.float64, device=device)  # θ̄_t, t = 0, 2, ..., n6-2
+    inv_freq = torch.tensor(rope_inv_freq(cfg, seq_len), dtype=torch.float64, device=device)  # θ̄_t, t = 0, 2, ...
     pos = torch.arange(cfg.max_position_embeddings if length is None else length, dtype=torch.float64, device=device)
     angles = torch.outer(pos, inv_freq)  # [max_pos, n6/2]: i θ̄_t
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    scale = 1.0 if rotation_only else rope_attention_factor(cfg)
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
 RopeTables = tuple[torch.Tensor, ...]  # (cos, sin), then the sliding layers' (cos, sin) when they differ
 
 
 def rope_tables_of(cfg: ModelConfig, device: torch.device | str | None = None,
-                   dtype: torch.dtype = torch.float32, length: int | None = None) -> RopeTables | None:
+                   dtype: torch.dtype = torch.float32, length: int | None = None,
+                   seq_len: int | None = None, rotation_only: bool = False) -> RopeTables | None:
     """Every table the layers read: (cos, sin), plus the local layers' pair when cfg has a local base; None: ALiBi.
 
-    length: positions 0..length-1 only (default: max_position_embeddings)."""
+    length: positions 0..length-1 only (default: max_position_embeddings).
+    seq_len: the pass's length (its largest position + 1) for dynamic and longrope (rope.py); their tables then
+    cover at least seq_len positions. None: a pass within the original context.
+    rotation_only: cos and sin of the angles alone, without yarn's or longrope's attention factor."""
     if cfg.position_encoding != "rope":
         return None
-    tables = rope_cache(cfg, device, dtype, length=length)
+    if seq_len is not None and per_pass(cfg):
+        length = max(length or cfg.max_position_embeddings, seq_len)
+    tables = rope_cache(cfg, device, dtype, length=length, seq_len=seq_len, rotation_only=rotation_only)
     return tables + rope_cache(cfg, device, dtype, local=True, length=length) if cfg.rope_local_theta is not None \
         else tables
 
@@ -404,6 +414,17 @@ class Llama(nn.Module):
             self._rope_tables = rope_tables_of(self.cfg, device)
         return self._rope_tables
 
+    def pass_tables(self, device: torch.device, position_ids: torch.Tensor) -> RopeTables | None:
+        """The tables of this pass: the model's own, or for dynamic and longrope those of its length (its largest
+        position + 1), made anew when that length changes (rope.py: transformers' per-call semantics)."""
+        if not per_pass(self.cfg):
+            return self.rope_tables(device)
+        seq_len = int(position_ids.max()) + 1 if position_ids.numel() else 1
+        key = (seq_len, device)
+        if getattr(self, "_pass_key", None) != key:
+            self._pass_tables, self._pass_key = rope_tables_of(self.cfg, device, seq_len=seq_len), key
+        return self._pass_tables
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values: KVCache | None = None,
                 rope_tables: RopeTables | None = None) -> CausalLMOutput:
@@ -417,7 +438,7 @@ class Llama(nn.Module):
             position_ids = positions(input_ids, attention_mask, past)  # t: [b, n3]
         z = self.model.embed(input_ids)  # Z^0: [b, n3, n2], row t_i = row \hat t_i of D
         masks = layer_masks(self.cfg, n3, past, attention_mask, z.dtype, z.device)  # M: [b or 1, 1 or n5, n3, past + n3]
-        tables = rope_tables if rope_tables is not None else self.rope_tables(z.device)
+        tables = rope_tables if rope_tables is not None else self.pass_tables(z.device, position_ids)
         presents = []
         for j, layer in enumerate(self.model.layers):
             z, present = layer(z, masks[layer.sliding], position_ids, layer_tables(tables, layer.sliding),

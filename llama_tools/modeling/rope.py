@@ -1,5 +1,12 @@
 """RoPE's facts that need no torch: the paper's angles θ̄_t and which scalings the model computes.
 
+Every scaling transformers implements (modeling_rope_utils.py, 4.57) is computed here to its arithmetic:
+linear, llama3 and yarn give one table for every pass; dynamic (NTK) and longrope pick theirs from the length of
+the pass (`seq_len` = the largest position in it + 1), as transformers' RotaryEmbedding does at each forward call.
+With a KV cache that means: a pass's new queries and keys are rotated with the tables of that pass's length, and
+the keys already cached keep the rotation they were stored with (transformers' decode, step by step). A fixed
+table (an ONNX graph's, a GGUF's) cannot hold a table that depends on the pass: `fixed_tables_error` says so.
+
 The two q/k row layouts live in rope_layouts.py (config needs them too, below this module).
 """
 
@@ -9,7 +16,8 @@ import math
 
 from .config import ModelConfig
 
-SUPPORTED_SCALING = ("linear", "llama3")
+SUPPORTED_SCALING = ("linear", "llama3", "yarn", "dynamic", "longrope")
+PER_PASS_SCALING = ("dynamic", "longrope")  # tables that depend on the pass's length
 
 
 def check_scaling_supported(cfg: ModelConfig) -> None:
@@ -19,16 +27,88 @@ def check_scaling_supported(cfg: ModelConfig) -> None:
                          f"not supported by the model (supported: {', '.join(SUPPORTED_SCALING)}); counting still works")
 
 
-def rope_inv_freq(cfg: ModelConfig) -> list[float]:
-    """θ̄_t = base^(-t/n6) for t = 0, 2, ..., n6-2 (the paper's bar-theta), after rope_scaling."""
+def per_pass(cfg: ModelConfig) -> bool:
+    """True when RoPE's tables depend on the pass's length (dynamic, longrope)."""
+    return cfg.rope_scaling is not None and cfg.rope_scaling.type in PER_PASS_SCALING
+
+
+def fixed_tables_error(cfg: ModelConfig, what: str) -> str | None:
+    """One line when `what` (a graph, a GGUF) would need one fixed RoPE table and cfg's scaling has none; else None."""
+    if not per_pass(cfg):
+        return None
+    kind = cfg.rope_scaling.type  # type: ignore[union-attr]
+    return (f"config {cfg.source or cfg.name!r}: rope_scaling type {kind!r} recomputes RoPE's tables from each pass's "
+            f"length (as transformers does); {what} holds one fixed table, so it is not written (the PyTorch model "
+            f"and generate compute it)")
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by (yarn's and longrope's attention factor; 1 otherwise)."""
+    s = cfg.rope_scaling
+    if s is None or s.type not in ("yarn", "longrope") or s.attention_factor is None:
+        return 1.0
+    return float(s.attention_factor)
+
+
+def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
+    """transformers' default for yarn: 0.1 m ln(factor) + 1, as a ratio of two such when DeepSeek's mscale and
+    mscale_all_dim are both given (and non-zero)."""
+    def get(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    if mscale and mscale_all_dim:
+        return get(factor, mscale) / get(factor, mscale_all_dim)
+    return get(factor)
+
+
+def longrope_attention_factor(factor: float, original: int) -> float:
+    """transformers' default for longrope: sqrt(1 + ln(factor) / ln(original context)), 1 when factor <= 1."""
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _yarn(inv: list[float], d: int, base: float, s) -> list[float]:  # noqa: ANN001
+    """yarn: frequencies that turn fewer than beta_slow times over the original context interpolated (/ factor),
+    more than beta_fast times kept, a linear ramp over the dimensions between."""
+    def correction_dim(rotations: float) -> float:
+        return d * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    out = []
+    for i, f in enumerate(inv):
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)  # 0: keep (extrapolate), 1: interpolate
+        extrapolation = 1 - ramp
+        out.append(f / s.factor * (1 - extrapolation) + f * extrapolation)
+    return out
+
+
+def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None) -> list[float]:
+    """θ̄_t = base^(-t/n6) for t = 0, 2, ..., n6-2 (the paper's bar-theta), after rope_scaling.
+
+    seq_len: the pass's length (largest position + 1), which dynamic and longrope read; None: a pass within
+    the original context (dynamic's unchanged base, longrope's short factors)."""
     check_scaling_supported(cfg)
     d = cfg.head_dim
-    inv = [cfg.rope_theta ** (-t / d) for t in range(0, d, 2)]
+    base = cfg.rope_theta
     s = cfg.rope_scaling
-    if s is None:
+    if s is not None and s.type == "dynamic" and seq_len is not None:
+        # transformers: the base grows with the pass past the original context, seq_len clamped below by it
+        m = s.original_max_position_embeddings
+        length = max(seq_len, m)
+        base = base * ((s.factor * length / m) - (s.factor - 1)) ** (d / (d - 2))
+    inv = [base ** (-t / d) for t in range(0, d, 2)]
+    if s is None or s.type == "dynamic":
         return inv
     if s.type == "linear":
         return [f / s.factor for f in inv]
+    if s.type == "yarn":
+        return _yarn(inv, d, base, s)
+    if s.type == "longrope":
+        long = seq_len is not None and seq_len > s.original_max_position_embeddings
+        factors = s.long_factor if long else s.short_factor
+        return [f / e for f, e in zip(inv, factors)]  # type: ignore[arg-type]
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
