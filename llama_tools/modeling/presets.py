@@ -8,6 +8,7 @@ from typing import Any
 
 from . import dtypes
 from .config import ModelConfig, RopeScaling
+from .families import FAMILIES, FULL, SLIDING
 
 FP16, BF16, FP32 = dtypes.FLOAT16.name, dtypes.BFLOAT16.name, dtypes.FLOAT32.name
 _LLAMA3_SCALING = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -20,6 +21,41 @@ _70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num
             num_key_value_heads=8)
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192, bos_token_id=128000,
                eos_token_id=128001, torch_dtype=BF16)
+# Llama 3.1 and 3.2: 128K positions through the llama3 scaling of RoPE (factor 8; 3.2's small ones 32).
+_LLAMA31 = dict(_LLAMA3, rope_scaling=_LLAMA3_SCALING, max_position_embeddings=131072)
+_LLAMA32 = dict(_LLAMA31, rope_scaling=RopeScaling("llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                   original_max_position_embeddings=8192), tie_word_embeddings=True)
+
+
+def _family(name: str, **kw: Any) -> dict[str, Any]:
+    """A family's name and the fields it sets beyond the LLaMA block (families.py), as its config reader sets them."""
+    return dict(family=name, **FAMILIES[name].defaults, **kw)
+
+
+def _pattern(layers: int, every: int) -> tuple[str, ...]:
+    """Gemma 2/3's layer types: every `every`-th layer full attention, the rest sliding (HF's own rule)."""
+    return tuple(SLIDING if (j + 1) % every else FULL for j in range(layers))
+
+
+# Qwen3 (dense): q/k norm per head, n6 = 128 whatever the width, 40,960 positions; the three small ones tie.
+_QWEN3 = dict(**_family("qwen3"), vocab_size=151936, head_dim=128, num_key_value_heads=8, rms_norm_eps=1e-6,
+              rope_theta=1e6, max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
+              torch_dtype=BF16)
+# Gemma 1-3: tied embeddings, eps 1e-6, ids bos 2 / eos 1 / pad 0, n6 = 256 unless stated.
+_GEMMA_IDS = dict(head_dim=256, tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1,
+                  pad_token_id=0)
+_GEMMA = dict(**_family("gemma"), **_GEMMA_IDS, vocab_size=256000, max_position_embeddings=8192, torch_dtype=BF16)
+_GEMMA2 = dict(**_family("gemma2"), **_GEMMA_IDS, vocab_size=256000, max_position_embeddings=8192, sliding_window=4096,
+               query_pre_attn_scalar=256, attn_logit_softcap=50.0, final_logit_softcap=30.0, torch_dtype=FP32)
+_GEMMA3 = dict(**_family("gemma3"), **_GEMMA_IDS, vocab_size=262144, max_position_embeddings=32768, sliding_window=512,
+               query_pre_attn_scalar=256, rope_theta=1e6, rope_local_theta=10000.0, torch_dtype=BF16)
+# Gemma 3 4B, 12B, 27B: the text model of the multimodal checkpoint (its text_config): 262,208 rows (the image
+# tokens' too), a window of 1,024, 128K positions by linear scaling of the global layers' RoPE.
+_GEMMA3_MM = dict(_GEMMA3, vocab_size=262208, max_position_embeddings=131072, sliding_window=1024,
+                  rope_scaling=RopeScaling("linear", factor=8.0))
+# SmolLM2: LLaMA blocks, tied, 49,152 tokens, 8K positions.
+_SMOLLM2 = dict(vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192,
+                bos_token_id=0, eos_token_id=0, torch_dtype=BF16)
 
 
 def _preset(name: str, *bases: dict[str, Any], **kw: Any) -> ModelConfig:
@@ -65,6 +101,53 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
             torch_dtype=BF16),
     _preset("baichuan2-13b", _13B, family="baichuan", vocab_size=125696, intermediate_size=13696, rms_norm_eps=1e-6,
             position_encoding="alibi", norm_head=True, torch_dtype=BF16),
+    # This year's small and mid-size models (tests/test_presets_2025.py: each equals transformers' own count).
+    _preset("llama-3.1-8b", _7B, _LLAMA31, intermediate_size=14336, num_key_value_heads=8),
+    _preset("llama-3.1-70b", _70B, _LLAMA31),
+    _preset("llama-3.2-1b", _LLAMA32, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+            num_attention_heads=32, num_key_value_heads=8),
+    _preset("llama-3.2-3b", _LLAMA32, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+            num_attention_heads=24, num_key_value_heads=8),
+    _preset("qwen3-0.6b", _QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+            num_attention_heads=16, tie_word_embeddings=True),
+    _preset("qwen3-1.7b", _QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+            num_attention_heads=16, tie_word_embeddings=True),
+    _preset("qwen3-4b", _QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+            num_attention_heads=32, tie_word_embeddings=True),
+    _preset("qwen3-8b", _QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+            num_attention_heads=32),
+    _preset("qwen3-14b", _QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+            num_attention_heads=40),
+    _preset("qwen3-32b", _QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+            num_attention_heads=64),
+    _preset("gemma-2b", _GEMMA, hidden_size=2048, intermediate_size=16384, num_hidden_layers=18,
+            num_attention_heads=8, num_key_value_heads=1),
+    _preset("gemma-7b", _GEMMA, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+            num_attention_heads=16, num_key_value_heads=16),
+    _preset("gemma-2-2b", _GEMMA2, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+            num_attention_heads=8, num_key_value_heads=4, layer_types=_pattern(26, 2)),
+    _preset("gemma-2-9b", _GEMMA2, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+            num_attention_heads=16, num_key_value_heads=8, layer_types=_pattern(42, 2)),
+    _preset("gemma-2-27b", _GEMMA2, hidden_size=4608, intermediate_size=36864, num_hidden_layers=46,
+            num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=144,
+            layer_types=_pattern(46, 2)),
+    _preset("gemma-3-270m", _GEMMA3, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+            num_attention_heads=4, num_key_value_heads=1, layer_types=_pattern(18, 6)),
+    _preset("gemma-3-1b", _GEMMA3, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+            num_attention_heads=4, num_key_value_heads=1, layer_types=_pattern(26, 6)),
+    _preset("gemma-3-4b", _GEMMA3_MM, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+            num_attention_heads=8, num_key_value_heads=4, layer_types=_pattern(34, 6)),
+    _preset("gemma-3-12b", _GEMMA3_MM, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+            num_attention_heads=16, num_key_value_heads=8, layer_types=_pattern(48, 6)),
+    _preset("gemma-3-27b", _GEMMA3_MM, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+            num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168,
+            layer_types=_pattern(62, 6)),
+    _preset("smollm2-135m", _SMOLLM2, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+            num_attention_heads=9, num_key_value_heads=3),
+    _preset("smollm2-360m", _SMOLLM2, hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+            num_attention_heads=15, num_key_value_heads=5),
+    _preset("smollm2-1.7b", _SMOLLM2, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+            num_attention_heads=32, num_key_value_heads=32, rope_theta=130000.0),
     # Small enough to build in a test: GQA (4 query heads over 2 KV heads), two layers.
     _preset("tiny", vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, torch_dtype=FP32),
@@ -74,6 +157,13 @@ ALIASES = {
     "llama-2-7b-hf": "llama-2-7b", "llama2-7b": "llama-2-7b", "llama2-13b": "llama-2-13b",
     "llama2-70b": "llama-2-70b", "llama3-8b": "llama-3-8b",
     "llama3-70b": "llama-3-70b", "mistral-7b-v0.1": "mistral-7b", "mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "llama3.1-8b": "llama-3.1-8b", "llama3.1-70b": "llama-3.1-70b", "llama3.1-405b": "llama-3.1-405b",
+    "meta-llama-3.1-8b": "llama-3.1-8b", "meta-llama-3.1-70b": "llama-3.1-70b",
+    "meta-llama-3.1-405b": "llama-3.1-405b", "llama3.2-1b": "llama-3.2-1b", "llama3.2-3b": "llama-3.2-3b",
+    "gemma2-2b": "gemma-2-2b", "gemma2-9b": "gemma-2-9b", "gemma2-27b": "gemma-2-27b",
+    "gemma3-270m": "gemma-3-270m", "gemma3-1b": "gemma-3-1b", "gemma3-4b": "gemma-3-4b",
+    "gemma3-12b": "gemma-3-12b", "gemma3-27b": "gemma-3-27b", "gemma-3-1b-pt": "gemma-3-1b",
+    "gemma-3-4b-pt": "gemma-3-4b", "gemma-3-12b-pt": "gemma-3-12b", "gemma-3-27b-pt": "gemma-3-27b",
 }
 
 # Where each preset's numbers come from (its published config.json; the paper for its four).
@@ -87,6 +177,15 @@ PRESET_SOURCES = {
     "qwen2-7b": "Qwen/Qwen2-7B", "yi-34b": "01-ai/Yi-34B", "deepseek-67b": "deepseek-ai/deepseek-llm-67b-base",
     "internlm2-20b": "internlm/internlm2-20b", "baichuan2-7b": "baichuan-inc/Baichuan2-7B-Base",
     "baichuan2-13b": "baichuan-inc/Baichuan2-13B-Base",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B", "llama-3.1-70b": "meta-llama/Llama-3.1-70B",
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B", "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
+    **{f"qwen3-{s}": f"Qwen/Qwen3-{s.upper()}" for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")},
+    "gemma-2b": "google/gemma-2b", "gemma-7b": "google/gemma-7b", "gemma-2-2b": "google/gemma-2-2b",
+    "gemma-2-9b": "google/gemma-2-9b", "gemma-2-27b": "google/gemma-2-27b", "gemma-3-270m": "google/gemma-3-270m",
+    "gemma-3-1b": "google/gemma-3-1b-pt", "gemma-3-4b": "google/gemma-3-4b-pt (text_config)",
+    "gemma-3-12b": "google/gemma-3-12b-pt (text_config)", "gemma-3-27b": "google/gemma-3-27b-pt (text_config)",
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M", "smollm2-360m": "HuggingFaceTB/SmolLM2-360M",
+    "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B",
     "tiny": "built in: seeded weights and a tokenizer, for tests and the README",
 }
 

@@ -1,0 +1,173 @@
+"""This year's presets (Llama 3.1/3.2, Qwen3, Gemma 1-3, SmolLM2) against their published config.json files.
+
+Each preset is written twice: in presets.py as our fields, and here as the HF config.json keys its model card's
+repository publishes (the 4B+ Gemma 3: the `text_config` of the multimodal checkpoint, with Gemma3TextConfig's
+defaults for what it leaves out). Three checks per preset, none needing weights:
+
+- our reader of the published file gives the preset, field for field (only the name and source differ);
+- our count equals transformers' own: the published config built by transformers on the meta device,
+  `model.num_parameters()`, to the unit;
+- the preset round-trips through config_to_hf -> config_from_hf unchanged.
+
+The totals are also pinned to the figures the model cards publish (rounded there), so a wrong width in both
+places at once still shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from llama_tools.checkpoints.config_files import config_from_hf, config_to_hf
+from llama_tools.counting.accounting import count_params
+from llama_tools.modeling.presets import ALIASES, PRESET_SOURCES, PRESETS, get_preset
+
+_LLAMA3 = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, rms_norm_eps=1e-5,
+               rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
+               hidden_act="silu", attention_bias=False, mlp_bias=False, torch_dtype="bfloat16")
+_LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+_QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, head_dim=128,
+              num_key_value_heads=8, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
+              max_position_embeddings=40960, attention_bias=False, use_sliding_window=False, sliding_window=None,
+              hidden_act="silu", bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16")
+_GEMMA = dict(model_type="gemma", architectures=["GemmaForCausalLM"], vocab_size=256000, head_dim=256,
+              rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=8192, hidden_act="gelu",
+              bos_token_id=2, eos_token_id=1, pad_token_id=0, torch_dtype="bfloat16")
+_GEMMA2 = dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], vocab_size=256000, head_dim=256,
+               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=8192,
+               hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+               sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+               bos_token_id=2, eos_token_id=1, pad_token_id=0, torch_dtype="float32")
+_GEMMA3 = dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=262144, head_dim=256,
+               rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling=None,
+               max_position_embeddings=32768, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256,
+               sliding_window=512, sliding_window_pattern=6, attn_logit_softcapping=None,
+               final_logit_softcapping=None, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+               torch_dtype="bfloat16")
+# The 4B+ text_config: only what differs from Gemma3TextConfig's defaults is written there.
+_GEMMA3_MM = dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], sliding_window=1024,
+                  rope_scaling={"rope_type": "linear", "factor": 8.0}, torch_dtype="bfloat16")
+_SMOLLM2 = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, head_dim=64,
+                rms_norm_eps=1e-5, rope_theta=100000.0, rope_scaling=None, max_position_embeddings=8192,
+                tie_word_embeddings=True, hidden_act="silu", bos_token_id=0, eos_token_id=0,
+                torch_dtype="bfloat16")
+
+
+def _sizes(hidden: int, ffn: int, layers: int, heads: int, kv: int, **kw) -> dict:
+    return dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv, **kw)
+
+
+# preset -> (its published config.json, the total its model card publishes, that figure's rounding)
+PUBLISHED: dict[str, tuple[dict, float, float]] = {
+    "llama-3.1-8b": ({**_LLAMA3, **_sizes(4096, 14336, 32, 32, 8), "rope_scaling": _LLAMA31_SCALING}, 8.03e9, 5e6),
+    "llama-3.1-70b": ({**_LLAMA3, **_sizes(8192, 28672, 80, 64, 8), "rope_scaling": _LLAMA31_SCALING}, 70.6e9, 5e7),
+    "llama-3.1-405b": ({**_LLAMA3, **_sizes(16384, 53248, 126, 128, 8), "rope_scaling": _LLAMA31_SCALING},
+                       405.9e9, 5e7),
+    "llama-3.2-1b": ({**_LLAMA3, **_sizes(2048, 8192, 16, 32, 8, head_dim=64), "tie_word_embeddings": True,
+                      "rope_scaling": {**_LLAMA31_SCALING, "factor": 32.0}}, 1.24e9, 5e6),
+    "llama-3.2-3b": ({**_LLAMA3, **_sizes(3072, 8192, 28, 24, 8, head_dim=128), "tie_word_embeddings": True,
+                      "rope_scaling": {**_LLAMA31_SCALING, "factor": 32.0}}, 3.21e9, 5e6),
+    # Qwen3's cards: 0.6B (0.44B non-embedding), 1.7B (1.4B), 4.0B (3.6B), 8.2B (6.95B), 14.8B (13.2B), 32.8B (31.2B)
+    "qwen3-0.6b": ({**_QWEN3, **_sizes(1024, 3072, 28, 16, 8), "tie_word_embeddings": True}, 0.6e9, 5e7),
+    "qwen3-1.7b": ({**_QWEN3, **_sizes(2048, 6144, 28, 16, 8), "tie_word_embeddings": True}, 1.7e9, 5e7),
+    "qwen3-4b": ({**_QWEN3, **_sizes(2560, 9728, 36, 32, 8), "tie_word_embeddings": True}, 4.0e9, 5e7),
+    "qwen3-8b": ({**_QWEN3, **_sizes(4096, 12288, 36, 32, 8), "tie_word_embeddings": False}, 8.2e9, 5e7),
+    "qwen3-14b": ({**_QWEN3, **_sizes(5120, 17408, 40, 40, 8), "tie_word_embeddings": False}, 14.8e9, 5e7),
+    "qwen3-32b": ({**_QWEN3, **_sizes(5120, 25600, 64, 64, 8), "tie_word_embeddings": False}, 32.8e9, 5e7),
+    "gemma-2b": ({**_GEMMA, **_sizes(2048, 16384, 18, 8, 1)}, 2.51e9, 5e6),
+    "gemma-7b": ({**_GEMMA, **_sizes(3072, 24576, 28, 16, 16)}, 8.54e9, 5e6),
+    "gemma-2-2b": ({**_GEMMA2, **_sizes(2304, 9216, 26, 8, 4)}, 2.61e9, 5e6),
+    "gemma-2-9b": ({**_GEMMA2, **_sizes(3584, 14336, 42, 16, 8)}, 9.24e9, 5e6),
+    "gemma-2-27b": ({**_GEMMA2, **_sizes(4608, 36864, 46, 32, 16, head_dim=128, query_pre_attn_scalar=144)},
+                    27.2e9, 5e7),
+    "gemma-3-270m": ({**_GEMMA3, **_sizes(640, 2048, 18, 4, 1)}, 268e6, 5e5),
+    "gemma-3-1b": ({**_GEMMA3, **_sizes(1152, 6912, 26, 4, 1)}, 1.0e9, 5e7),
+    # The multimodal cards count the 0.4B vision tower too (4.3B, 12.2B, 27.4B); the text model alone:
+    "gemma-3-4b": ({**_GEMMA3_MM, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34},
+                   3.88e9, 5e6),
+    "gemma-3-12b": ({**_GEMMA3_MM, **_sizes(3840, 15360, 48, 16, 8)}, 11.77e9, 5e6),
+    "gemma-3-27b": ({**_GEMMA3_MM, **_sizes(5376, 21504, 62, 32, 16, head_dim=128, query_pre_attn_scalar=168)},
+                    27.01e9, 5e6),
+    "smollm2-135m": ({**_SMOLLM2, **_sizes(576, 1536, 30, 9, 3)}, 134.5e6, 5e4),
+    "smollm2-360m": ({**_SMOLLM2, **_sizes(960, 2560, 32, 15, 5)}, 362e6, 5e5),
+    "smollm2-1.7b": ({**_SMOLLM2, **_sizes(2048, 8192, 24, 32, 32), "rope_theta": 130000.0}, 1.71e9, 5e6),
+}
+
+
+def _hf_published(name: str) -> dict:
+    """The published config.json; the 4B+ Gemma 3 completed with Gemma3TextConfig's defaults (as it loads)."""
+    data = dict(PUBLISHED[name][0])
+    if name in ("gemma-3-4b", "gemma-3-12b", "gemma-3-27b"):
+        transformers = pytest.importorskip("transformers")
+        cls = transformers.Gemma3TextConfig
+        full = cls(**{k: v for k, v in data.items() if k not in ("architectures", "model_type")}).to_dict()
+        data = {**{k: full[k] for k in ("vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                        "max_position_embeddings", "query_pre_attn_scalar", "rope_theta",
+                                        "rope_local_base_freq", "rms_norm_eps", "bos_token_id", "eos_token_id",
+                                        "pad_token_id", "attn_logit_softcapping", "final_logit_softcapping",
+                                        "hidden_activation", "tie_word_embeddings")}, **data}
+    return data
+
+
+def _same(a, b) -> None:
+    strip = lambda c: dataclasses.replace(c, name="", source="")  # noqa: E731
+    assert strip(a) == strip(b)
+
+
+def test_every_new_preset_has_its_published_config():
+    new = set(PUBLISHED)
+    assert new <= set(PRESETS) and all(PRESET_SOURCES.get(n) for n in new)
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_published_config_reads_as_the_preset(name):
+    _same(config_from_hf(_hf_published(name)), PRESETS[name])
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_preset_round_trips_through_its_config_json(name):
+    cfg = PRESETS[name]
+    _same(config_from_hf(config_to_hf(cfg)), cfg)
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_total_is_near_the_model_cards_figure(name):
+    _, figure, rounding = PUBLISHED[name]
+    assert abs(count_params(PRESETS[name]).total - figure) <= rounding
+
+
+def _transformers_count(data: dict) -> int:
+    """transformers' own num_parameters() of the config, its model built on the meta device (no memory)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    kw = {k: v for k, v in data.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    cfg = transformers.AutoConfig.for_model(data["model_type"], **kw)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert type(model).__name__ == data["architectures"][0]
+    return model.num_parameters()
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_count_equals_transformers_num_parameters(name):
+    start = time.perf_counter()
+    assert count_params(PRESETS[name]).total == _transformers_count(_hf_published(name))
+    assert time.perf_counter() - start < 60  # the meta device: even the 405B builds in seconds
+
+
+def test_negative_a_one_unit_change_is_seen():
+    """The comparison can fail: one FFN row more in transformers' config is 3 x n2 x n8 parameters apart."""
+    data = {**_hf_published("smollm2-135m"), "intermediate_size": 1537}
+    assert _transformers_count(data) - count_params(PRESETS["smollm2-135m"]).total == 3 * 576 * 30
+
+
+def test_aliases_people_type():
+    for alias, target in {"llama3.1-8b": "llama-3.1-8b", "Llama-3.2-1B": "llama-3.2-1b", "Qwen3-0.6B": "qwen3-0.6b",
+                          "gemma-3-1b-pt": "gemma-3-1b", "gemma2-9b": "gemma-2-9b",
+                          "SmolLM2-135M": "smollm2-135m"}.items():
+        assert get_preset(alias) is PRESETS[target]
+    assert all(a == a.lower() and "/" not in a for a in ALIASES)  # a "/" reads as a path (looks_like_path)
