@@ -298,3 +298,73 @@ def test_pass_dependent_variants_are_refused_by_the_export_in_one_line(name, gra
         (export_onnx if graph == "plain" else export_fused)(str(tmp_path / "src"), tmp_path / "model.onnx")
     assert f"rope_scaling type {name!r}" in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "model.onnx").exists()
+
+
+# --- GGUF: yarn in and out as llama.cpp keeps it; dynamic and longrope have no llama.cpp keys here ---------------
+
+YARN_GGUF = {"yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
+             "yarn-deepseek": dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=64, mscale=1.0,
+                                   mscale_all_dim=0.5, beta_fast=16.0, beta_slow=2.0)}
+
+
+@pytest.fixture(scope="module")
+def gguf_helpers():
+    pytest.importorskip("llama_cpp")
+    import test_gguf_llamacpp
+
+    return test_gguf_llamacpp
+
+
+@pytest.fixture(scope="module", params=list(YARN_GGUF))
+def yarn_gguf(request, gguf_helpers, tmp_path_factory):
+    """transformers' checkpoint (tests/test_gguf_llamacpp.py's Llama with a sentencepiece vocabulary, 192 positions
+    of text: past the original context of 64) and its GGUF by `convert --to gguf`, with that command's stderr."""
+    t = gguf_helpers
+    d = tmp_path_factory.mktemp(request.param)
+    tokenizers = {"spm": t._tokenizer_files("spm", d / "tok")}
+    src = t.reference("llama", d / "hf", tokenizers, rope_scaling=YARN_GGUF[request.param],
+                      max_position_embeddings=512)
+    stderr = t.to_gguf(src.path, d / "m.gguf")
+    return request.param, src, d / "m.gguf", stderr
+
+
+def test_yarn_gguf_llama_cpp_computes_transformers(yarn_gguf, gguf_helpers):
+    """llama.cpp itself on the GGUF: transformers' logits (its F32 bound). Its attention factor is
+    rope.scaling.attn_factor x (1 + 0.1 ln factor), which ggml multiplies in; this llama.cpp reads no yarn beta keys
+    for 'llama', so betas other than 32/1 are said, and hold when given to llama.cpp by hand (and not otherwise)."""
+    t = gguf_helpers
+    name, src, path, stderr = yarn_gguf
+    warned = [w for w in t.warnings_of(stderr) if "yarn beta" in w]
+    if name == "yarn":
+        assert warned == []
+        assert t.rel_rms(t.llama_logits(path, src.ids), src.logits) <= t.F32_BOUND
+    else:
+        assert len(warned) == 1 and "16/2" in warned[0], stderr
+        assert t.rel_rms(t.llama_logits(path, src.ids, yarn_beta_fast=16.0, yarn_beta_slow=2.0),
+                         src.logits) <= t.F32_BOUND
+        assert t.rel_rms(t.llama_logits(path, src.ids), src.logits) > 1e-3
+
+
+def test_yarn_gguf_reads_back_as_the_checkpoint(yarn_gguf):
+    name, src, path, _ = yarn_gguf
+    ours = load_model(path)
+    want = load_config(src.path / "config.json").rope_scaling
+    got = ours.cfg.rope_scaling
+    assert dataclasses.replace(got, attention_factor=None) == dataclasses.replace(want, attention_factor=None)
+    assert got.attention_factor == pytest.approx(want.attention_factor, rel=1e-6)
+    with torch.no_grad():
+        logits = ours(torch.tensor([src.ids])).logits[0]
+    assert_same_logits(logits, torch.from_numpy(src.logits).float())
+
+
+@pytest.mark.parametrize("name", ["dynamic", "longrope"])
+def test_gguf_out_refuses_variants_llama_cpp_has_no_keys_for(name, tmp_path):
+    from click.testing import CliRunner
+
+    from llama_tools.cli import cli
+
+    hf_checkpoint(name, tmp_path / "src")
+    r = CliRunner().invoke(cli, ["convert", str(tmp_path / "src"), str(tmp_path / "m.gguf"), "--to", "gguf"])
+    assert r.exit_code == 1 and f"rope_scaling {name!r}" in r.output and len(r.output.strip().splitlines()) == 1, \
+        r.output
+    assert not (tmp_path / "m.gguf").exists()

@@ -7,6 +7,7 @@ from typing import Any
 
 from ...modeling.config import INT64_MAX, SIZE_LIMITS, ModelConfig, RopeScaling
 from ...modeling.families import FAMILIES, FULL, SLIDING
+from ...modeling.rope import yarn_attention_factor
 from .architectures import ARCHITECTURES, MOE_FAMILY, ROPE_FREQS
 from .read import UnmodelledGguf, field_value, meta_value
 from .rope_freqs import llama3_scaling, rope_freqs_tensor
@@ -67,6 +68,18 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
             raise UnmodelledGguf(f"{path}: both {arch}.rope.scaling.type {kind!r} and tensor {ROPE_FREQS!r}; "
                                  f"llama.cpp writes one or the other")
         scaling = llama3_scaling(divisors, _f32(get("rope.freq_base", float, 10000.0, required=False)), rotary, path)
+    elif kind == "yarn":  # ggml's rope_yarn: cos, sin x attn_factor x (1 + 0.1 ln factor); the ramp's ends rounded
+        factor = float(get("rope.scaling.factor", float, 1.0, required=False))
+        scaling = RopeScaling(
+            type=kind, factor=factor, original_max_position_embeddings=get(
+                "rope.scaling.original_context_length", int, 8192, required=False),
+            attention_factor=float(get("rope.scaling.attn_factor", float, 1.0, required=False))
+            * yarn_attention_factor(factor),
+            beta_fast=float(get("rope.scaling.yarn_beta_fast", float, 32.0, required=False)),
+            beta_slow=float(get("rope.scaling.yarn_beta_slow", float, 1.0, required=False)))
+    elif kind == "longrope":
+        raise UnmodelledGguf(f"{path}: {arch}.rope.scaling.type 'longrope': llama.cpp keeps its factors as Phi-3's "
+                             f"rope_factors tensors; llama-tools reads longrope from a config.json only")
     elif kind not in (None, "none"):
         scaling = RopeScaling(type=kind, factor=float(get("rope.scaling.factor", float, 1.0, required=False)),
                               original_max_position_embeddings=get("rope.scaling.original_context_length", int,

@@ -29,6 +29,7 @@ from ...modeling import dtypes
 from ...outputs import files, paths
 from ...modeling.config import ModelConfig
 from ...modeling.families import FAMILIES, FULL, SLIDING
+from ...modeling.rope import yarn_attention_factor
 from ..formats import checkpoint_tensors
 from .architectures import (ARCHITECTURES, GGUF, LLAMA3_ARCHITECTURES, MOE_FAMILY, ROPE_FREQS, WRITTEN_AS,
                             GgufArchitecture)
@@ -88,9 +89,12 @@ def check_config(cfg: ModelConfig) -> None:
         ("experts of another width than the FFN's (Mixtral's are n7 wide)",
          cfg.is_moe and cfg.moe_intermediate_size != cfg.intermediate_size),
         ("ALiBi", cfg.position_encoding != "rope"), ("Baichuan2's NormHead", cfg.norm_head),
-        (f"rope_scaling {s.type if s else ''!r} (a GGUF holds linear scaling, and Llama 3's as rope_freqs.weight "
-         f"with low/high frequency factors 1/4 over 8192 positions)", s is not None and not (
-             s.type == "linear" or (_llama3(cfg) and arch in LLAMA3_ARCHITECTURES))),
+        (f"rope_scaling {s.type if s else ''!r} (a GGUF holds linear and yarn scaling, and Llama 3's as "
+         f"rope_freqs.weight with low/high frequency factors 1/4 over 8192 positions; llama.cpp has no keys for "
+         f"dynamic NTK, and longrope's factor tensors only for Phi-3)", s is not None and not (
+             s.type in ("linear", "yarn") or (_llama3(cfg) and arch in LLAMA3_ARCHITECTURES))),
+        ("yarn scaling with truncate false (llama.cpp rounds the ramp's ends outwards)",
+         s is not None and s.type == "yarn" and not s.truncate),
         *((f"{f} {getattr(cfg, f)!r} (GGUF's {arch} has {family[f]!r})", getattr(cfg, f) != family[f])
           for f in _FAMILY_FIELDS),
         *((f"{f} (GGUF's {arch} has none)", arch not in _SCALED and getattr(cfg, f) is not None)
@@ -108,6 +112,12 @@ def check_config(cfg: ModelConfig) -> None:
     if big:
         raise ValueError(f"{where}: field {big[0]} is {big[1]:,}; a GGUF stores it as a uint32 (at most "
                          f"{UINT32_MAX:,})")
+
+
+def yarn_gguf_attn_factor(s: Any) -> float:
+    """{arch}.rope.scaling.attn_factor for yarn: transformers' attention factor over the 1 + 0.1 ln(factor) that
+    ggml's rope_yarn multiplies cos and sin by itself (1 for a yarn scaling without mscale or attention_factor)."""
+    return float(s.attention_factor if s.attention_factor is not None else 1.0) / yarn_attention_factor(s.factor)
 
 
 def _llama3(cfg: ModelConfig) -> bool:
@@ -170,6 +180,16 @@ def _hparams(w: Any, cfg: ModelConfig, arch: str, a: GgufArchitecture) -> list[s
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(s.factor)
         w.add_rope_scaling_orig_ctx_len(s.original_max_position_embeddings)
+    if s is not None and s.type == "yarn":  # ggml's rope_yarn: cos, sin x attn_factor x (1 + 0.1 ln factor)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s.factor)
+        w.add_rope_scaling_orig_ctx_len(s.original_max_position_embeddings)
+        w.add_rope_scaling_yarn_beta_fast(s.beta_fast)
+        w.add_rope_scaling_yarn_beta_slow(s.beta_slow)
+        w.add_rope_scaling_attn_factors(yarn_gguf_attn_factor(s))
+        if (s.beta_fast, s.beta_slow) != (32.0, 1.0):
+            said.append(f"{arch}: llama.cpp reads no yarn beta keys for {arch} (it ramps between 32 and 1 "
+                        f"rotations); the betas {s.beta_fast:g}/{s.beta_slow:g} are read back by llama-tools only")
     if cfg.sliding_window is not None:
         w.add_sliding_window(cfg.sliding_window)
         if cfg.layer_types != _layer_rule(a, n):  # llama.cpp's Gemma 2/3 read it (per layer, true = local)
