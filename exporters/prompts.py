@@ -128,6 +128,11 @@ def text_inputs(tok: Any, vocab_size: int, longest: int) -> Inputs:
                                    tok.piece_of(tok.special.eos_ids[0] if tok.special.eos_ids else None))
         except Exception as e:  # noqa: BLE001  a template we cannot render: the turn goes in as plain text, said below
             rendered, why = None, f" as plain text: the model's chat template {e}"
+    elif str(getattr(tok, "path", "")).lower().endswith(".gguf"):  # a template that is not UTF-8 reads as none
+        from llama_tools.checkpoints.gguf.read import template_problem
+
+        problem = template_problem(tok.path)
+        why = f" as plain text: {problem}" if problem else ""
     rows, names = [], []
     for (name, text), cap in zip(texts + [("chat turn", rendered or CHAT_TURN)], ROW_TOKENS):
         ids = tok.encode(text, bos=None if rendered is None or name != "chat turn" else False)[:min(cap, longest)]

@@ -202,22 +202,35 @@ def check_target(to: str, shards: int, tensors: int, cfg: ModelConfig | None = N
                                  f"{s.shape[s.meta_shard_dim]}) does not split into {shards} model-parallel shards")
 
 
-def _gguf_weights(path: Path, dtype: str | None) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, str]]:
-    """A GGUF's weights dequantized to `dtype` (float32 by default), and its vocabulary as tokenizer files."""
+Weights = tuple[ModelConfig, "dict[str, torch.Tensor]", dict[str, str], list[str]]  # and tokenizer files, warnings
+
+
+def _gguf_weights(path: Path, dtype: str | None, files: bool) -> Weights:
+    """A GGUF's weights dequantized to `dtype` (float32 by default), and (FILES) its vocabulary as tokenizer files."""
+    from .gguf.read import NotUtf8
     from .gguf.tensors import read_gguf_checkpoint
     from .tokenizer_files import tokenizer_json_from_gguf
 
     ck = read_gguf_checkpoint(path, dtypes.to_torch(dtype or dtypes.FLOAT32.name))
-    return ck.cfg, ck.state, tokenizer_json_from_gguf(ck.tokenizer_fields)
+    if not files:  # a GGUF written from it copies its tokenizer.* fields (gguf.vocabulary), needing no files
+        return ck.cfg, ck.state, {}, []
+    fields = {k: v for k, v in ck.tokenizer_fields.items() if not isinstance(v, NotUtf8)}
+    said = [f"{v.problem}; tokenizer_config.json is written without it" for v in ck.tokenizer_fields.values()
+            if isinstance(v, NotUtf8)]
+    try:
+        texts = tokenizer_json_from_gguf(fields)
+    except ValueError as e:  # its words name fields, not the file
+        raise ValueError(e if str(e).startswith(f"{path}: ") else f"{path}: {e}") from None
+    return ck.cfg, ck.state, texts, said
 
 
-def _stored_weights(path: Path, dtype: str | None) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, str]]:
+def _stored_weights(path: Path, dtype: str | None, files: bool) -> Weights:
     """A checkpoint directory's weights as stored (cast only when `dtype` is given)."""
     from .load import read_checkpoint
 
     ck = read_checkpoint(path)
     state = ck.state if dtype is None else {k: v.to(dtypes.to_torch(dtype)) for k, v in ck.state.items()}
-    return ck.cfg, state, {}
+    return ck.cfg, state, {}, []
 
 
 # WeightFiles.kind -> how `convert` reads those weights (default: a checkpoint directory's files).
@@ -255,9 +268,11 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
     if source.weights is not None or need <= MAX_RANDOM_INIT_BYTES:  # too big to seed: load_model says so below
         paths.check_space(dst, need)  # before any weight is read: a full disk is one line
     texts: dict[str, str] = {}
+    said: list[str] = []  # what of the source's tokenizer is left out
     if source.weights is not None:
         assert source.path is not None, "a checkpoint source has a path"
-        cfg, state, texts = _WEIGHT_READERS.get(source.weights.kind, _stored_weights)(source.path, read_dtype)
+        read = _WEIGHT_READERS.get(source.weights.kind, _stored_weights)
+        cfg, state, texts, said = read(source.path, read_dtype, to != "gguf")
     else:  # a preset or config: the seeded weights `export onnx` and `generate` would use
         from .loading import load_model
 
@@ -272,11 +287,12 @@ def convert(src: ModelSource | str | Path, dst: str | Path, to: str = "hf", shar
     if to == "gguf":
         from .gguf.vocabulary import source_vocabulary
 
-        vocabulary, said = source_vocabulary(source, cfg)
+        vocabulary, left_out = source_vocabulary(source, cfg)
         res = gguf_write.write_gguf(cfg, state, dst, dtype=dtype, vocabulary=vocabulary)
         return ConvertResult(source=source.label, destination=str(dst), to=to, layout="gguf", files=[Path(dst).name],
-                             tensors=res.tensors, params=res.params, bytes=res.bytes, warnings=said + res.warnings)
+                             tensors=res.tensors, params=res.params, bytes=res.bytes, warnings=left_out + res.warnings)
     extra, carried, ids, warnings = _carried(source, cfg, texts)
+    warnings = said + warnings
     layout, written = save_checkpoint(cfg, state, dst, to=to, shards=shards, extra_files=extra,
                                       extra_texts={**texts, **carried}, ids=ids)
     return ConvertResult(

@@ -20,7 +20,7 @@ from ..outputs.progress import terminal
 
 from .app import cli
 from .params import (
-    Choice, CountArg, DTYPE_CHOICE, Finite, Group, IdsArg, ModelArg, SEED, TOKENIZER_FILES, output_options,
+    Choice, CountArg, DTYPE_CHOICE, Finite, Group, IdsArg, ModelArg, SEED, TOKENIZER_FILES, Text, output_options,
     quoting)
 
 
@@ -329,7 +329,7 @@ def convert(src: Any, dst: Path, to: str, shards: int, seed: int, dtype: str | N
 
 @cli.command(short_help="Text to token ids and pieces, or ids back to text.")
 @click.argument("model", type=ModelArg())
-@click.argument("text", required=False)
+@click.argument("text", required=False, type=Text())
 @click.option("--ids", type=IdsArg(), default=None, help="Decode these ids instead of encoding TEXT.")
 @click.option("--no-bos", is_flag=True, help="Do not prepend <s>.")
 @output_options()
@@ -358,7 +358,7 @@ def tokenize(model: Any, text: str | None, ids: list[int] | None, no_bos: bool, 
 
 @cli.command(short_help="Continue a prompt with a model (greedy by default).")
 @click.argument("model", type=ModelArg(weights_required_in_dir=True))
-@click.option("--prompt", default=None, metavar="TEXT",
+@click.option("--prompt", type=Text(), default=None, metavar="TEXT",
               help=f"Text, encoded with MODEL's tokenizer ({TOKENIZER_FILES}; with <s> as it says); this or --ids.")
 @click.option("--ids", default=None, metavar="IDS", help="Raw prompt ids instead of --prompt, e.g. '1 450 29871'.")
 @click.option("--max-new-tokens", type=click.IntRange(min=0), default=32, show_default=True,

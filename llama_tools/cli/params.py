@@ -120,6 +120,9 @@ class IdsArg(click.ParamType):
     def convert(self, value: Any, param: Any, ctx: Any) -> list[int]:
         from ..checkpoints.tokenizer import parse_ids
 
+        why = not_utf8(value) if isinstance(value, str) else None
+        if why:
+            self.fail(f"not UTF-8 ({why}); give ids such as '1 450 29871'", param, ctx)
         try:
             ids = parse_ids(value) if isinstance(value, str) else list(value)
         except ValueError as e:
@@ -127,6 +130,32 @@ class IdsArg(click.ParamType):
         if not ids:
             self.fail("no token ids given", param, ctx)
         return ids
+
+
+class Text(click.ParamType):
+    """Text from the command line, refused in one line naming the option unless it is UTF-8."""
+
+    name = "TEXT"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        why = not_utf8(value)
+        if why:
+            self.fail(f"not UTF-8 ({why}); give the text in UTF-8", param, ctx)
+        return value
+
+
+def not_utf8(text: str) -> str | None:
+    """Why TEXT is not UTF-8 text, briefly (None when it is): where the bytes the locale could not decode sat."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        # Python hands bytes that are not UTF-8 in argv over as surrogateescape's U+DC80..U+DCFF: say the byte
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"a lone surrogate U+{c:04X}"
+        return f"{what} at character {e.start}"
 
 
 class Finite(click.ParamType):

@@ -18,7 +18,7 @@ from ..outputs.progress import terminal
 
 from .app import cli
 from .params import (
-    Choice, DTYPE_CHOICE, Group, IdsArg, ModelArg, TOKENIZER_FILES, rope_op_option, output_options, quoting,
+    Choice, DTYPE_CHOICE, Group, IdsArg, ModelArg, TOKENIZER_FILES, Text, rope_op_option, output_options, quoting,
     size_words)
 
 
@@ -30,9 +30,9 @@ provider_option = click.option("--provider", type=Choice(["auto", "cpu", "cuda"]
 def input_options(f: Any) -> Any:
     """The rows both sides run: --prompt, --ids, --random-ids N and its --seed (verify parity and verify source)."""
     for option in reversed([
-        click.option("--prompt", "prompts", multiple=True, help=f"Text, encoded with the checkpoint's tokenizer "
-                                                                f"({TOKENIZER_FILES}); repeat for a batch [default: "
-                                                                f"built-in text]."),
+        click.option("--prompt", "prompts", multiple=True, type=Text(),
+                     help=f"Text, encoded with the checkpoint's tokenizer ({TOKENIZER_FILES}); repeat for a "
+                          f"batch [default: built-in text]."),
         click.option("--ids", "ids", multiple=True, type=IdsArg(),
                      help="Raw ids instead of --prompt, e.g. '1 450 29871'; repeat for a batch."),
         click.option("--random-ids", "random_ids", type=click.IntRange(1, 64), default=None, metavar="N",
@@ -303,7 +303,7 @@ def parity_rows(rep: Any, all_layers: bool = False) -> list[dict[str, Any]]:
               help="The fp32 PyTorch side [default: the source in the file's metadata].")
 @click.option("--steps", type=click.IntRange(min=1), default=32, show_default=True,
               help="Greedy decode steps for the top-1 agreement; the prompt and these must fit the model's context.")
-@click.option("--prompt", default=None, metavar="TEXT",
+@click.option("--prompt", type=Text(), default=None, metavar="TEXT",
               help="Start the greedy decode from this text (the source's tokenizer) [default: the first sentence of the "
                    f"built-in English text; {PROMPT_IDS} seeded ids for a model with no tokenizer].")
 @click.option("--ids", default=None, metavar="IDS", help="Raw prompt ids instead of --prompt, e.g. '1 450 29871'.")

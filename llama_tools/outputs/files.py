@@ -277,6 +277,19 @@ def _guarded(dests: Sequence[Path], report: Report | None) -> Iterator[_Write]:
                 _LIVE.pop(p, None)
 
 
+def _through_error(dest: Path, e: OSError) -> Exception:
+    """An OSError of writing through a stream, device or FIFO as one line naming it (the library's write names no
+    file); one that names its file, as it is. Raise it outside the except block: _guarded then sees no disk of ours
+    fill (its __context__), and passes the line on."""
+    fd = stream_fd(dest)
+    shown = {1: "standard output", 2: "standard error"}.get(fd, str(dest)) if fd is not None else str(dest)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ValueError(f"{shown}: no space left on the device; choose another output path")
+    if e.filename is None and e.strerror:
+        return ValueError(f"{shown}: {e.strerror}")
+    return e
+
+
 def _temp_bytes(write: _Write) -> int:
     total = 0
     for p in write.temps:
@@ -339,13 +352,24 @@ def atomic_file(path: str | Path, *, report: Report | None = _stderr, fsync: boo
     """
     dest = check_output_path(resolve_output(path))
     fd = stream_fd(dest)
+    failed: Exception | None = None
     if fd is not None:
         with temp_dir("stream", report=report) as d:
             yield d / "out"
-            write_fd(fd, file_chunks(d / "out"))
+            try:
+                write_fd(fd, file_chunks(d / "out"))
+            except OSError as e:  # the stream refused, not the temp dir's disk: named after the with
+                failed = _through_error(dest, e)
+        if failed is not None:
+            raise failed
         return
     if writes_through(dest):
-        yield dest  # nothing of ours to clean up: what went through is gone
+        try:
+            yield dest  # nothing of ours to clean up: what went through is gone
+        except OSError as e:  # the library's write names no file: the device's refusal, named here
+            failed = _through_error(dest, e)
+        if failed is not None:
+            raise failed
         return
     with _guarded([dest], report) as write:
         tmp = _new_temp(dest, write, directory=False)
@@ -389,9 +413,16 @@ def atomic_files(paths: Sequence[str | Path], *, report: Report | None = _stderr
                     _fsync_path(src)
         for src, dest in done:
             _keep_mode(src, dest)
+        failed: Exception | None = None
         for src, dest in done:  # outside _no_interrupt: a slow reader must not hold off a SIGTERM
             if writes_through(dest):
-                _copy_into(src, dest)
+                try:
+                    _copy_into(src, dest)
+                except OSError as e:  # the device refused (/dev/full), not the disk of our temp: named below
+                    failed = _through_error(dest, e)
+                    break
+        if failed is not None:
+            raise failed
         with _no_interrupt():
             for src, dest in done:
                 if not writes_through(dest):
@@ -474,6 +505,7 @@ def write_chunks(path: str | Path, chunks: Iterable[bytes | str], *, report: Rep
             sent[0] += len(b)
 
     fd = stream_fd(path)
+    failed: Exception | None = None
     try:
         if fd is not None:  # a stream: straight through its descriptor, nothing to stage
             check_output_path(path)
@@ -483,12 +515,12 @@ def write_chunks(path: str | Path, chunks: Iterable[bytes | str], *, report: Rep
             for chunk in as_bytes():
                 f.write(chunk)
     except OSError as e:  # written through a device, FIFO or stream (a temp of ours is handled in _guarded)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) and sent[0]:
             raise ValueError(f"{path}: no space left on the device: it needs more than the {sent[0]:,} bytes "
                              f"written when it filled") from None
-        if e.filename is None and e.strerror:
-            raise ValueError(f"{path}: {e.strerror}") from None
-        raise
+        failed = _through_error(path, e)
+    if failed is not None:
+        raise failed
     return path
 
 

@@ -30,6 +30,39 @@ class UnmodelledGguf(ValueError):
     """A readable GGUF whose architecture or features no family here models (count-params counts its header)."""
 
 
+TEMPLATE_KEY = "tokenizer.chat_template"  # llama.cpp's key; named ones are tokenizer.chat_template.<name>
+
+
+def is_template_key(key: str) -> bool:
+    """Whether KEY holds a chat template (the default one, or a named one)."""
+    return key == TEMPLATE_KEY or key.startswith(TEMPLATE_KEY + ".")
+
+
+class NotUtf8(bytes):
+    """A chat template's raw bytes that are not UTF-8, as its field's value: encoding text needs no template, so it
+    is refused (`problem`) only where a template is used (a chat turn, a conversion)."""
+
+    path: str
+    key: str
+    why: str
+
+    @classmethod
+    def of(cls, raw: bytes, path: Any, key: str, e: UnicodeDecodeError) -> "NotUtf8":
+        out = cls(raw)
+        out.path, out.key, out.why = str(path), key, f"{e.reason} at byte {e.start}"
+        return out
+
+    @property
+    def problem(self) -> str:
+        return f"{self.path}: GGUF metadata {self.key} is not UTF-8 text ({self.why})"
+
+
+def _not_utf8(path: Any, key: str, e: UnicodeDecodeError, item: int | None = None) -> HeaderError:
+    """The one line for a string of KEY (item ITEM of its array) that is not UTF-8."""
+    which = f"{key} item {item:,}" if item is not None else key
+    return HeaderError(f"{path}: GGUF metadata {which} is not UTF-8 text ({e.reason} at byte {e.start})")
+
+
 def is_gguf(path: str | Path) -> bool:
     """A file named .gguf, or any file that starts with GGUF's magic."""
     p = Path(path)
@@ -105,6 +138,24 @@ def _reader_class() -> type:
         def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
             """The library's contents(): the items as Python values (str, int, float, bool), an index or a slice."""
             return self._values()[index_or_slice]
+
+    class TextField(gguf.ReaderField):
+        """A string field decoded when read, as the library's, but bytes that are not UTF-8 named by file and key (a
+        chat template's come back as NotUtf8, refused only where it is used)."""
+
+        def __new__(cls, field: Any, path: Path) -> "TextField":
+            self = super().__new__(cls, *field)
+            self._path = path
+            return self
+
+        def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
+            raw = self.parts[-1].tobytes()
+            try:
+                return raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                if is_template_key(self.name):
+                    return NotUtf8.of(raw, self._path, self.name, e)
+                raise _not_utf8(self._path, self.name, e) from None
 
     class FastReader(gguf.GGUFReader):
         """gguf.GGUFReader with its per-field slicing done on a plain ndarray view of the same memory map, each array
@@ -190,7 +241,9 @@ def _reader_class() -> type:
                 if len(f.parts) == 4 and isinstance(f.parts[3], Unsliced):
                     at = f.parts[3].offset
                     self.fields[name] = ArrayField(f, functools.partial(self._array, f, at),
-                                                   functools.partial(self._values, at))
+                                                   functools.partial(self._values, at, name))
+                elif list(f.types) == [STRING]:
+                    self.fields[name] = TextField(f, self._path)
             return offs
 
         def _peek_key(self, offs: int) -> str:
@@ -333,7 +386,7 @@ def _reader_class() -> type:
             finally:
                 self._eager = False
 
-        def _values(self, value_offs: int) -> list[Any]:
+        def _values(self, value_offs: int, key: str) -> list[Any]:
             """An array's items as Python values, read from the map (not kept: a vocabulary is ~10 MB of str)."""
             item, count = int(self._get(value_offs, np.uint32)[0]), int(self._get(value_offs + 4, np.uint64)[0])
             scalar = self.gguf_scalar_to_np.get(item)  # type: ignore[call-overload]
@@ -341,9 +394,12 @@ def _reader_class() -> type:
                 return self._get(value_offs + 12, scalar, count).tolist()
             length = struct.Struct("<Q" if (sys.byteorder == "little") == (self.byte_order == "I") else ">Q")
             out, offs, buf = [], value_offs + 12, self._mapped
-            for _ in range(count):  # sized when the header was parsed, so every string is inside the file
+            for i in range(count):  # sized when the header was parsed, so every string is inside the file
                 n = length.unpack_from(buf, offs)[0]
-                out.append(str(buf[offs + 8:offs + 8 + n].tobytes(), encoding="utf-8"))  # strict, as the library
+                try:
+                    out.append(str(buf[offs + 8:offs + 8 + n].tobytes(), encoding="utf-8"))  # strict, as the library
+                except UnicodeDecodeError as e:
+                    raise _not_utf8(self._path, key, e, i) from None
                 offs += 8 + n
             return out
 
@@ -397,16 +453,28 @@ def _open(p: Path, inode: int, mtime_ns: int, size: int) -> Any:
     return reader
 
 
-def field_value(reader: Any, key: str, default: Any = None) -> Any:
-    """A metadata field's Python value (str, int, float, bool or list), `default` when absent."""
+def field_value(reader: Any, key: str, default: Any = None, *, lazy: bool = False) -> Any:
+    """A metadata field's Python value (str, int, float, bool or list), `default` when absent; a string that is not
+    UTF-8 is one line naming the file and key, but with `lazy` a chat template's comes back as NotUtf8."""
     f = reader.fields.get(key)
     if f is None:
         return default
+    path = getattr(reader, "_path", "a GGUF file")
     try:
-        return f.contents()
-    except UnicodeDecodeError as e:  # strings are decoded when read, not when the header is parsed
-        raise HeaderError(f"{getattr(reader, '_path', 'a GGUF file')}: GGUF metadata {key} is not UTF-8 text "
-                          f"({e.reason} at byte {e.start})") from None
+        value = f.contents()
+    except UnicodeDecodeError as e:  # the library's own reader: strings are decoded when read
+        if not (lazy and is_template_key(key) and len(f.types) == 1):
+            raise _not_utf8(path, key, e) from None
+        value = NotUtf8.of(bytes(f.parts[-1]), path, key, e)
+    if isinstance(value, NotUtf8) and not lazy:
+        raise HeaderError(value.problem)
+    return value
+
+
+def template_problem(path: str | Path) -> str | None:
+    """Why a GGUF's chat template cannot be used (its bytes are not UTF-8), naming the file and key; else None."""
+    value = field_value(open_gguf(path), TEMPLATE_KEY, lazy=True)
+    return value.problem if isinstance(value, NotUtf8) else None
 
 
 _KINDS = {int: f"a whole number from 0 to {INT64_MAX}", float: "a finite number", str: "a string"}

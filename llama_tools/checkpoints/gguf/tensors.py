@@ -232,8 +232,9 @@ class GgufReader:
         return torch.from_numpy(self._dequantized(self.where[name], ranges)).to(device)  # [sum of rows, n2]
 
     def tokenizer_fields(self) -> dict[str, Any]:
-        """The tokenizer.* metadata as Python values (a string that is not UTF-8: one line naming the file, key)."""
-        return {k: field_value(self._gguf, k) for k in self._gguf.fields if k.startswith("tokenizer.")}
+        """The tokenizer.* metadata as Python values (a string that is not UTF-8: one line naming the file, key; a
+        chat template's is read.NotUtf8, since the weights and the vocabulary need no template)."""
+        return {k: field_value(self._gguf, k, lazy=True) for k in self._gguf.fields if k.startswith("tokenizer.")}
 
 
 @dataclass

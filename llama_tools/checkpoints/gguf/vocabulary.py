@@ -42,6 +42,7 @@ class Vocabulary:
     add_space_prefix: bool | None = None
     chat_template: str | None = None
     fields: list[tuple[str, Any, Any, Any]] = field(default_factory=list)  # (key, value, value type, item type)
+    left_out: list[str] = field(default_factory=list)  # fields of `source` not written, one warning line each
 
 
 
@@ -50,8 +51,9 @@ def source_vocabulary(source: ModelSource, cfg: ModelConfig) -> tuple[Vocabulary
     if source.weights is not None and source.weights.kind == KIND and source.path is not None:
         vocab = gguf_vocabulary(source.path)
         held = any(key == "tokenizer.ggml.tokens" for key, *_ in vocab.fields)
-        return vocab, [] if held else [f"{source.path}: holds no vocabulary (tokenizer.ggml.tokens); the GGUF is "
-                                       f"written without one, which llama.cpp needs to run it"]
+        return vocab, vocab.left_out + ([] if held else [
+            f"{source.path}: holds no vocabulary (tokenizer.ggml.tokens); the GGUF is written without one, which "
+            f"llama.cpp needs to run it"])
     found = source.tokenizer
     if found is None:
         return None, [f"{source.label}: no tokenizer beside it; the GGUF is written without a vocabulary, which "
@@ -101,12 +103,28 @@ def _tokenizer_behaviour(vocab: Vocabulary, path: Path, cfg: ModelConfig) -> lis
     if bos is not None and bos != cfg.bos_token_id:
         warnings.append(f"{path}: the tokenizer adds BOS id {bos}, the config's bos_token_id is {cfg.bos_token_id}; "
                         f"a GGUF has one BOS id: the config's is written")
-    why = template_problem(tok.chat_template) if tok.chat_template is not None else None
+    template = tok.chat_template
+    why = template_problem(template) if template is not None else None
+    at = _surrogate(template) if template is not None and not why else None
     if why:
         warnings.append(f"{path.parent}: its chat template is not a valid Jinja template ({why}); left out")
+    elif at is not None:
+        # A JSON escape such as "\udc80" in tokenizer_config.json (chat_template.jinja is read with its bad bytes
+        # replaced): no UTF-8 string says it, so neither a GGUF nor llama.cpp can hold it
+        warnings.append(f"{path.parent / 'tokenizer_config.json'}: chat_template is not UTF-8 text (a lone surrogate "
+                        f"U+{ord(template[at]):04X} at character {at}); the GGUF is written without a chat template")
     else:
-        vocab.chat_template = tok.chat_template
+        vocab.chat_template = template
     return warnings
+
+
+def _surrogate(text: str) -> int | None:
+    """Where TEXT holds a lone surrogate, which UTF-8 cannot encode; None when it holds none."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return e.start
 
 
 def _pre_json(build: Any) -> Any:
@@ -291,14 +309,18 @@ def gguf_vocabulary(path: Path) -> Vocabulary:
     """A GGUF's tokenizer.* fields, to be written as they are (their value types kept)."""
     import gguf
 
-    from .read import open_gguf
+    from .read import NotUtf8, field_value, open_gguf
 
     out = Vocabulary(str(path))
-    for key, f in open_gguf(path).fields.items():
+    reader = open_gguf(path)
+    for key, f in reader.fields.items():
         if not key.startswith("tokenizer.") or key in _ID_KEYS:
             continue  # the ids are the config's (write_gguf)
         kinds = list(f.types)
-        value = f.contents()
+        value = field_value(reader, key, lazy=True)
+        if isinstance(value, NotUtf8):  # a template llama.cpp could not use either: not copied, said
+            out.left_out.append(f"{value.problem}; the GGUF is written without it")
+            continue
         if kinds[0] == gguf.GGUFValueType.ARRAY and (not value or len(kinds) != 2):
             continue  # empty, or arrays of arrays: the writer has no form for them, and no vocabulary uses one
         if key == "tokenizer.ggml.pre" and value in LEGACY_PRE:  # what we wrote before llama.cpp's names
