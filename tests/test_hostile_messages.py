@@ -228,3 +228,12 @@ def test_a_gguf_without_vocabulary_converts_to_gguf_with_a_warning(novocab_gguf,
     r = invoke(["convert", str(novocab_gguf), str(tmp_path / "o.gguf"), "--to", "gguf"])
     ok(r)
     assert any(str(novocab_gguf) in w and "no vocabulary" in w for w in warnings(r)), r.stderr
+
+
+def test_an_output_name_that_is_not_utf8_is_written(tmp_path):
+    """A file name is bytes: one that is not UTF-8 is a name like any other (its temp name too)."""
+    out = tmp_path / os.fsdecode(b"out\xff.gguf")
+    r = subprocess.run(CLI + ["convert", "tiny", str(out), "--to", "gguf"], capture_output=True, timeout=300,
+                       cwd=tmp_path)  # a real process: its stdout writes the name back as the bytes it was
+    assert r.returncode == 0 and not r.stderr, r.stderr
+    assert os.listdir(tmp_path) == [out.name]

@@ -53,10 +53,10 @@ def namespace_tag() -> str:
 def temp_stem(name: str) -> str:
     """TEMP_PREFIX + `name`, shortened (a prefix of it and a hash of the whole) so a temp name fits NAME_MAX."""
     stem = TEMP_PREFIX + name
-    if len(stem.encode()) + _TEMP_TAIL <= NAME_MAX:
+    if len(stem.encode("utf-8", "surrogateescape")) + _TEMP_TAIL <= NAME_MAX:
         return stem
     digest = "~" + hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    room = NAME_MAX - _TEMP_TAIL - len(TEMP_PREFIX.encode()) - len(digest)
+    room = NAME_MAX - _TEMP_TAIL - len(TEMP_PREFIX) - len(digest)
     cut = name.encode("utf-8", "surrogateescape")[:room].decode("utf-8", "ignore")  # whole characters only
     return TEMP_PREFIX + cut + digest
 
