@@ -237,3 +237,12 @@ def test_an_output_name_that_is_not_utf8_is_written(tmp_path):
                        cwd=tmp_path)  # a real process: its stdout writes the name back as the bytes it was
     assert r.returncode == 0 and not r.stderr, r.stderr
     assert os.listdir(tmp_path) == [out.name]
+
+
+@pytest.mark.parametrize("name, what", [(b"llama.context_length", "key/value"), (b"blk.0.attn_q.weight", "tensor info")])
+def test_a_key_or_tensor_name_that_is_not_utf8_is_called_that(bad_template_gguf, tmp_path, name, what):
+    data = bad_template_gguf.read_bytes()
+    bad = tmp_path / "n.gguf"
+    bad.write_bytes(data.replace(name, b"\xff" + name[1:], 1))
+    line = one_line(invoke(["count-params", str(bad)]), str(bad), what, "name is not UTF-8 text")
+    assert "codec" not in line

@@ -183,6 +183,9 @@ def _reader_class() -> type:
                 super().__init__(path)
             except HeaderError:
                 raise
+            except UnicodeDecodeError as e:  # the library decodes keys and tensor names as it parses them
+                raise HeaderError(f"{self._path}: GGUF {self._at}: its name is not UTF-8 text ({e.reason} at byte "
+                                  f"{e.start} of it)") from None
             except ERRORS as e:
                 raise HeaderError(f"{self._path}: GGUF {self._at}: {_said(e)}") from None
 
