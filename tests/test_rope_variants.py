@@ -133,6 +133,16 @@ def test_streamed_reference_gives_transformers_logits(case):
     assert_same_logits(ref(_ids()).logits, _hf_logits(model, _ids()))
 
 
+def test_source_check_passes(case):
+    """`verify source`: transformers' layers, each fed our float64 input, against our layer reference, whose tables
+    are the pass's (a left-padded batch: the longest row's length, as transformers' position_ids give)."""
+    from llama_tools.exporters.verification.source_check import check_source
+
+    name, directory, _ = case
+    rep = check_source(resolve(str(directory)), [_ids(200, 1).tolist()[0], _ids(150, 2).tolist()[0]])
+    assert rep.checked and rep.passed, rep.failure
+
+
 def _hf_decode(model, ids: torch.Tensor, prefill: int) -> list[torch.Tensor]:
     """transformers' own generation path: prefill, then one token a step through its cache."""
     out = []

@@ -325,11 +325,13 @@ class LayerReference:
         self._table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
 
     def tables(self, length: int) -> Any:
-        """RoPE tables for positions 0..length-1 (the last length asked for is kept)."""
+        """RoPE tables for positions 0..length-1 (the last length asked for is kept); dynamic's and longrope's those
+        of a pass of that length (rope.py)."""
         from llama_tools.modeling.model import rope_tables_of
 
         if length not in self._tables:
-            self._tables = {length: rope_tables_of(self.cfg, "cpu", self._table_dtype, length=length)}
+            self._tables = {length: rope_tables_of(self.cfg, "cpu", self._table_dtype, length=length,
+                                                   seq_len=length)}
         return self._tables[length]
 
     def embed(self, ids: np.ndarray) -> Any:
