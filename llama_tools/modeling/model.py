@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .rope import per_pass, rope_attention_factor, rope_inv_freq
+from .rope import pass_key, per_pass, rope_attention_factor, rope_inv_freq
 from .rope_layouts import INTERLEAVED
 
 KVCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (K, V): [batch, kv_heads, past, n6]
@@ -420,9 +420,10 @@ class Llama(nn.Module):
         if not per_pass(self.cfg):
             return self.rope_tables(device)
         seq_len = int(position_ids.max()) + 1 if position_ids.numel() else 1
-        key = (seq_len, device)
+        key = (pass_key(self.cfg, seq_len), device)  # longrope: two tables; dynamic: one within the context
         if getattr(self, "_pass_key", None) != key:
-            self._pass_tables, self._pass_key = rope_tables_of(self.cfg, device, seq_len=seq_len), key
+            self._pass_tables = rope_tables_of(self.cfg, device, seq_len=seq_len)  # >= max_position_embeddings rows
+            self._pass_key = key
         return self._pass_tables
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -32,6 +32,17 @@ def per_pass(cfg: ModelConfig) -> bool:
     return cfg.rope_scaling is not None and cfg.rope_scaling.type in PER_PASS_SCALING
 
 
+def pass_key(cfg: ModelConfig, seq_len: int) -> tuple[str, int]:
+    """What a pass's tables depend on: longrope's short or long factors, dynamic's length clamped below by the
+    context (within it the base is unchanged). Equal keys, equal tables."""
+    s = cfg.rope_scaling
+    if s is not None and s.type == "longrope":
+        return ("long" if seq_len > s.original_max_position_embeddings else "short"), 0
+    if s is not None and s.type == "dynamic":
+        return "dynamic", max(seq_len, cfg.max_position_embeddings)
+    return "fixed", 0
+
+
 def fixed_tables_error(cfg: ModelConfig, what: str) -> str | None:
     """One line when `what` (a graph, a GGUF) would need one fixed RoPE table and cfg's scaling has none; else None."""
     if not per_pass(cfg):
@@ -94,8 +105,8 @@ def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None) -> list[float]:
     base = cfg.rope_theta
     s = cfg.rope_scaling
     if s is not None and s.type == "dynamic" and seq_len is not None:
-        # transformers: the base grows with the pass past the original context, seq_len clamped below by it
-        m = s.original_max_position_embeddings
+        # transformers: the base grows with the pass past config.max_position_embeddings, seq_len clamped below by it
+        m = cfg.max_position_embeddings
         length = max(seq_len, m)
         base = base * ((s.factor * length / m) - (s.factor - 1)) ** (d / (d - 2))
     inv = [base ** (-t / d) for t in range(0, d, 2)]
