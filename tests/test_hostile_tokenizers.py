@@ -388,3 +388,122 @@ def test_a_convert_failing_at_its_last_step_leaves_nothing(ckpt, tmp_path, monke
     monkeypatch.undo()
     assert invoke(["convert", str(ckpt), str(tmp_path / "a" / "b" / "dst"), "--to", "hf"]).exit_code == 0
     assert (tmp_path / "a" / "b" / "dst" / "tokenizer.model").is_file()  # negative: the copy is a step it takes
+
+
+# --- (d) What a tokenizer.json makes the library run: bounded in time and memory, its panic text never shown -------
+# The tokenizers library runs a tokenizer.json in a worker process (outputs.bounded.Worker): each case is one line
+# naming the file and the key, exit 1, in a real process (a Rust panic writes to fd 2 itself), its peak memory (the
+# worker's included: wait4) under 1 GiB whatever the file holds within the 512 MB file limit.
+
+SLOW = r"(?:.*){3}\d"  # on a line without a digit: O(n^4) steps, each search under onig's retry limit (2 s a line)
+GIVES_UP = r"(?:.*){5}\d"  # past onig's retry limit on the first line: the library panics
+LINE = ("The river had been rising for three days, and by the fourth morning the old bridge was gone. People from the "
+        "village gathered on the bank to watch the brown water carry branches, fence posts and a lost boat downstream.")
+GIB = 1 << 30
+
+
+def with_split(tiny_json: dict[str, Any], pattern: str) -> str:
+    """tiny's tokenizer.json whose pre-tokenizer is a Sequence holding one Split on PATTERN."""
+    split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
+    return json.dumps({**tiny_json, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split]}})
+
+
+def measured(args: list[str], cwd: Path, timeout: float = 120) -> tuple[int, str, float, int]:
+    """The CLI in a real process: exit code, stderr, wall seconds, and peak RSS in bytes of it or any child it waited
+    for (os.wait4's ru_maxrss)."""
+    import subprocess
+    import sys
+    import tempfile
+    import threading
+    import time
+
+    exe = [sys.executable, "-c", "from llama_tools.cli import main; main()"]
+    with tempfile.TemporaryFile() as err:
+        start = time.monotonic()
+        p = subprocess.Popen(exe + args, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
+        timer = threading.Timer(timeout, p.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(p.pid, 0)
+        finally:
+            timer.cancel()
+        p.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        err.seek(0)
+        return p.returncode, err.read().decode(errors="replace"), time.monotonic() - start, usage.ru_maxrss * 1024
+
+
+def one_line(code: int, stderr: str, *says: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "Traceback" not in stderr and "panicked" not in stderr, (code, stderr)
+    for s in says:
+        assert s in lines[0], f"{s!r} not in: {lines[0]}"
+    return lines[0]
+
+
+def test_a_pattern_that_backtracks_is_refused_in_bounded_time_naming_its_key(ckpt, tiny_json, tmp_path):
+    """Eight lines of prose through SLOW take the library about 20 s here in-process (each search under onig's retry
+    limit, so nothing stops it); the worker's encode is stopped at its bound and the pattern's key is named."""
+    d = with_tokenizer(ckpt, tmp_path / "ck", json_text=with_split(tiny_json, SLOW))
+    code, err, took, peak = measured(["tokenize", str(d), "\n".join([LINE] * 8)], tmp_path)
+    one_line(code, err, str(d / "tokenizer.json"), "pre_tokenizer.pretokenizers[0].pattern", "ran past")
+    assert took < 15, took
+    tok = Tokenizer(d / "tokenizer.json")  # the Python API: the same refusal, and the tokenizer still works after it
+    with pytest.raises(ValueError, match=r"pre_tokenizer\.pretokenizers\[0\]\.pattern .* ran past"):
+        tok.encode("\n".join([LINE] * 8))
+    assert tok.encode("abc") == HFTokenizer.from_str(with_split(tiny_json, SLOW)).encode("abc").ids  # BOS both
+
+
+def test_a_pattern_the_regex_engine_gives_up_on_is_refused_without_its_panic_text(ckpt, tiny_json, tmp_path):
+    """Past onig's retry limit the library panics, and Rust writes three lines to fd 2 before our refusal: kept off."""
+    text = with_split(tiny_json, GIVES_UP)
+    with pytest.raises(BaseException, match="retry-limit"):  # the library's own word: a panic (pyo3's PanicException)
+        HFTokenizer.from_str(text).encode(LINE)
+    d = with_tokenizer(ckpt, tmp_path / "ck", json_text=text)
+    code, err, took, peak = measured(["tokenize", str(d), LINE], tmp_path)
+    one_line(code, err, str(d / "tokenizer.json"), "pre_tokenizer.pretokenizers[0].pattern", "gave up")
+    assert took < 30, took
+
+
+def test_a_huge_special_token_is_refused_in_bounded_time_and_memory(ckpt, tiny_json, tmp_path):
+    """One added token of 10^6 characters: the library's time to read one grows with its length squared (10^4: 1 s,
+    10^5: 67 s here; 3 * 10^7 took 1.7 GB and had not finished after 15 minutes)."""
+    def with_token(content: str) -> str:  # written here: the library's own add_tokens takes as long as reading it
+        token = {"id": 512, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+                 "normalized": False, "special": False}
+        return json.dumps({**tiny_json, "added_tokens": tiny_json["added_tokens"] + [token]})
+
+    d = with_tokenizer(ckpt, tmp_path / "ck", json_text=with_token("x" * 10**6))
+    code, err, took, peak = measured(["tokenize", str(d), "hi"], tmp_path, timeout=60)
+    at = len(tiny_json["added_tokens"])  # its key, as the file has it
+    one_line(code, err, str(d / "tokenizer.json"), f"added_tokens[{at}].content is 1,000,000 characters")
+    assert took < 30 and peak < GIB, (took, peak)
+    ok = with_tokenizer(ckpt, tmp_path / "ok", json_text=with_token("x" * 4096))  # negative: at the bound
+    assert Tokenizer(ok / "tokenizer.json").encode("x" * 4096, bos=False) == [512]
+
+
+def test_a_vocabulary_of_millions_is_refused_within_the_memory_bound(ckpt, tmp_path):
+    """A WordLevel vocabulary of 5 * 10^6 entries (100 MB, within the file limit): about 250 bytes an entry in the
+    library (2.5 GB for 10^7)."""
+    n = 5_000_000
+    doc = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+           "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
+           "model": {"type": "WordLevel", "unk_token": "[UNK]", "vocab": {"[UNK]": 0}}}
+    head, tail = json.dumps(doc).rsplit('"[UNK]": 0', 1)
+    text = head + '"[UNK]": 0, ' + ", ".join(f'"w{i:08d}": {i + 1}' for i in range(n)) + tail
+    d = with_tokenizer(ckpt, tmp_path / "ck", json_text=text)
+    code, err, took, peak = measured(["tokenize", str(d), "hi"], tmp_path)
+    one_line(code, err, str(d / "tokenizer.json"), "MiB")
+    assert peak < GIB, peak
+
+
+def test_negative_a_linear_pattern_encodes_as_the_library_does(ckpt, tiny_json, tmp_path):
+    """Llama 3's own split (a Split in a Sequence, as its tokenizer.json has it) is used, ids as the library's."""
+    from llama_tools.checkpoints.tokenizer_files import LLAMA3_SPLIT
+
+    text = with_split(tiny_json, LLAMA3_SPLIT)
+    d = with_tokenizer(ckpt, tmp_path / "ck", json_text=text)
+    long = "\n".join([LINE] * 200)  # 44 k characters
+    theirs = HFTokenizer.from_str(text).encode(long, add_special_tokens=False).ids
+    assert Tokenizer(d / "tokenizer.json").encode(long, bos=False) == theirs
+    r = invoke(["tokenize", str(d), LINE, "--format", "json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["text"] == LINE

@@ -13,6 +13,10 @@ it (whatever the library raises, a Rust panic included, is caught here: tokenize
 encodes PROBE_TEXT to ids of its own, and its BOS/EOS/pad ids are its own. A padding length or truncation the file
 chooses is never applied (transformers encodes one text without them). check_fits refuses one whose ids go past a
 model's vocab_size: every command that runs the model asks (source.load_tokenizer).
+
+A tokenizer.json is a program of sorts (regexes, a matcher for its added tokens): the tokenizers library reads and
+runs it only in a worker process (JsonTokenizer), bounded in memory for its life and in time for each call, its
+panic text kept off the terminal; a file past a bound is refused in one line naming it and, where known, its key.
 """
 
 from __future__ import annotations
@@ -33,6 +37,21 @@ from .source_files import MAX_GENERATION_CONFIG_BYTES, MAX_TOKENIZER_FILE_BYTES,
 # Ordinary text that every usable tokenizer encodes to at least one id: one that gives none (an empty vocabulary, a
 # BPE whose pieces match nothing) would turn every prompt into nothing, and is refused when it is opened.
 PROBE_TEXT = "Hello world"
+
+# The tokenizers library runs a tokenizer.json in a worker process (JsonTokenizer) bounded in memory for its life and
+# in time per call. Real ones load in well under the bound (Gemma 3's 262k entries, 33 MB: about 250 MiB, 1 s); a
+# vocabulary of 10^7 entries took 2.5 GB, one special token of 30 MB 2.2 GB, a pattern that backtracks minutes.
+LIBRARY_MEMORY_BYTES = 640 << 20
+LOAD_SECONDS = 20.0
+MAX_ADDED_TOKEN_CHARS = 4096  # real ones: tens of characters (a chat marker, a run of spaces)
+MAX_ANSWER_BYTES = 256 << 20  # ids of a long text as JSON
+# A call's time: a base for a busy machine, then 20 us a character (or id): ordinary tokenizers take about 1 us.
+SECONDS_BASE, SECONDS_PER_ITEM = 2.0, 20e-6
+
+
+def seconds(n: int) -> float:
+    """How long the library may take for a text of N characters (or N ids)."""
+    return SECONDS_BASE + n * SECONDS_PER_ITEM
 
 
 @dataclass(frozen=True)
@@ -182,34 +201,30 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class JsonTokenizer(Tokenizer):
-    """HF's tokenizer.json through `tokenizers`; BOS as tokenizer_config.json says, else as its post-processor does."""
+    """HF's tokenizer.json through `tokenizers`; BOS as tokenizer_config.json says, else as its post-processor does.
+
+    The library reads the file and runs on text only in a worker process (outputs.bounded.Worker): its memory is
+    bounded (LIBRARY_MEMORY_BYTES: a vocabulary of 10^7 entries, a special token of 30 MB), each encode and decode in
+    time (seconds(n): a pattern that backtracks), and a Rust panic's text never reaches the terminal; each is refused
+    in one line naming the file and, for a pattern, its key.
+    """
 
     def __init__(self, path: str | Path, *, text: str | None = None, config: dict[str, Any] | None = None):
-        from tokenizers import Tokenizer as HFTokenizer
+        from ..outputs.bounded import Worker
 
         self.path = Path(path)
         if text is None:
             super().__init__(path)
             raw = read_bounded(self.path, MAX_TOKENIZER_FILE_BYTES)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{self.path}: not UTF-8 text (byte {e.start}); a tokenizer.json is JSON") from None
-        with library_errors(self.path, "not a tokenizer.json that the tokenizers library reads"):
-            self.tk = HFTokenizer.from_str(text)
-            padding = self.tk.padding
-            # transformers encodes one text without the file's padding and truncation unless asked to, and so do
-            # we: a length the file chooses (Fixed 10**9) is then never allocated, and no text is cut.
-            self.tk.no_padding()
-            self.tk.no_truncation()
-            self._ids = max(self.tk.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-        with library_errors(self.path, f"its library cannot encode text with it ({PROBE_TEXT!r})"):
-            # What the file's post-processor adds around a text: transformers' fast tokenizers follow it.
-            bare = self.tk.encode("a", add_special_tokens=False).ids
-            full = self.tk.encode("a", add_special_tokens=True).ids
-        start = full.index(bare[0]) if bare and bare[0] in full else 0
-        before, after = full[:start], full[start + len(bare):]
-        pad = padding.get("pad_id") if isinstance(padding, dict) else None
+        else:
+            raw = text.encode("utf-8")
+        self._raw = raw  # read again by a worker started anew, and measured when it does not load
+        self._worker = Worker(lambda: _serve_tokenizer_json(self.path, raw), memory_bytes=LIBRARY_MEMORY_BYTES,
+                              answer_bytes=MAX_ANSWER_BYTES, setup_seconds=LOAD_SECONDS)
+        self._patterns: list[list[str]] = []
+        hello = self._run(self._worker.start, "reading it")
+        self._ids, self._patterns = hello["ids"], hello["patterns"]
+        before, after, pad = hello["before"], hello["after"], hello["pad"]
         self.special = special_tokens(self.path.parent, self.token_id, add_bos=bool(before),
                                       add_eos=bool(after), bos_id=before[0] if before else None,
                                       eos_ids=tuple(after[-1:]), pad_id=pad if type(pad) is int else None,
@@ -217,21 +232,63 @@ class JsonTokenizer(Tokenizer):
         self.chat_template = read_chat_template(self.path.parent, config)
         self._check_usable()
 
+    def _run(self, fn: Callable[[], Any], doing: str) -> Any:
+        """fn() (a call into the worker), its failures as one ValueError naming the file (and a pattern's key)."""
+        from ..outputs.bounded import Exceeded, Raised
+
+        linear = "a pattern that backtracks; give a tokenizer whose patterns run in time linear in the text"
+        try:
+            return fn()
+        except Raised as e:
+            if "Regex" in e.message or "retry-limit" in e.message:  # onig's own limit, raised as a Rust panic
+                raise ValueError(f"{self.path}: {self._named_patterns()}: the regex engine gave up {doing} "
+                                 f"({e.message.split(': ', 1)[-1][:120]}): {linear}") from None
+            if e.kind == "ValueError" and e.message.startswith(f"{self.path}: "):
+                raise ValueError(e.message) from None  # ours, made in the worker
+            raise ValueError(f"{self.path}: its library failed {doing} ({e.message[:200] or e.kind})") from None
+        except Exceeded as e:
+            if doing == "reading it":
+                raise ValueError(f"{self.path}: the tokenizers library {e} reading it (bound: "
+                                 f"{LIBRARY_MEMORY_BYTES >> 20} MiB, {LOAD_SECONDS:g} s){_largest(self._raw)}; "
+                                 f"give a smaller tokenizer") from None
+            if self._patterns:
+                raise ValueError(f"{self.path}: {self._named_patterns()}: the tokenizers library {e} {doing}: "
+                                 f"{linear}") from None
+            raise ValueError(f"{self.path}: the tokenizers library {e} {doing}") from None
+
+    def _named_patterns(self) -> str:
+        """The file's regex patterns by key, as a refusal names them (the first three)."""
+        shown = [f"{key} {pattern[:80]!r}" for key, pattern in self._patterns[:3]]
+        return ", ".join(shown) + (f" (and {len(self._patterns) - 3} more)" if len(self._patterns) > 3 else "") \
+            if shown else "its patterns"
+
     @property
     def vocab_size(self) -> int:
         return self._ids
 
     def _encode(self, text: str) -> list[int]:
-        return self.tk.encode(text, add_special_tokens=False).ids
+        return self._run(lambda: self._worker.call("encode", text, seconds=seconds(len(text))),
+                         f"encoding {len(text):,} characters")
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tk.decode(ids, skip_special_tokens=True)
+        return self._run(lambda: self._worker.call("decode", ids, seconds=seconds(len(ids))),
+                         f"decoding {len(ids):,} ids")
 
     def _piece(self, i: int) -> str:
-        return self.tk.id_to_token(i)
+        return self.pieces_of([i])[0]
+
+    def pieces_of(self, ids: list[int]) -> list[str]:
+        """The pieces of IDS (each one of its ids), in one call to the worker."""
+        return self._run(lambda: self._worker.call("pieces", list(ids), seconds=seconds(len(ids))),
+                         f"looking up {len(ids):,} ids")
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        self.check_ids(ids)
+        return self.pieces_of(ids)
 
     def token_id(self, piece: str) -> int | None:
-        return self.tk.token_to_id(piece)
+        return self._run(lambda: self._worker.call("token_id", piece, seconds=seconds(len(piece))),
+                         "looking up a token")
 
 
 class GgufTokenizer(JsonTokenizer):
@@ -390,3 +447,119 @@ def check_fits(tok: Tokenizer, vocab_size: int, model: str) -> None:
         raise ValueError(f"{tok.path}: its token ids (added tokens included) go up to {tok.vocab_size - 1}, but "
                          f"{model} says vocab_size {vocab_size} (ids 0..{vocab_size - 1}): the model has no embedding "
                          f"for the rest, so this tokenizer is not the model's; give the model's own tokenizer")
+
+
+# --- The tokenizers library's side of JsonTokenizer: what runs in its worker process ------------------------------
+
+def _serve_tokenizer_json(path: Path, raw: bytes) -> tuple[Callable[[str, Any], Any], dict[str, Any]]:
+    """In the worker: RAW read by the library; (serve, what JsonTokenizer needs of it); ValueErrors name PATH."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); a tokenizer.json is JSON") from None
+    _check_added_tokens(path, text)
+    with library_errors(path, "not a tokenizer.json that the tokenizers library reads"):
+        tk = HFTokenizer.from_str(text)
+        del text
+        padding = tk.padding
+        # transformers encodes one text without the file's padding and truncation unless asked to, and so do
+        # we: a length the file chooses (Fixed 10**9) is then never allocated, and no text is cut.
+        tk.no_padding()
+        tk.no_truncation()
+        ids = max(tk.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    patterns = _patterns(tk)
+    with library_errors(path, f"its library cannot encode text with it ({PROBE_TEXT!r})"):
+        # What the file's post-processor adds around a text: transformers' fast tokenizers follow it.
+        bare = tk.encode("a", add_special_tokens=False).ids
+        full = tk.encode("a", add_special_tokens=True).ids
+    start = full.index(bare[0]) if bare and bare[0] in full else 0
+    pad = padding.get("pad_id") if isinstance(padding, dict) else None
+
+    def serve(op: str, arg: Any) -> Any:
+        if op == "encode":
+            return tk.encode(arg, add_special_tokens=False).ids
+        if op == "decode":
+            return tk.decode(arg, skip_special_tokens=True)
+        if op == "pieces":
+            return [tk.id_to_token(i) for i in arg]
+        if op == "token_id":
+            return tk.token_to_id(arg)
+        raise ValueError(f"no such operation {op!r}")
+
+    return serve, {"ids": ids, "before": full[:start], "after": full[start + len(bare):],
+                   "pad": pad if type(pad) is int else None, "patterns": patterns}
+
+
+def _check_added_tokens(path: Path, text: str) -> None:
+    """ValueError naming the first added token longer than MAX_ADDED_TOKEN_CHARS: the library's time to read one
+    grows with its length squared (10^4 characters: 1 s; 10^5: a minute), long before the worker's memory bound.
+
+    The array is found by its key and parsed alone (the whole file is the library's to parse); a key placed to
+    mislead this only leaves the worker's bounds to stop the library.
+    """
+    decoder = json.JSONDecoder()
+    at = text.find('"added_tokens"')
+    while at >= 0:
+        start = text.find("[", at)
+        if start >= 0 and text[at + 14:start].strip() == ":":
+            try:
+                tokens, _ = decoder.raw_decode(text, start)
+            except ValueError:
+                return  # the library says what is wrong with it
+            for i, t in enumerate(tokens if isinstance(tokens, list) else []):
+                content = t.get("content") if isinstance(t, dict) else None
+                if isinstance(content, str) and len(content) > MAX_ADDED_TOKEN_CHARS:
+                    raise ValueError(f"{path}: added_tokens[{i}].content is {len(content):,} characters, past "
+                                     f"{MAX_ADDED_TOKEN_CHARS:,}: the tokenizers library's time to read a token grows "
+                                     f"with its length squared (10^5 characters: a minute); give a real tokenizer")
+            return
+        at = text.find('"added_tokens"', at + 1)
+
+
+def _patterns(tk: Any) -> list[list[str]]:
+    """[key, regex] of every regex the library runs on text (normalizer, pre-tokenizer, decoder), keyed as in the
+    file: pre_tokenizer.pretokenizers[0].pattern."""
+    found: list[list[str]] = []
+
+    def walk(value: Any, at: str) -> None:
+        if isinstance(value, dict):
+            if isinstance(value.get("Regex"), str):
+                found.append([at, value["Regex"]])
+            for k, v in value.items():
+                walk(v, f"{at}.{k}")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, f"{at}[{i}]")
+
+    for key in ("normalizer", "pre_tokenizer", "decoder"):
+        part = getattr(tk, key)
+        if part is not None:
+            walk(json.loads(part.__getstate__()), key)
+    return found
+
+
+def _largest(raw: bytes) -> str:
+    """What makes a tokenizer.json this large, for a refusal: its vocabulary's and merges' entries and its longest
+    added token, from a parse in a bounded child (one that runs out says only the file's size)."""
+    from ..outputs.bounded import Exceeded, bounded_call
+
+    def measure() -> list[str]:
+        doc = json.loads(raw)
+        model = doc.get("model") if isinstance(doc, dict) else None
+        parts = [f"model.{k} {len(model[k]):,} entries" for k in ("vocab", "merges")
+                 if isinstance(model, dict) and isinstance(model.get(k), (dict, list))]
+        added = doc.get("added_tokens") if isinstance(doc, dict) else None
+        sizes = [(len(t["content"]), i) for i, t in enumerate(added if isinstance(added, list) else [])
+                 if isinstance(t, dict) and isinstance(t.get("content"), str)]
+        if sizes:
+            n, i = max(sizes)
+            parts.append(f"added_tokens[{i}].content {n:,} characters")
+        return parts
+
+    try:
+        parts = bounded_call(measure, seconds=LOAD_SECONDS, memory_bytes=LIBRARY_MEMORY_BYTES, answer_bytes=4096)
+    except Exceeded:
+        return f"; {len(raw):,} bytes, too many to parse as JSON within the bound"
+    return f"; it holds: {', '.join(parts)}" if parts else ""
