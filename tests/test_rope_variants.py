@@ -182,6 +182,28 @@ def test_kv_cache_decode_through_the_original_context(name, prefill, total, tmp_
     assert gap > 1e-3 if name != "yarn" else gap < 1e-4
 
 
+def test_qwen2_yarn_as_qwen25_ships_it(tmp_path):
+    """Qwen2.5's long-context recipe: {"type": "yarn", "factor": 4, "original_max_position_embeddings": ...} (the old
+    `type` key) on a Qwen2 with q/k/v biases: transformers' logits past the original context."""
+    config = transformers.Qwen2Config(**{**SIZES, "max_position_embeddings": 1024, "rope_theta": 1e6},
+                                      rope_scaling={"type": "yarn", "factor": 4.0,
+                                                    "original_max_position_embeddings": 64})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, (3.0 if any(k in name for k in ("q_proj", "k_proj")) else 1.0) / p.shape[1] ** 0.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    assert ours.cfg.family == "qwen2" and ours.cfg.rope_scaling.type == "yarn"
+    with torch.no_grad():
+        assert_same_logits(ours(_ids()).logits, _hf_logits(model, _ids()))
+
+
 def test_yarn_attention_factor_resolved_as_transformers_does(tmp_path):
     cfg = config_from_hf({"architectures": ["LlamaForCausalLM"], **SIZES, **CASES["yarn"]})
     assert cfg.rope_scaling.attention_factor == pytest.approx(0.1 * np.log(4.0) + 1)
@@ -194,12 +216,11 @@ def test_yarn_attention_factor_resolved_as_transformers_does(tmp_path):
     assert s.attention_factor == pytest.approx(np.sqrt(1 + np.log(16.0) / np.log(64)))
 
 
-def test_yarn_without_its_attention_factor_is_far_off(case):
+@pytest.mark.parametrize("name", ["yarn", "yarn-deepseek"])
+def test_yarn_without_its_attention_factor_is_far_off(name, tmp_path):
     """The negative case: the comparison above sees a dropped attention factor (cos and sin unscaled)."""
-    name, directory, model = case
-    if not name.startswith("yarn"):
-        pytest.skip("yarn's attention factor")
-    ours = load_model(directory)
+    model = hf_checkpoint(name, tmp_path)
+    ours = load_model(tmp_path)
     s = dataclasses.replace(ours.cfg.rope_scaling, attention_factor=1.0)
     wrong = model_from_state(ours.cfg.replace(rope_scaling=s), ours.state_dict(), torch.float32)
     with torch.no_grad():
