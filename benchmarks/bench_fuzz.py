@@ -1,6 +1,8 @@
 """The format fuzzers, run long: every mutated file read or refused in one line, examples per second per format.
 
-    python benchmarks/bench_fuzz.py [--examples 3000] [--only gguf,headers,configs,tokenizers]
+templates: generated chat templates and tokenizer.json regexes, each rendered/encoded or refused within its bounds.
+
+    python benchmarks/bench_fuzz.py [--examples 3000] [--only gguf,headers,configs,tokenizers,templates]
 
 Each format's fuzz file (tests/test_fuzz_*.py: its hypothesis properties and exhaustive mutations) runs in a fresh pytest process with LLAMA_TOOLS_FUZZ_EXAMPLES
 set (the suite runs them with a small default); the table shows the tests, the examples each drew at most, the
@@ -19,7 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FUZZERS = {"gguf": "tests/test_fuzz_gguf.py", "headers": "tests/test_fuzz_headers.py",
-           "configs": "tests/test_fuzz_configs.py", "tokenizers": "tests/test_fuzz_tokenizers.py"}
+           "configs": "tests/test_fuzz_configs.py", "tokenizers": "tests/test_fuzz_tokenizers.py",
+           "templates": "tests/test_fuzz_templates.py"}
 
 
 def main() -> None:

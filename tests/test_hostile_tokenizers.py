@@ -507,3 +507,16 @@ def test_negative_a_linear_pattern_encodes_as_the_library_does(ckpt, tiny_json, 
     assert Tokenizer(d / "tokenizer.json").encode(long, bos=False) == theirs
     r = invoke(["tokenize", str(d), LINE, "--format", "json"])
     assert r.exit_code == 0 and json.loads(r.stdout)["text"] == LINE
+
+
+def test_a_tokenizer_json_past_what_the_worker_holds_is_refused_by_its_size(ckpt, tmp_path):
+    """129 MB (a sparse file): within source_files' 512 MB, past MAX_TOKENIZER_JSON_BYTES; refused before any read
+    of it by the library (the worker would hold its text twice beside the library's own memory)."""
+    from llama_tools.checkpoints.tokenizer import MAX_TOKENIZER_JSON_BYTES
+
+    d = with_tokenizer(ckpt, tmp_path / "ck", json_text="")
+    with open(d / "tokenizer.json", "wb") as f:
+        f.truncate(MAX_TOKENIZER_JSON_BYTES + (1 << 20))
+    code, err, took, peak = measured(["tokenize", str(d), "hi"], tmp_path)
+    one_line(code, err, str(d / "tokenizer.json"), f"over {MAX_TOKENIZER_JSON_BYTES:,} bytes")
+    assert peak < GIB, peak

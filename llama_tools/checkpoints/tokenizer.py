@@ -43,6 +43,9 @@ PROBE_TEXT = "Hello world"
 # vocabulary of 10^7 entries took 2.5 GB, one special token of 30 MB 2.2 GB, a pattern that backtracks minutes.
 LIBRARY_MEMORY_BYTES = 640 << 20
 LOAD_SECONDS = 20.0
+# A tokenizer.json read here: the largest real ones are tens of MB (Gemma 3's: 33), and the worker's memory holds
+# its text twice beside the library's own, so the file stays well inside the bound (source_files' 512 MB would not).
+MAX_TOKENIZER_JSON_BYTES = 128 << 20
 MAX_ADDED_TOKEN_CHARS = 4096  # real ones: tens of characters (a chat marker, a run of spaces)
 MAX_ANSWER_BYTES = 256 << 20  # ids of a long text as JSON
 # A call's time: a base for a busy machine, then 20 us a character (or id): ordinary tokenizers take about 1 us.
@@ -215,7 +218,7 @@ class JsonTokenizer(Tokenizer):
         self.path = Path(path)
         if text is None:
             super().__init__(path)
-            raw = read_bounded(self.path, MAX_TOKENIZER_FILE_BYTES)
+            raw = read_bounded(self.path, MAX_TOKENIZER_JSON_BYTES)
         else:
             raw = text.encode("utf-8")
         self._raw = raw  # read again by a worker started anew, and measured when it does not load
