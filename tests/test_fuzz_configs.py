@@ -9,7 +9,7 @@ Properties, on every generated file:
 - load_config returns a ModelConfig or raises ValueError naming the file in one line: no other exception, within
   the deadline and a bounded traced peak (tracemalloc), whatever a number says;
 - what it returns is within every bound and counts (count_params, analytic) to the closed form written out by hand
-  (test_bounded.closed_form, plus the q/k and sandwich norms of the families that have them);
+  (test_bounded.closed_form, the q/k and sandwich norms of the families that have them included);
 - a foreign config (the transformers fallback) is refused before anything is built exactly when a number is past
   the bounds the module tree may be built to, by a table written here.
 A handful run through `count-params`: exit 0, or exit 1 with one stderr line naming the file; nothing written.
@@ -109,11 +109,8 @@ def cuts(text: str) -> list[int]:
 
 
 def expected_total(cfg: ModelConfig) -> int:
-    """The parameter count by hand: test_bounded's closed form, plus the norms it leaves out for q/k-norm and
-    sandwich-norm families (two n6 gains, and two more n2 gains, per decoder)."""
-    n8 = cfg.num_hidden_layers
-    return (closed_form(cfg) + (n8 * 2 * cfg.head_dim if cfg.qk_norm else 0)
-            + (n8 * 2 * cfg.hidden_size if cfg.sandwich_norms else 0))
+    """The parameter count by hand: test_bounded's closed form (the q/k-norm and sandwich-norm gains included)."""
+    return closed_form(cfg)
 
 
 def check_config(path: Path) -> str:
