@@ -243,7 +243,7 @@ class JsonTokenizer(Tokenizer):
         try:
             return fn()
         except Raised as e:
-            if "Regex" in e.message or "retry-limit" in e.message:  # onig's own limit, raised as a Rust panic
+            if "Regex search error" in e.message:  # onig's own limit (retry-limit-in-match), raised as a Rust panic
                 raise ValueError(f"{self.path}: {self._named_patterns()}: the regex engine gave up {doing} "
                                  f"({e.message.split(': ', 1)[-1][:120]}): {linear}") from None
             if e.kind == "ValueError" and e.message.startswith(f"{self.path}: "):
@@ -502,23 +502,21 @@ def _check_added_tokens(path: Path, text: str) -> None:
     The array is found by its key and parsed alone (the whole file is the library's to parse); a key placed to
     mislead this only leaves the worker's bounds to stop the library.
     """
+    import itertools
+    import re
+
     decoder = json.JSONDecoder()
-    at = text.find('"added_tokens"')
-    while at >= 0:
-        start = text.find("[", at)
-        if start >= 0 and text[at + 14:start].strip() == ":":
-            try:
-                tokens, _ = decoder.raw_decode(text, start)
-            except ValueError:
-                return  # the library says what is wrong with it
-            for i, t in enumerate(tokens if isinstance(tokens, list) else []):
-                content = t.get("content") if isinstance(t, dict) else None
-                if isinstance(content, str) and len(content) > MAX_ADDED_TOKEN_CHARS:
-                    raise ValueError(f"{path}: added_tokens[{i}].content is {len(content):,} characters, past "
-                                     f"{MAX_ADDED_TOKEN_CHARS:,}: the tokenizers library's time to read a token grows "
-                                     f"with its length squared (10^5 characters: a minute); give a real tokenizer")
-            return
-        at = text.find('"added_tokens"', at + 1)
+    for found in itertools.islice(re.finditer(r'"added_tokens"\s*:\s*\[', text), 3):  # the first is the real one
+        try:
+            tokens, _ = decoder.raw_decode(text, found.end() - 1)
+        except ValueError:
+            return  # the library says what is wrong with it
+        for i, t in enumerate(tokens if isinstance(tokens, list) else []):
+            content = t.get("content") if isinstance(t, dict) else None
+            if isinstance(content, str) and len(content) > MAX_ADDED_TOKEN_CHARS:
+                raise ValueError(f"{path}: added_tokens[{i}].content is {len(content):,} characters, past "
+                                 f"{MAX_ADDED_TOKEN_CHARS:,}: the tokenizers library's time to read a token grows "
+                                 f"with its length squared (10^5 characters: a minute); give a real tokenizer")
 
 
 def _patterns(tk: Any) -> list[list[str]]:
@@ -545,7 +543,8 @@ def _patterns(tk: Any) -> list[list[str]]:
 
 def _largest(raw: bytes) -> str:
     """What makes a tokenizer.json this large, for a refusal: its vocabulary's and merges' entries and its longest
-    added token, from a parse in a bounded child (one that runs out says only the file's size)."""
+    added token, from a parse in a child bounded in memory and to 5 s (so the refusal comes within 30 s of the
+    start; one that runs out says only the file's size)."""
     from ..outputs.bounded import Exceeded, bounded_call
 
     def measure() -> list[str]:
@@ -562,7 +561,7 @@ def _largest(raw: bytes) -> str:
         return parts
 
     try:
-        parts = bounded_call(measure, seconds=LOAD_SECONDS, memory_bytes=LIBRARY_MEMORY_BYTES, answer_bytes=4096)
+        parts = bounded_call(measure, seconds=5, memory_bytes=LIBRARY_MEMORY_BYTES, answer_bytes=4096)
     except Exceeded:
         return f"; {len(raw):,} bytes, too many to parse as JSON within the bound"
     return f"; it holds: {', '.join(parts)}" if parts else ""

@@ -12,6 +12,7 @@ import json
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -192,6 +193,7 @@ class Worker:
         self.pid: int | None = None
         self._fds: tuple[int, int] = (-1, -1)  # (the answers' read end, the requests' write end)
         self._finalizer: Any = None
+        self._lock = threading.RLock()
 
     def start(self) -> Any:
         """Fork the child and run setup() there: its hello, else Exceeded (time, memory, death) or Raised."""
@@ -240,14 +242,15 @@ class Worker:
 
     def call(self, op: str, arg: Any, *, seconds: float) -> Any:
         """serve(op, arg) in the child: its answer, else Exceeded (past SECONDS, memory, death) or Raised."""
-        if self.pid is None:
-            self.start()
-        try:
-            _write_message(self._fds[1], [op, arg])
-        except OSError:  # the child is gone (BrokenPipeError)
-            self.close()
-            raise Exceeded(f"died (memory past {self.memory_bytes / 2**20:,.0f} MiB, or a signal)") from None
-        return self._receive(seconds)
+        with self._lock:  # one request and its answer at a time on the pipes
+            if self.pid is None:
+                self.start()
+            try:
+                _write_message(self._fds[1], [op, arg])
+            except OSError:  # the child is gone (BrokenPipeError)
+                self.close()
+                raise Exceeded(f"died (memory past {self.memory_bytes / 2**20:,.0f} MiB, or a signal)") from None
+            return self._receive(seconds)
 
     def _receive(self, seconds: float) -> Any:
         deadline = time.monotonic() + seconds
@@ -259,7 +262,7 @@ class Worker:
             body = _read_exactly(self._fds[0], size, deadline) if head is not None else None
         except Exceeded as e:
             self.close()
-            raise Exceeded(f"ran past {seconds:g} s") if str(e) == "ran past" else e from None
+            raise Exceeded(f"ran past {seconds:.3g} s") if str(e) == "ran past" else e from None
         if body is None:
             self.close()
             raise Exceeded(f"died (memory past {self.memory_bytes / 2**20:,.0f} MiB, or a signal)")
