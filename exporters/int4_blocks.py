@@ -19,7 +19,8 @@ back to dequantizing, 100x slower), so the graph costs what an RTN graph costs a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -146,16 +147,21 @@ def unpack(b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, *,
 
 
 def matmul_nbits(node: Any, name: str, k: int, n: int, cols: Any, importance: Any, *, block: int, bits: int,
-                 accuracy_level: int, chunk_bytes: int, spill: Any = None) -> tuple[list[Any], list[Any]]:
+                 accuracy_level: int, chunk_bytes: int, spill: Any = None,
+                 packed_rows: Callable[[int, int], dict[str, np.ndarray]] | None = None) -> tuple[list[Any], list[Any]]:
     """MatMul(x, W^T [k, n]) -> ([MatMulNBits], its initializers), named as onnxruntime's quantizer names them
     (NAME_Q4, NAME_scales, NAME_zero_points). cols(a, b) gives W^T[:, a:b]; rows of W are searched chunk_bytes of
     fp32 at a time (each output row's blocks are its own, so the pieces join along n). spill: quantize._Spill,
-    which writes the pieces one after another instead of joining them in memory."""
+    which writes the pieces one after another instead of joining them in memory. packed_rows(a, b): rows a..b-1
+    already searched (a BlockStore's), instead of searching them here."""
     from onnx import helper, numpy_helper
 
     step = max(1, chunk_bytes // (4 * k))
-    parts, dtype = [], np.float32
+    parts, dtype = [], (cols(0, 1).dtype if packed_rows is not None else np.dtype(np.float32))
     for a in range(0, n, step):
+        if packed_rows is not None:
+            parts.append(packed_rows(a, min(a + step, n)))
+            continue
         w = cols(a, min(a + step, n))  # [k, rows]
         dtype = w.dtype  # the scales take the graph's float type (fp16 graphs read fp16 scales)
         parts.append(pack(search(np.ascontiguousarray(w.T, dtype=np.float32), importance, bits=bits, block=block)))
@@ -172,3 +178,37 @@ def matmul_nbits(node: Any, name: str, k: int, n: int, cols: Any, importance: An
                             name=node.name + f"_Q{bits}", domain="com.microsoft", K=k, N=n, bits=bits,
                             block_size=block, accuracy_level=accuracy_level)
     return [made], inits
+
+
+class BlockStore:
+    """Each matrix's searched blocks, kept on disk for the whole of one int4 export: the sensitivity pass's emulation
+    and every candidate graph read the same blocks, so a matrix is searched once at 4 bits, not once per graph.
+
+    A matrix's rows are searched in fixed chunks (`step` rows, aligned from row 0 of the node's whole matrix), so any
+    row range, a split head's part included, is cut from the chunks that cover it: each output row's blocks are its
+    own, so the cut is what a search of those rows alone gives.
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(exist_ok=True)
+        self.saved: dict[tuple[str, int], Path] = {}
+        self.searched = 0  # chunks searched (a miss), for the tests and the benchmark
+
+    def rows(self, node: str, lo: int, hi: int, step: int, search_chunk: Callable[[int, int], dict[str, np.ndarray]]
+             ) -> dict[str, np.ndarray]:
+        """Packed rows lo..hi-1 of NODE's int4 blocks (pack's arrays); search_chunk(a, b) -> pack of rows a..b-1,
+        called only for a chunk not searched before."""
+        assert 0 <= lo < hi and step > 0, f"{node}: rows {lo}..{hi} in chunks of {step}"
+        pieces = []
+        for c in range(lo - lo % step, hi, step):
+            key = (node, c)
+            if key not in self.saved:
+                path = self.folder / f"{len(self.saved)}.npz"
+                np.savez(path, **search_chunk(c, c + step))  # search_chunk clips b at the matrix's last row
+                self.saved[key] = path
+                self.searched += 1
+            with np.load(self.saved[key]) as z:
+                a, b = max(lo, c) - c, min(hi, c + step) - c
+                pieces.append({name: z[name][a:b] for name in z.files})
+        return {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}

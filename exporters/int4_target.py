@@ -219,6 +219,45 @@ def imatrix_emulation(importance: dict[str, Any], block: int, scales: Any = None
     return lambda w, node, rows=None: scales.emulate(w, node, rows, quant, importance.get(node))
 
 
+def stored_emulation(store: Any, full: Path, importance: dict[str, Any], block: int, scales: Any = None,
+                     fallback: Emulate | None = None) -> Emulate:
+    """The int4 the graph will hold, read from STORE (an int4_blocks.BlockStore, searched there on a miss, on FULL's
+    own weights): the blocks the candidate graphs are then built from, so no matrix is searched twice. A call
+    without `rows` (the tied embedding's rows of the prompt's ids) goes to `fallback`, the same search on W alone."""
+    import onnx
+    import torch
+
+    from . import int4_blocks
+    from .quantize import _columns, _weights_of, stored_rows
+
+    model = onnx.load(str(full), load_external_data=False)
+    weights, inits = _weights_of(model), {t.name: t for t in model.graph.initializer}
+    readers: dict[str, Callable[[int, int], Any]] = {}
+    fallback = fallback or imatrix_emulation(importance, block, scales)
+
+    def emulate(w: Any, node: str, rows: slice | None = None) -> Any:
+        name = HEAD if node in HEAD_PARTS else node
+        if rows is None or name not in weights:
+            return fallback(w, node, rows)
+        k, n, cols = _columns(inits[weights[name][0]], full.parent, weights[name][1])
+        a = importance.get(name)
+        if scales is not None:  # the graph's W^T rows times s, outputs over d: what the blocks are searched on
+            cols, a = scales.columns(name, cols), scales.importance(name, a)
+        if name not in readers:
+            readers[name] = stored_rows(store, name, k, n, cols, a, block)
+        p = readers[name](rows.start, rows.stop)
+        q = torch.from_numpy(int4_blocks.unpack(p["B"], p["scales"].astype(np.float32), p["zero_points"], bits=4, k=k))
+        assert q.shape == w.shape, f"{node}: the graph's rows {rows} are {tuple(q.shape)}, the reference's {tuple(w.shape)}"
+        if scales is not None:  # back from the scaled graph's W diag(s) / d to the reference's W
+            s, d = scales.inputs.get(name), scales.outputs.get(name)
+            if s is not None:
+                q = q / torch.from_numpy(s)[None, :]
+            if d is not None:
+                q = q * torch.from_numpy(d[rows])[:, None]
+        return q.to(w.dtype)
+    return emulate
+
+
 def importance(ref: Any, ids: list[int] | list[list[int]], nodes: list[str],
                progress: Callable[[int, int, str], None] = lambda *a: None) -> dict[str, Any]:
     """node -> a_k = the mean square of the k-th input of its matrix on `ids` (int4_blocks' importance), for every
@@ -309,7 +348,7 @@ def _head_chunks(ref: Any, h: Any, emulate: Emulate | None = None, exact_below: 
             w = torch.nn.functional.normalize(w, dim=-1)
         q = None
         if emulate:
-            q = emulate(w, HEAD)
+            q = emulate(w, HEAD, slice(a, a + w.shape[0]))
             q[: max(0, exact_below - a)] = w[: max(0, exact_below - a)]
         yield h @ w.T, (h @ q.T if emulate else None)
 
@@ -702,7 +741,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
     from llama_tools.outputs.progress import release_freed_memory
 
     from .graph_meta import read_metadata
-    from . import int4_scales
+    from . import int4_blocks, int4_scales
     from .quant_options import DEFAULT_ALGORITHM, SEARCHED, Int4Target
     from .quantize import _weights_of, plan_scales, quantize_int4
 
@@ -732,40 +771,45 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
     room = read_metadata(full).static_kv or cfg.max_position_embeddings  # a static-KV graph holds that many
     ids = ids[: min(len(ids), room)]
     emulate, measured = None, 0
-    if algorithm in SEARCHED:
-        text = [w[:room] for w in windows] if windows else [ids]
-        measured = sum(map(len, text))
-        say(f"measuring each matrix's inputs on {measured} calibration tokens")
-        weights = importance(ref, text, nodes, progress)
-        release_freed_memory()  # the windows' activations are not the sensitivity pass's floor
-        int4 = {**int4, "importance": weights}
-        scales = None
-        if algorithm == int4_scales.ALGORITHM:  # searched once, for every candidate graph and the emulation
-            say("searching each matrix's input scales")
-            scales = int4["scales"] = plan_scales(full, weights, block, exclude, progress)
-        emulate = imatrix_emulation(weights, block, scales)
-    say(f"measuring each of {len(mats)} matrices' int4 error on {len(ids)} calibration tokens")
-    states: list[Any] = []
-    sens = sensitivities(ref, ids, mats, block, progress, states, emulate)
-    release_freed_memory()  # the perturbed streams are gone
-    p = states_logits(ref, states[0])
     through = paths.written_through(target)
     work = full.parent / "int4-candidates"
-    where = work / "model.onnx" if through else target
-    last: list[Any] = [None, None]  # the last quantize_int4 result, and its kept set
+    work.mkdir(exist_ok=True)
+    try:  # the candidates and the searched blocks live in WORK until the answer is written
+        if algorithm in SEARCHED:
+            text = [w[:room] for w in windows] if windows else [ids]
+            measured = sum(map(len, text))
+            say(f"measuring each matrix's inputs on {measured} calibration tokens")
+            weights = importance(ref, text, nodes, progress)
+            release_freed_memory()  # the windows' activations are not the sensitivity pass's floor
+            int4 = {**int4, "importance": weights}
+            scales = None
+            if algorithm == int4_scales.ALGORITHM:  # searched once, for every candidate graph and the emulation
+                say("searching each matrix's input scales")
+                scales = int4["scales"] = plan_scales(full, weights, block, exclude, progress)
+            # every int4 block searched once, here or by the first graph, then read by the emulation and each graph
+            store = int4_blocks.BlockStore(work / "blocks")
+            int4["store"] = store
+            emulate = stored_emulation(store, full, weights, block, scales)
+        say(f"measuring each of {len(mats)} matrices' int4 error on {len(ids)} calibration tokens")
+        states: list[Any] = []
+        sens = sensitivities(ref, ids, mats, block, progress, states, emulate)
+        release_freed_memory()  # the perturbed streams are gone
+        p = states_logits(ref, states[0])
+        where = work / "model.onnx" if through else target
+        last: list[Any] = [None, None]  # the last quantize_int4 result, and its kept set
 
-    def build(kept: list[str]) -> tuple[float, int]:
-        say(f"int4 with {len(kept)} of {len(mats)} matrices 8-bit")
-        last[0], last[1] = quantize(full, where, **{**int4, "keep_8bit": tuple(kept)}), list(kept)
-        release_freed_memory()  # the quantizer's garbage is not the session's floor (as the pipeline does)
-        kl = onnx_kl(where, cfg, ids, p)
-        release_freed_memory()  # nor the session's the next candidate's
-        return kl, last[0].bytes_after
-    try:
+        def build(kept: list[str]) -> tuple[float, int]:
+            say(f"int4 with {len(kept)} of {len(mats)} matrices 8-bit")
+            last[0], last[1] = quantize(full, where, **{**int4, "keep_8bit": tuple(kept)}), list(kept)
+            release_freed_memory()  # the quantizer's garbage is not the session's floor (as the pipeline does)
+            kl = onnx_kl(where, cfg, ids, p)
+            release_freed_memory()  # nor the session's the next candidate's
+            return kl, last[0].bytes_after
         baseline = None
         if emulate is not None and goal.fraction is not None:  # the fraction is of what round to nearest gives
             say("int4 by round to nearest, for the target's baseline")
-            rtn = {k: v for k, v in int4.items() if k not in ("importance", "algorithm", "symmetric", "scales")}
+            rtn = {k: v for k, v in int4.items()
+                   if k not in ("importance", "algorithm", "symmetric", "scales", "store")}
             quantize(full, where, **rtn)
             release_freed_memory()
             baseline = onnx_kl(where, cfg, ids, p)

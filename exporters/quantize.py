@@ -338,7 +338,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
                   symmetric: bool = True, accuracy_level: int = ACCURACY_LEVEL,
                   exclude: tuple[str, ...] = (), algorithm: str = DEFAULT_ALGORITHM,
                   keep_8bit: tuple[str, ...] = (), importance: dict[str, Any] | None = None,
-                  scales: Any = None) -> QuantizeResult:
+                  scales: Any = None, store: Any = None) -> QuantizeResult:
     """SOURCE .onnx (plain or fused) -> OUTPUT with every constant-weight MatMul as int4 MatMulNBits, atomically.
 
     symmetric (rtn only; default True): int4 in [-8, 7] times one scale per block of 32 weights, no zero point.
@@ -351,7 +351,8 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     (symmetric RTN in blocks of EIGHT_BIT_BLOCK, eight_bit_block) instead; HEAD_FREQUENT or HEAD_REST alone keeps
     only the lm_head's first frequent_rows(n1) rows or its others 8-bit (the head split in two, _split_head). "awq": imatrix on inputs rescaled by
     int4_scales (`scales`, an int4_scales.Scales; planned here from `importance` when None), the norms' gains and
-    up_proj's rows divided to match.
+    up_proj's rows divided to match. store: an int4_blocks.BlockStore holding (or to hold) the searched int4 blocks
+    of this very source, importance and scales, so that the next graph built from them searches none again.
 
     In bounded memory: the graph is read without its weights; each MatMul's weight is read from SOURCE's
     .data file, quantized by onnxruntime's own node quantizer on a one-node graph and dropped, so one
@@ -408,7 +409,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
         spill = _Spill(scratch)
         try:
             folded = _quantize_nodes(graph, base, weights, inits, exclude, keep_8bit, gathered, quantizer, tied_rtn,
-                                     importance, block_size, accuracy_level, algorithm, spill, scales)
+                                     importance, block_size, accuracy_level, algorithm, spill, scales, store)
         finally:
             spill.close()
         quantized = sum(n.op_type == "MatMulNBits" for n in graph.node)
@@ -448,7 +449,7 @@ def plan_scales(model: Any, importance: dict[str, Any], block_size: int = BLOCK_
 def _quantize_nodes(graph: Any, base: Path, weights: dict[str, Any], inits: dict[str, Any], exclude: tuple[str, ...],
                     keep_8bit: tuple[str, ...], gathered: set[str], quantizer: Any, tied_rtn: Any,
                     importance: dict[str, Any] | None, block_size: int, accuracy_level: int, algorithm: str,
-                    spill: _Spill, scales: Any = None) -> int:
+                    spill: _Spill, scales: Any = None, store: Any = None) -> int:
     """Each quantized MatMul replaced in GRAPH by its MatMulNBits (tensors through SPILL); the Transposes folded."""
     nodes, folded = [], 0
     for node in graph.node:
@@ -464,15 +465,21 @@ def _quantize_nodes(graph: Any, base: Path, weights: dict[str, Any], inits: dict
             name, folded = name + "_t", folded + 1  # the quantizer names its tensors after this: W_t_Q4, ...
         tied = through_transpose and weights[node.name][0] in gathered
 
-        def one(part: Any, tensor: str, n: int, cols: Callable[[int, int], np.ndarray], eight: bool) -> tuple:
+        stored = None if store is None or quantizer is not None else \
+            stored_rows(store, node.name, k, n, cols, a, block_size)
+
+        def one(part: Any, tensor: str, n: int, cols: Callable[[int, int], np.ndarray], eight: bool,
+                offset: int = 0) -> tuple:
             if eight:
                 eight_q = _node_quantizer("rtn", eight_bit_block(k, tied, block_size), True, accuracy_level, bits=8)
                 return _quantize_matmul(eight_q, part, tensor, k, n, cols, chunked=True, spill=spill)
             if tied_rtn is not None and tied:
                 return _quantize_matmul(tied_rtn, part, tensor, k, n, cols, chunked=True, spill=spill)
             if quantizer is None:
+                packed = None if stored is None else (lambda i, j: stored(offset + i, offset + j))
                 return int4_blocks.matmul_nbits(part, tensor, k, n, cols, a, block=block_size, bits=4,
-                                                accuracy_level=accuracy_level, chunk_bytes=CHUNK_BYTES, spill=spill)
+                                                accuracy_level=accuracy_level, chunk_bytes=CHUNK_BYTES, spill=spill,
+                                                packed_rows=packed)
             return _quantize_matmul(quantizer, part, tensor, k, n, cols, chunked=algorithm == "rtn", spill=spill)
         frequent_8bit, rest_8bit = head_8bit(keep_8bit)
         if node.name == HEAD and frequent_8bit != rest_8bit:
@@ -488,6 +495,19 @@ def _quantize_nodes(graph: Any, base: Path, weights: dict[str, Any], inits: dict
     return folded
 
 
+def stored_rows(store: Any, node: str, k: int, n: int, cols: Callable[[int, int], np.ndarray], importance: Any,
+                block: int) -> Callable[[int, int], dict[str, np.ndarray]]:
+    """rows(a, b) -> the packed int4 blocks of rows a..b-1 of NODE's W [n, k] (cols: W^T's columns, as the graph
+    holds them), from STORE, searched there a chunk at a time on a miss."""
+    step = max(1, CHUNK_BYTES // (4 * k))
+
+    def search_chunk(a: int, b: int) -> dict[str, np.ndarray]:
+        w = cols(a, min(b, n))  # [k, rows]
+        return int4_blocks.pack(int4_blocks.search(np.ascontiguousarray(w.T, dtype=np.float32), importance, bits=4,
+                                                   block=block))
+    return lambda a, b: store.rows(node, a, b, step, search_chunk)
+
+
 def _split_head(node: Any, name: str, n: int, cols: Callable[[int, int], np.ndarray], one: Callable[..., tuple],
                 frequent_8bit: bool, rest_8bit: bool) -> tuple[list[Any], list[Any]]:
     """The lm_head as two MatMulNBits, its first frequent_rows(n1) vocabulary rows and the rest, each 8-bit or int4:
@@ -501,7 +521,7 @@ def _split_head(node: Any, name: str, n: int, cols: Callable[[int, int], np.ndar
     made_nodes, made = [], []
     for part, a, b, eight in (("frequent", 0, r, frequent_8bit), ("rest", r, n, rest_8bit)):
         half = helper.make_node("MatMul", list(node.input), [f"{node.output[0]}_{part}"], name=f"{node.name}_{part}")
-        ns, ts = one(half, f"{name}_{part}", b - a, lambda i, j, a=a: cols(a + i, a + j), eight)
+        ns, ts = one(half, f"{name}_{part}", b - a, lambda i, j, a=a: cols(a + i, a + j), eight, a)
         made_nodes += ns
         made += ts
     made_nodes.append(helper.make_node("Concat", [f"{node.output[0]}_frequent", f"{node.output[0]}_rest"],

@@ -116,3 +116,44 @@ def test_the_emulation_is_what_the_graph_holds(tiny_awq, tmp_path):
         # negative: without the scales the emulation is plain imatrix, another set of blocks
         assert not np.allclose(imatrix_emulation(got, 32)(torch.from_numpy(part.copy()), node).numpy(), mapped,
                                rtol=1e-6, atol=1e-7)
+
+
+def test_the_block_store_gives_the_graph_and_the_emulation_the_same_blocks_searched_once(tiny_awq, tmp_path):
+    """A BlockStore shared by the sensitivity emulation and the candidate graphs: each graph built through it holds
+    exactly the blocks a graph built without it holds, its emulation equals imatrix_emulation's, and a matrix is
+    searched once (a second graph with other matrices 8-bit, the head split in two, searches nothing)."""
+    from llama_tools.exporters.int4_blocks import BlockStore
+    from llama_tools.exporters.int4_target import imatrix_emulation, stored_emulation
+    from llama_tools.exporters.quant_options import HEAD, HEAD_FREQUENT
+    from llama_tools.exporters.quantize import _weights_of, quantize_int4
+
+    src, full, nodes, got, scales = tiny_awq
+    store = BlockStore(tmp_path / "blocks")
+    emulate, plain = stored_emulation(store, full, got, 32, scales), imatrix_emulation(got, 32, scales)
+    fp = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(full)).graph.initializer}
+    weights = _weights_of(onnx.load(str(full)))
+    n7 = src.cfg.intermediate_size
+    for node, rows in (("/model/layers.0/mlp/down_proj/MatMul", None), ("/model/layers.1/mlp/gate_up_proj/MatMul",
+                                                                        slice(n7, 2 * n7)), (HEAD, slice(100, 300))):
+        name, transposed = weights[node]
+        w = torch.from_numpy((fp[name] if transposed else fp[name].T).copy())  # [out, in] of the packed matrix
+        rows = rows or slice(0, w.shape[0])
+        np.testing.assert_allclose(emulate(w[rows], node, rows).numpy(), plain(w[rows], node, rows).numpy(),
+                                   rtol=1e-6, atol=1e-7)
+    searched = store.searched
+    assert searched == 3  # one chunk each: tiny's matrices are small
+    blocks = lambda path: {t.name: numpy_helper.to_array(t).tobytes() for t in onnx.load(str(path)).graph.initializer}
+    for keep in ((), ("/model/layers.0/mlp/down_proj/MatMul", HEAD_FREQUENT)):
+        alone = quantize_int4(full, tmp_path / "alone.onnx", algorithm="awq", importance=got, scales=scales,
+                              keep_8bit=keep)
+        shared = quantize_int4(full, tmp_path / "shared.onnx", algorithm="awq", importance=got, scales=scales,
+                               keep_8bit=keep, store=store)
+        assert blocks(alone.path) == blocks(shared.path), keep
+        if not keep:  # the first graph searched what the emulation had not
+            searched = store.searched
+            assert searched == len(nodes) > 3
+    assert store.searched == searched  # the second graph, head split and one matrix 8-bit, searched nothing
+    # negative: a store filled under other importances is not what this graph needs
+    wrong = BlockStore(tmp_path / "wrong")
+    other = quantize_int4(full, tmp_path / "other.onnx", algorithm="imatrix", importance=got, store=wrong)
+    assert blocks(other.path) != blocks(alone.path)
