@@ -218,7 +218,12 @@ class JsonTokenizer(Tokenizer):
         self.path = Path(path)
         if text is None:
             super().__init__(path)
-            raw = read_bounded(self.path, MAX_TOKENIZER_JSON_BYTES)
+            size = self.path.stat().st_size
+            if size > MAX_TOKENIZER_JSON_BYTES:
+                raise ValueError(f"{self.path}: {size:,} bytes, over {MAX_TOKENIZER_JSON_BYTES:,} bytes: the largest "
+                                 f"real tokenizer.json files are tens of MB, and the tokenizers library needs several "
+                                 f"times a file's size in memory; give a real tokenizer")
+            raw = read_bounded(self.path, MAX_TOKENIZER_JSON_BYTES)  # a FIFO never blocks, nor a file that grows
         else:
             raw = text.encode("utf-8")
         self._raw = raw  # read again by a worker started anew, and measured when it does not load
