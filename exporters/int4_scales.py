@@ -31,6 +31,7 @@ import numpy as np
 ALGORITHM = "awq"
 ALPHAS = tuple(a / 10 for a in range(9))  # searched exponents; measured best on SmolLM2-135M: 0.0-0.7
 SEARCH_ROWS = 512  # output rows of W the alpha search measures on (evenly spread): the error is a sum over rows
+FINALISTS = 3  # alphas (besides 0) the full block search judges: round to nearest's best and the two below it
 _NORMS = {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 2}  # op -> its gain's input index
 
 
@@ -135,16 +136,44 @@ def _search(cols: Callable[[int, int], np.ndarray], k: int, n: int, a: Any, bloc
     if divisor is not None:
         w = w / divisor[picks, None]
     rms = np.sqrt(np.maximum(a, a[a > 0].min() if (a > 0).any() else 1.0))  # an unseen input counts as the least seen
-    best: tuple[float, np.ndarray, float] | None = None
-    for alpha in ALPHAS:
+
+    def scale(alpha: float) -> np.ndarray:
         s = rms**alpha
-        s = s / np.sqrt(s.max() * s.min())  # centred on 1: the gain and W stay in range
-        q = int4_blocks.search((w * s).astype(np.float32), (a / s**2).astype(np.float32), block=block).dequantize()
-        err = float((a * (w - q / s) ** 2).sum())
+        return s / np.sqrt(s.max() * s.min())  # centred on 1: the gain and W stay in range
+
+    # Round to nearest ranks every alpha (one rounding each, not the search's 18); the searched blocks then judge
+    # its best, the FINALISTS - 1 alphas below it (round to nearest favours a larger alpha than the search) and alpha
+    # 0, so the answer is never worse than s = 1 on these rows. Measured on SmolLM2-135M's 90 scaled matrices: the
+    # alpha of a search over all nine on 86, a weighted error 0.05% over it on average (5.9% at worst), in 0.67x
+    # the time.
+    r = ALPHAS.index(min(ALPHAS[1:], key=lambda alpha: _error(w, a, scale(alpha), _rtn)))
+    best: tuple[float, np.ndarray, float] | None = None
+    for alpha in sorted({0.0, *ALPHAS[max(1, r - FINALISTS + 1):r + 1]}):
+        s = scale(alpha)
+        err = _error(w, a, s, lambda x, imp: int4_blocks.search(x, imp, block=block).dequantize())
         if best is None or err < best[0]:
             best = (err, s.astype(np.float32), alpha)
     assert best is not None
     return best[1], best[2]
+
+
+def _error(w: np.ndarray, a: np.ndarray, s: np.ndarray, quant: Callable[[np.ndarray, np.ndarray], np.ndarray]
+           ) -> float:
+    """sum_k a_k sum_n (W - Q(W diag(s)) / s)^2 with quant(W', importance') the int4 of W' = W diag(s)."""
+    q = quant((w * s).astype(np.float32), (a / s**2).astype(np.float32))
+    return float((a * (w - q / s) ** 2).sum())
+
+
+def _rtn(x: np.ndarray, _importance: np.ndarray, block: int = 32) -> np.ndarray:
+    """Asymmetric round to nearest of x [n, k] in blocks along k (the search's first start, unrefined)."""
+    n, k = x.shape
+    pad = (-k) % block
+    b = np.pad(x, ((0, 0), (0, pad))).reshape(n, -1, block)
+    lo, hi = np.minimum(b.min(-1, keepdims=True), 0), np.maximum(b.max(-1, keepdims=True), 0)
+    s = np.maximum((hi - lo) / 15, 1e-30)
+    z = np.clip(np.round(-lo / s), 0, 15)
+    q = (np.clip(np.round(b / s + z), 0, 15) - z) * s
+    return q.reshape(n, -1)[:, :k]
 
 
 def _norm_gain(node: Any, made: dict[str, Any], readers: dict[str, list[Any]], inits: set[str]) -> str | None:
