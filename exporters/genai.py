@@ -256,7 +256,8 @@ def tokenizer_client_files(found: Path, cfg: ModelConfig) -> tuple[dict[str, byt
             if piece is not None and ids.get(piece) != getattr(cfg, key):
                 raise ValueError(f"{found}: {piece} is id {ids.get(piece)} but the model's config says "
                                  f"{key} = {getattr(cfg, key)}; fix config.json or the tokenizer")
-        own = None if gguf else template_of_config(found.parent / "tokenizer_config.json")
+        own, why = (None, None) if gguf else template_of_config(found.parent / "tokenizer_config.json")
+        warnings += [why] if why else []
         if own is not None and config.get("chat_template") is None:  # the made config replaces one that had it
             made["tokenizer_config.json"] = (json.dumps({**config, "chat_template": own}, indent=2,
                                                         ensure_ascii=False) + "\n").encode("utf-8")

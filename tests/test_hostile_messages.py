@@ -246,3 +246,20 @@ def test_a_key_or_tensor_name_that_is_not_utf8_is_called_that(bad_template_gguf,
     bad.write_bytes(data.replace(name, b"\xff" + name[1:], 1))
     line = one_line(invoke(["count-params", str(bad)]), str(bad), what, "name is not UTF-8 text")
     assert "codec" not in line
+
+
+def test_a_surrogate_template_is_left_out_of_the_client_files_in_one_warning(tiny_hf, tmp_path):
+    """export onnx: the source's tokenizer_config.json holds a template no UTF-8 file can hold; the export is
+    written, its client tokenizer_config.json without the template, and one warning names the file and key."""
+    d = with_template(tiny_hf, tmp_path / "m", '"{{ \'\\udc80\' }}"')
+    out = tmp_path / "out" / "model.onnx"
+    r = invoke(["export", "onnx", str(d), "-o", str(out)])
+    ok(r)
+    said = [w for w in warnings(r) if "chat_template" in w]
+    assert len(said) == 1 and str(d / "tokenizer_config.json") in said[0] and "not UTF-8" in said[0], r.stderr
+    client = json.loads((out.parent / "tokenizer_config.json").read_text())
+    assert "chat_template" not in client and client.get("bos_token")  # the rest of the config is there
+    good = with_template(tiny_hf, tmp_path / "g", json.dumps("{{ messages[0]['content'] }}"))  # negative: kept
+    r = invoke(["export", "onnx", str(good), "-o", str(tmp_path / "g-out" / "model.onnx")])
+    ok(r)
+    assert json.loads((tmp_path / "g-out" / "tokenizer_config.json").read_text())["chat_template"]

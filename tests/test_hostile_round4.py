@@ -8,6 +8,7 @@ the reason on the header line, within seconds and without growing the parent; a 
 from __future__ import annotations
 
 import json
+import re
 import resource
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ HOSTILE = {
     "loop": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "ran past"),
     "power": ("{{ (2 ** 1000000000) % 7 }}", "ran past"),
     "doubling": ("{% set ns = namespace(s='ab') %}{% for i in range(48) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
-                 "{{ ns.s|length }}", "ran out of its"),
+                 "{{ ns.s|length }}", "ran out of its|ran past"),  # memory, or time on a busy machine
     "surrogate": ("{{ '\\udc80' }}", "not UTF-8"),
     "output": ("{% for i in range(100000) %}xxxxxxxxxx{% endfor %}", "renders past"),
 }
@@ -74,7 +75,7 @@ def test_verify_parity_runs_the_chat_turn_as_plain_text_and_says_why(tiny_hf, tm
     assert time.monotonic() - t0 < 30
     assert r.exit_code == 0, r.output[-1500:]
     first = r.output.splitlines()[0]
-    assert "chat turn as plain text: the model's chat template " + HOSTILE[case][1] in first
+    assert re.search("chat turn as plain text: the model's chat template (" + HOSTILE[case][1] + ")", first), first
 
 
 GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 3, "n_embd": 64, "n_head": 4,

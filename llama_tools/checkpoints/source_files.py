@@ -101,6 +101,10 @@ def template_problem(text: Any) -> str | None:
         return f"a template must be a string, got {_shown(text)}"
     if len(text.encode("utf-8", "surrogatepass")) > MAX_TEMPLATE_BYTES:
         return f"over {MAX_TEMPLATE_BYTES:,} bytes"
+    try:  # a JSON escape such as "\udc80": no UTF-8 file (a client's config, a GGUF) can hold it
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"not UTF-8 text (a lone surrogate U+{ord(text[e.start]):04X} at character {e.start})"
     try:
         ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(text)
     except TemplateSyntaxError as e:
@@ -133,14 +137,18 @@ def checked_tokenizer_config(data: bytes, path: Path) -> tuple[bytes, str | None
             f"{path}: its chat_template is not a valid Jinja template ({why}); left out of the copy")
 
 
-def template_of_config(path: Path) -> str | None:
-    """The valid chat template a tokenizer_config.json names in its `chat_template` field (a string), or None."""
+def template_of_config(path: Path) -> tuple[str | None, str | None]:
+    """(the valid chat template a tokenizer_config.json names in its `chat_template` field (a string), or None;
+    why a template it names is left out (a warning naming the file and key), or None)."""
     try:
         config = json_object(read_bounded(path, MAX_HEADER_BYTES), path)
     except (OSError, ValueError):
-        return None
+        return None, None
     t = config.get("chat_template")
-    return t if isinstance(t, str) and template_problem(t) is None else None
+    if not isinstance(t, str):
+        return None, None
+    why = template_problem(t)
+    return (t, None) if why is None else (None, f"{path}: chat_template is left out of the client files ({why})")
 
 
 def tokenizer_files(folder: Path) -> tuple[dict[str, Path], list[str]]:

@@ -104,8 +104,8 @@ def _tokenizer_behaviour(vocab: Vocabulary, path: Path, cfg: ModelConfig) -> lis
         warnings.append(f"{path}: the tokenizer adds BOS id {bos}, the config's bos_token_id is {cfg.bos_token_id}; "
                         f"a GGUF has one BOS id: the config's is written")
     template = tok.chat_template
-    why = template_problem(template) if template is not None else None
-    at = _surrogate(template) if template is not None and not why else None
+    at = _surrogate(template) if isinstance(template, str) else None
+    why = template_problem(template) if template is not None and at is None else None
     if why:
         warnings.append(f"{path.parent}: its chat template is not a valid Jinja template ({why}); left out")
     elif at is not None:
