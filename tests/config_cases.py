@@ -70,3 +70,21 @@ def v4_kwargs(case: str) -> dict[str, Any]:
     scaling = {k: v for k, v in full.items() if k != "rope_theta"}
     out["rope_scaling"] = None if scaling["rope_type"] == "default" else scaling
     return out
+
+
+def off_initial_values(model: Any) -> Any:
+    """A transformers model's numbers moved off their initial values, in place (seed the RNG first): norms, q/k norms
+    and biases far from 0 or 1, so a misread one shows; every matrix at unit gain, q and k at 3x, so that the
+    attention scores are O(1) and RoPE's angles, windows and masks decide the output."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            elif p.dim() == 2:
+                gain = 3.0 if any(k in name for k in ("q_proj", "k_proj")) else 1.0
+                p.normal_(0.0, gain / p.shape[1] ** 0.5)
+    return model

@@ -20,7 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from config_cases import CASES, SEQ, v4_kwargs  # noqa: E402
+from config_cases import CASES, SEQ, off_initial_values, v4_kwargs  # noqa: E402
 
 from llama_tools import load_model  # noqa: E402
 from llama_tools.checkpoints.config_files import config_from_hf, load_config  # noqa: E402
@@ -44,16 +44,7 @@ def hf_checkpoint(case: str, directory: Path):
     config = (cls.from_dict(json.loads((FIXTURES / f"{case}.json").read_text())) if V5 else cls(**v4_kwargs(case)))
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.normal_(0.0, 0.5)  # norms, q/k norms and biases: far from 0 or 1, so a misread one shows
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            elif p.dim() == 2:  # every matrix at unit gain, q and k above it: scores O(1), so RoPE, windows and
-                gain = 3.0 if any(k in name for k in ("q_proj", "k_proj")) else 1.0  # masks decide the output
-                p.normal_(0.0, gain / p.shape[1] ** 0.5)
+    model = off_initial_values(getattr(transformers, model_cls)(config).eval())
     model.save_pretrained(directory)
     return model
 

@@ -25,6 +25,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from config_cases import off_initial_values  # noqa: E402
 from llama_tools import load_model  # noqa: E402
 from llama_tools.checkpoints.config_files import config_from_hf, config_to_hf, load_config  # noqa: E402
 from llama_tools.checkpoints.source import resolve  # noqa: E402
@@ -60,17 +61,12 @@ def _ids(n: int = SEQ, seed: int = 7) -> torch.Tensor:
 
 
 def hf_checkpoint(case: str, directory: Path):
-    """The case's model as the installed transformers builds and saves it; q and k at 3x unit gain, so RoPE's
-    angles decide the attention (and so the logits)."""
+    """The case's model as the installed transformers builds and saves it, off its initial values (q and k at 3x
+    unit gain, so RoPE's angles decide the attention, and so the logits)."""
     config = transformers.LlamaConfig(**SIZES, **CASES[case])
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                gain = 3.0 if any(k in name for k in ("q_proj", "k_proj")) else 1.0
-                p.normal_(0.0, gain / p.shape[1] ** 0.5)
+    model = off_initial_values(transformers.LlamaForCausalLM(config).eval())
     model.save_pretrained(directory)
     return model
 
