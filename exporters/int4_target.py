@@ -466,6 +466,7 @@ class TargetResult:
     calibration_tokens: int = 0
     importance_tokens: int = 0  # the text imatrix/awq measured each matrix's inputs on (0: not measured)
     seconds: float = 0.0
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # importance, scales, sensitivity, graphs
     met: bool = False
     fraction: float | None = None  # a relative target: max_kl is this times the all-int4 graph's KL
     size_cap: float | None = None  # the result weighs at most this times the all-int4 graph
@@ -798,6 +799,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
     room = read_metadata(full).static_kv or cfg.max_position_embeddings  # a static-KV graph holds that many
     ids = ids[: min(len(ids), room)]
     emulate, measured = None, 0
+    stages: dict[str, float] = {}  # seconds each step took, from t0
     through = paths.written_through(target)
     work = full.parent / "int4-candidates"
     work.mkdir(exist_ok=True)
@@ -807,12 +809,14 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
             measured = sum(map(len, text))
             say(f"measuring each matrix's inputs on {measured} calibration tokens")
             weights = importance(ref, text, nodes, progress)
+            stages["importance"] = time.perf_counter() - t0
             release_freed_memory()  # the windows' activations are not the sensitivity pass's floor
             int4 = {**int4, "importance": weights}
             scales = None
             if algorithm == int4_scales.ALGORITHM:  # searched once, for every candidate graph and the emulation
                 say("searching each matrix's input scales")
                 scales = int4["scales"] = plan_scales(full, weights, block, exclude, progress)
+                stages["scales"] = time.perf_counter() - t0 - sum(stages.values())
             # every int4 block searched once, here or by the first graph, then read by the emulation and each graph
             store = int4_blocks.BlockStore(work / "blocks")
             int4["store"] = store
@@ -821,6 +825,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
         states: list[Any] = []
         sens = sensitivities(ref, ids, mats, block, progress, states, emulate)
         release_freed_memory()  # the boundaries' streams and the probes are gone
+        stages["sensitivity"] = time.perf_counter() - t0 - sum(stages.values())  # with the blocks it first searched
         p = states_logits(ref, states[0])
         where = work / "model.onnx" if through else target
         last: list[Any] = [None, None]  # the last quantize_int4 result, and its kept set
@@ -849,4 +854,5 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
         shutil.rmtree(work, ignore_errors=True)
     result.calibration_tokens, result.importance_tokens = len(ids), measured
     result.seconds = time.perf_counter() - t0
+    result.stage_seconds = {**stages, "graphs": result.seconds - sum(stages.values())}  # built, measured, written
     return last[0], result

@@ -254,6 +254,8 @@ def test_the_default_on_a_seeded_model(tmp_path):
     assert rep.bytes <= t.size_cap * t.rounds[0].bytes and t.kept_8bit == rep.quantized.kept_8bit
     assert t.calibration_kl == min(r.measured_kl for r in t.rounds) < t.all_int4_kl  # the closest, and better
     assert t.importance_tokens > t.calibration_tokens  # awq's inputs: the whole corpus
+    assert set(t.stage_seconds) == {"importance", "scales", "sensitivity", "graphs"}  # where the time went
+    assert all(v >= 0 for v in t.stage_seconds.values()) and sum(t.stage_seconds.values()) == pytest.approx(t.seconds)
     assert t.met == (t.calibration_kl <= t.max_kl)
     assert sorted(_as_planned(_bits(rep.path), 8)) == sorted(t.kept_8bit)
     roomy = _default_export(src, tmp_path / "r" / "model.onnx",
