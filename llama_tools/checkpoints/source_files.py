@@ -92,6 +92,16 @@ def check_sampling(data: dict[str, Any], path: Path) -> None:
             raise ValueError(f"{path}: field {key!r} must be {what}, got {_shown(data[key])}")
 
 
+def lone_surrogate(text: str) -> str | None:
+    """Where TEXT holds a lone surrogate, which no UTF-8 text can ("a lone surrogate U+DC80 at character 4"); None
+    when it holds none."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}"
+
+
 def template_problem(text: Any) -> str | None:
     """None when TEXT parses as a Jinja template (jinja2's sandbox; nothing is rendered), else why not, briefly."""
     from jinja2.exceptions import TemplateSyntaxError
@@ -101,10 +111,9 @@ def template_problem(text: Any) -> str | None:
         return f"a template must be a string, got {_shown(text)}"
     if len(text.encode("utf-8", "surrogatepass")) > MAX_TEMPLATE_BYTES:
         return f"over {MAX_TEMPLATE_BYTES:,} bytes"
-    try:  # a JSON escape such as "\udc80": no UTF-8 file (a client's config, a GGUF) can hold it
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return f"not UTF-8 text (a lone surrogate U+{ord(text[e.start]):04X} at character {e.start})"
+    where = lone_surrogate(text)
+    if where:  # a JSON escape such as "\udc80": no UTF-8 file (a client's config, a GGUF) can hold it
+        return f"not UTF-8 text ({where})"
     try:
         ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(text)
     except TemplateSyntaxError as e:

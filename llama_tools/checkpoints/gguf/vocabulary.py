@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...modeling.config import ModelConfig
 from ..header_readers import json_object
-from ..source_files import MAX_TOKENIZER_FILE_BYTES, read_bounded, template_problem
+from ..source_files import MAX_TOKENIZER_FILE_BYTES, lone_surrogate, read_bounded, template_problem
 from ..tokenizer_files import (BYTE, CONTROL, LEGACY_PRE, NORMAL, PRE_TOKENIZERS, SPACE, UNKNOWN, UNUSED,
                                USER_DEFINED, WRITTEN_PRE)
 from .architectures import KIND
@@ -104,27 +104,18 @@ def _tokenizer_behaviour(vocab: Vocabulary, path: Path, cfg: ModelConfig) -> lis
         warnings.append(f"{path}: the tokenizer adds BOS id {bos}, the config's bos_token_id is {cfg.bos_token_id}; "
                         f"a GGUF has one BOS id: the config's is written")
     template = tok.chat_template
-    at = _surrogate(template) if isinstance(template, str) else None
+    at = lone_surrogate(template) if isinstance(template, str) else None
     why = template_problem(template) if template is not None and at is None else None
     if why:
         warnings.append(f"{path.parent}: its chat template is not a valid Jinja template ({why}); left out")
     elif at is not None:
         # A JSON escape such as "\udc80" in tokenizer_config.json (chat_template.jinja is read with its bad bytes
         # replaced): no UTF-8 string says it, so neither a GGUF nor llama.cpp can hold it
-        warnings.append(f"{path.parent / 'tokenizer_config.json'}: chat_template is not UTF-8 text (a lone surrogate "
-                        f"U+{ord(template[at]):04X} at character {at}); the GGUF is written without a chat template")
+        warnings.append(f"{path.parent / 'tokenizer_config.json'}: chat_template is not UTF-8 text ({at}); "
+                        f"the GGUF is written without a chat template")
     else:
         vocab.chat_template = template
     return warnings
-
-
-def _surrogate(text: str) -> int | None:
-    """Where TEXT holds a lone surrogate, which UTF-8 cannot encode; None when it holds none."""
-    try:
-        text.encode("utf-8")
-        return None
-    except UnicodeEncodeError as e:
-        return e.start
 
 
 def _pre_json(build: Any) -> Any:
