@@ -408,28 +408,49 @@ def with_split(tiny_json: dict[str, Any], pattern: str) -> str:
     return json.dumps({**tiny_json, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split]}})
 
 
+# Forks the CLI from a fresh, small interpreter and writes its peak RSS (kB) to the pipe whose fd LLAMA_TOOLS_PEAK_FD
+# names. Linux records the peak of the memory a process had before exec as its own: the CLI forked straight from a
+# test worker that has grown to gigabytes would report the worker's size, not its own.
+LAUNCH = """
+import os, sys
+fd = int(os.environ["LLAMA_TOOLS_PEAK_FD"])
+pid = os.fork()
+if pid == 0:
+    os.close(fd)
+    os.execv(sys.executable, [sys.executable, "-c", "from llama_tools.cli import main; main()", *sys.argv[1:]])
+_, status, usage = os.wait4(pid, 0)
+os.write(fd, str(usage.ru_maxrss).encode())
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def measured(args: list[str], cwd: Path, timeout: float = 120) -> tuple[int, str, float, int]:
     """The CLI in a real process: exit code, stderr, wall seconds, and peak RSS in bytes of it or any child it waited
-    for (os.wait4's ru_maxrss)."""
+    for (os.wait4's ru_maxrss, taken by LAUNCH)."""
+    import signal
     import subprocess
     import sys
     import tempfile
     import threading
     import time
 
-    exe = [sys.executable, "-c", "from llama_tools.cli import main; main()"]
+    read, write = os.pipe()
     with tempfile.TemporaryFile() as err:
         start = time.monotonic()
-        p = subprocess.Popen(exe + args, cwd=cwd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
-        timer = threading.Timer(timeout, p.kill)
+        p = subprocess.Popen([sys.executable, "-c", LAUNCH, *args], cwd=cwd, stdout=subprocess.DEVNULL, stderr=err,
+                             stdin=subprocess.DEVNULL, pass_fds=(write,), start_new_session=True,
+                             env={**os.environ, "LLAMA_TOOLS_PEAK_FD": str(write)})
+        os.close(write)
+        timer = threading.Timer(timeout, lambda: os.killpg(p.pid, signal.SIGKILL))
         timer.start()
         try:
-            _, status, usage = os.wait4(p.pid, 0)
+            code = p.wait()
         finally:
             timer.cancel()
-        p.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+        with os.fdopen(read, "rb") as f:
+            peak = f.read()
         err.seek(0)
-        return p.returncode, err.read().decode(errors="replace"), time.monotonic() - start, usage.ru_maxrss * 1024
+        return code, err.read().decode(errors="replace"), time.monotonic() - start, int(peak or 0) * 1024
 
 
 def one_line(code: int, stderr: str, *says: str) -> str:

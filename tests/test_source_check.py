@@ -57,7 +57,7 @@ def test_a_reading_that_agrees_passes_every_block(tmp_path, case):
 def _ignore_local_base(monkeypatch) -> None:
     """Plant a misread: the config reader loses Gemma 3's sliding layers' base (what rope_parameters misread did)."""
     rope = config_files._rope
-    monkeypatch.setattr(config_files, "_rope", lambda data, path, family: (*rope(data, path, family)[:2], None))
+    monkeypatch.setattr(config_files, "_rope", lambda *args, **kwargs: (*rope(*args, **kwargs)[:2], None))
 
 
 def test_a_planted_misread_fails_the_default_verify_naming_the_source_check(gemma3, monkeypatch):
