@@ -88,3 +88,17 @@ def off_initial_values(model: Any) -> Any:
                 gain = 3.0 if any(k in name for k in ("q_proj", "k_proj")) else 1.0
                 p.normal_(0.0, gain / p.shape[1] ** 0.5)
     return model
+
+
+def saved_model(model_cls: Any, config: Any, directory: Any, perturb: Any = off_initial_values) -> Any:
+    """A transformers model of `config` built from seed 0 in eval mode, perturb(model) applied in place, saved to
+    DIRECTORY by transformers itself; the model."""
+    import torch
+
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        perturb(model)
+    model.save_pretrained(directory)
+    return model

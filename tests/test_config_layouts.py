@@ -20,7 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from config_cases import CASES, SEQ, off_initial_values, v4_kwargs  # noqa: E402
+from config_cases import CASES, SEQ, saved_model, v4_kwargs  # noqa: E402
 
 from llama_tools import load_model  # noqa: E402
 from llama_tools.checkpoints.config_files import config_from_hf, load_config  # noqa: E402
@@ -42,11 +42,7 @@ def hf_checkpoint(case: str, directory: Path):
     cls = getattr(transformers, config_cls)
     # transformers 5 takes the fixture's own layout; 4.x the top-level keys
     config = (cls.from_dict(json.loads((FIXTURES / f"{case}.json").read_text())) if V5 else cls(**v4_kwargs(case)))
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = off_initial_values(getattr(transformers, model_cls)(config).eval())
-    model.save_pretrained(directory)
-    return model
+    return saved_model(getattr(transformers, model_cls), config, directory)
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -26,6 +26,7 @@ from llama_tools import load_model  # noqa: E402
 from llama_tools.cli import cli  # noqa: E402
 from llama_tools.exporters.verification.parity import resolve_target  # noqa: E402
 from llama_tools.exporters.verification.verdict import parity_inputs, verify  # noqa: E402
+from config_cases import saved_model  # noqa: E402
 from helpers import add_llama_hparams, finish_gguf  # noqa: E402
 from llama_tools.checkpoints.config_files import load_config  # noqa: E402
 
@@ -54,11 +55,9 @@ IDS = torch.tensor([[1, 17, 200, 5, 99, 42, 7, 250, 3, 64, 128, 11, 33, 90]])  #
 def hf_model(family: str, directory: Path):
     """A seeded transformers model of the family with its weights far from their initial values, saved."""
     config_cls, model_cls, extra = CASES[family]
-    config = getattr(transformers, config_cls)(**SIZES, **extra, attn_implementation="eager")
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config).eval()
     gemma = family.startswith("gemma")
-    with torch.no_grad():
+
+    def perturb(model) -> None:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0.5 if gemma else 1.0, 0.3)  # HF's init: 0 (Gemma's 1 + γ) or 1
@@ -68,8 +67,8 @@ def hf_model(family: str, directory: Path):
                 p.mul_(5.0)
             elif "embed_tokens" in name:
                 p.mul_(20.0)  # logits of several units: Gemma 2's cap of 3 bites
-    model.save_pretrained(directory)
-    return model
+    config = getattr(transformers, config_cls)(**SIZES, **extra, attn_implementation="eager")
+    return saved_model(getattr(transformers, model_cls), config, directory, perturb)
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -25,7 +25,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from config_cases import off_initial_values  # noqa: E402
+from config_cases import saved_model  # noqa: E402
 from llama_tools import load_model  # noqa: E402
 from llama_tools.checkpoints.config_files import config_from_hf, config_to_hf, load_config  # noqa: E402
 from llama_tools.checkpoints.source import resolve  # noqa: E402
@@ -63,12 +63,7 @@ def _ids(n: int = SEQ, seed: int = 7) -> torch.Tensor:
 def hf_checkpoint(case: str, directory: Path):
     """The case's model as the installed transformers builds and saves it, off its initial values (q and k at 3x
     unit gain, so RoPE's angles decide the attention, and so the logits)."""
-    config = transformers.LlamaConfig(**SIZES, **CASES[case])
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = off_initial_values(transformers.LlamaForCausalLM(config).eval())
-    model.save_pretrained(directory)
-    return model
+    return saved_model(transformers.LlamaForCausalLM, transformers.LlamaConfig(**SIZES, **CASES[case]), directory)
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -46,9 +46,11 @@ _GEMMA_IDS = dict(head_dim=256, tie_word_embeddings=True, rms_norm_eps=1e-6, bos
                   pad_token_id=0)
 _GEMMA = dict(**_family("gemma"), **_GEMMA_IDS, vocab_size=256000, max_position_embeddings=8192, torch_dtype=BF16)
 _GEMMA2 = dict(**_family("gemma2"), **_GEMMA_IDS, vocab_size=256000, max_position_embeddings=8192, sliding_window=4096,
-               query_pre_attn_scalar=256, attn_logit_softcap=50.0, final_logit_softcap=30.0, torch_dtype=FP32)
+               query_pre_attn_scalar=256, attn_logit_softcap=50.0, final_logit_softcap=30.0, torch_dtype=FP32,
+               full_every=2)
 _GEMMA3 = dict(**_family("gemma3"), **_GEMMA_IDS, vocab_size=262144, max_position_embeddings=32768, sliding_window=512,
-               query_pre_attn_scalar=256, rope_theta=1e6, rope_local_theta=10000.0, torch_dtype=BF16)
+               query_pre_attn_scalar=256, rope_theta=1e6, rope_local_theta=10000.0, torch_dtype=BF16,
+               full_every=6)
 # Gemma 3 4B, 12B, 27B: the text model of the multimodal checkpoint (its text_config): 262,208 rows (the image
 # tokens' too), a window of 1,024, 128K positions by linear scaling of the global layers' RoPE.
 _GEMMA3_MM = dict(_GEMMA3, vocab_size=262208, max_position_embeddings=131072, sliding_window=1024,
@@ -59,11 +61,16 @@ _SMOLLM2 = dict(vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
 
 
 def _preset(name: str, *bases: dict[str, Any], **kw: Any) -> ModelConfig:
-    """LLaMA-2's defaults (eps 1e-5, 4096 positions, fp16), then `bases`, then `kw`."""
+    """LLaMA-2's defaults (eps 1e-5, 4096 positions, fp16), then `bases`, then `kw`; `full_every` (Gemma 2/3) makes
+    the layer types from the layer count (_pattern)."""
     fields: dict[str, Any] = dict(rms_norm_eps=1e-5, max_position_embeddings=4096, torch_dtype=FP16)
     for base in bases:
         fields.update(base)
-    return ModelConfig(name=name, source=name, **{**fields, **kw})
+    fields.update(kw)
+    every = fields.pop("full_every", None)
+    if every:
+        fields["layer_types"] = _pattern(fields["num_hidden_layers"], every)
+    return ModelConfig(name=name, source=name, **fields)
 
 
 PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
@@ -125,23 +132,21 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
     _preset("gemma-7b", _GEMMA, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
             num_attention_heads=16, num_key_value_heads=16),
     _preset("gemma-2-2b", _GEMMA2, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-            num_attention_heads=8, num_key_value_heads=4, layer_types=_pattern(26, 2)),
+            num_attention_heads=8, num_key_value_heads=4),
     _preset("gemma-2-9b", _GEMMA2, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
-            num_attention_heads=16, num_key_value_heads=8, layer_types=_pattern(42, 2)),
+            num_attention_heads=16, num_key_value_heads=8),
     _preset("gemma-2-27b", _GEMMA2, hidden_size=4608, intermediate_size=36864, num_hidden_layers=46,
-            num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=144,
-            layer_types=_pattern(46, 2)),
+            num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=144),
     _preset("gemma-3-270m", _GEMMA3, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
-            num_attention_heads=4, num_key_value_heads=1, layer_types=_pattern(18, 6)),
+            num_attention_heads=4, num_key_value_heads=1),
     _preset("gemma-3-1b", _GEMMA3, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
-            num_attention_heads=4, num_key_value_heads=1, layer_types=_pattern(26, 6)),
+            num_attention_heads=4, num_key_value_heads=1),
     _preset("gemma-3-4b", _GEMMA3_MM, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
-            num_attention_heads=8, num_key_value_heads=4, layer_types=_pattern(34, 6)),
+            num_attention_heads=8, num_key_value_heads=4),
     _preset("gemma-3-12b", _GEMMA3_MM, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
-            num_attention_heads=16, num_key_value_heads=8, layer_types=_pattern(48, 6)),
+            num_attention_heads=16, num_key_value_heads=8),
     _preset("gemma-3-27b", _GEMMA3_MM, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
-            num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168,
-            layer_types=_pattern(62, 6)),
+            num_attention_heads=32, num_key_value_heads=16, head_dim=128, query_pre_attn_scalar=168),
     _preset("smollm2-135m", _SMOLLM2, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
             num_attention_heads=9, num_key_value_heads=3),
     _preset("smollm2-360m", _SMOLLM2, hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
