@@ -216,9 +216,10 @@ def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
     # --- Embedding, then the layers ----------------------------------------------------------------------------
     embed = stored("model.embed_tokens.weight")  # [n1, n2]
     z = g.op("/model/embed_tokens", "Gather", [embed, input_ids])  # Z^0: [b, s, n2]
-    if cfg.embed_scale:  # Gemma: sqrt(n2) in the activations' dtype, as HF rounds it
-        z = g.op("/model/embed_tokens", "Mul", [z, g.const("/model/embed_tokens/scale", math.sqrt(cfg.hidden_size),
-                                                            dtype)], name="Mul_scale")
+    scale = math.sqrt(cfg.hidden_size) if cfg.embed_scale else cfg.embedding_multiplier  # Gemma's, Granite's
+    if scale != 1.0:  # in the activations' dtype (Gemma: as HF rounds it)
+        z = g.op("/model/embed_tokens", "Mul", [z, g.const("/model/embed_tokens/scale", scale, dtype)],
+                 name="Mul_scale")
     norm = "model.layers.0.input_layernorm.weight"
     zbar = g.op("/model/layers.0/input_layernorm", "SimplifiedLayerNormalization", [z, gain(norm)],
                 {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})  # fp32 inside, as RMSNorm
@@ -239,12 +240,18 @@ def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
             w = read([head])[head]  # [n1, n2]
             return (F.normalize(w.float(), dim=-1) if cfg.norm_head else w).T  # [n2, n1], a view: written in slabs
         w_t = g.lazy("lm_head.MatMul.weight", (cfg.hidden_size, cfg.vocab_size), lm_head)
-    if cfg.final_logit_softcap is None:
-        logits = g.op("/lm_head", "MatMul", [zbar, w_t], outputs=["logits"])[0]
-    else:  # Gemma 2: H -> cap tanh(H / cap)
-        cap = g.const("/lm_head/softcap/cap", cfg.final_logit_softcap, dtype)
-        h = g.op("/lm_head", "Tanh", [g.op("/lm_head", "Div", [g.op("/lm_head", "MatMul", [zbar, w_t]), cap])])
-        logits = g.op("/lm_head", "Mul", [h, cap], outputs=["logits"])[0]
+    # H = Zbar W^T ──Div logits_scaling (Granite)──Div cap──Tanh──Mul cap (Gemma 2)──► logits
+    cap = cfg.final_logit_softcap
+    steps = ["scale"] * (cfg.logits_scaling != 1.0) + ["cap"] * (cap is not None)
+    h = g.op("/lm_head", "MatMul", [zbar, w_t], outputs=[None if steps else "logits"])[0]
+    if "scale" in steps:
+        h = g.op("/lm_head", "Div", [h, g.const("/lm_head/logits_scaling", cfg.logits_scaling, dtype)],
+                 outputs=[None if cap is not None else "logits"], name="Div_scaling")[0]
+    if cap is not None:  # Gemma 2: H -> cap tanh(H / cap)
+        c = g.const("/lm_head/softcap/cap", cap, dtype)
+        h = g.op("/lm_head", "Mul", [g.op("/lm_head", "Tanh", [g.op("/lm_head", "Div", [h, c])]), c],
+                 outputs=["logits"])[0]
+    logits = h
 
     logits.type, logits.shape = ir.TensorType(t), ir.Shape(["batch", "sequence_length", cfg.vocab_size])
     for v in presents:
@@ -343,7 +350,8 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
     w, b = linear("self_attn", ["q_proj", "k_proj", "v_proj"], cfg.qkv_bias)
     qkv = matmul("self_attn/qkv_proj", zbar, w, b)  # [b, s, q + 2 kv]
     interleaved = int(cfg.rope_layout == INTERLEAVED)
-    in_attention = rope_op == rope_ops.IN_ATTENTION.name
+    rotates = cfg.rotates(j)  # SmolLM3: some layers attend without RoPE (no node, GQA's do_rotary 0)
+    in_attention = rotates and rope_op == rope_ops.IN_ATTENTION.name
     if cfg.qk_norm:
         # Qwen3, Gemma 3: q and k apart, each head normalized over its n6 before RoPE, then rotated as 3-D heads.
         split = g.const(f"{attn}/qkv_split", [cfg.q_size, cfg.kv_size, cfg.kv_size], i64)
@@ -358,7 +366,7 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
             xn = g.op(npath, "SimplifiedLayerNormalization", [xh, _gain(g, cfg, read, shapes, norm)],
                       {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})
             x = g.op(npath, "Reshape", [xn, flat_shape], name="Reshape_flat")  # [b, s, h, d] -> [b, s, h d]
-            if in_attention:  # GQA rotates it
+            if in_attention or not rotates:  # GQA rotates it, or nothing does
                 qkv_in.append(x)
             elif rope_op == rope_ops.OURS.name:
                 attrs = {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads}
@@ -369,7 +377,7 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
                                    {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads,
                                     "rotary_embedding_dim": cfg.head_dim}, domain=MS_DOMAIN, name=f"rope_{which}"))
         qkv_in.append(v)
-    elif in_attention:  # GQA rotates the q and k heads of the packed QKV itself
+    elif in_attention or not rotates:  # GQA rotates the q and k heads of the packed QKV itself, or nothing does
         qkv_in = [qkv, None, None]
     elif rope_op == rope_ops.OURS.name:
         # One node rotates the q and k heads of the packed projection and passes v through; GQA takes it packed.
@@ -387,8 +395,8 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
     gqa = {"num_heads": nq, "kv_num_heads": nkv, "do_rotary": int(in_attention)}
     if in_attention:
         gqa["rotary_interleaved"] = interleaved
-    if cfg.query_pre_attn_scalar is not None:  # Gemma 2/3: scores / sqrt(query_pre_attn_scalar)
-        gqa["scale"] = 1.0 / math.sqrt(cfg.query_pre_attn_scalar)
+    if cfg.query_pre_attn_scalar is not None or cfg.attention_multiplier is not None:
+        gqa["scale"] = cfg.score_scale  # Gemma 2/3: 1 / sqrt(query_pre_attn_scalar); Granite: its multiplier
     if cfg.attn_logit_softcap is not None:  # Gemma 2: cap tanh(scores / cap), before the mask, as the model does
         gqa["softcap"] = float(cfg.attn_logit_softcap)
     if cfg.slides(j):  # GQA's window counts the query's own slot: local_window_size = W keys, as the mask's
@@ -401,11 +409,15 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
         outputs=[None, out_names[1 + 2 * j], out_names[2 + 2 * j]])
     w, b = linear("self_attn", ["o_proj"], cfg.o_bias)
     r = matmul("self_attn/o_proj", u, w, b)  # [b, s, n2]
+    residual = g.const(f"{path}/residual_multiplier", cfg.residual_multiplier, g.dtype) \
+        if cfg.residual_multiplier != 1.0 else None  # Granite: R and the FFN's output scaled before each residual
     norm = f"{pre}.post_attention_layernorm.weight"
     if cfg.sandwich_norms:  # Gemma 2/3: R normalized before the residual; 6.3's norm is pre_feedforward_layernorm
         r = g.op(f"{path}/post_attention_layernorm", "SimplifiedLayerNormalization", [r, _gain(g, cfg, read, shapes, norm)],
                  {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})
         norm = f"{pre}.pre_feedforward_layernorm.weight"
+    if residual is not None:
+        r = g.op(f"{path}/residual_mul", "Mul", [r, residual], name="Mul_1")
     ybar, _, _, y = g.op(
         f"{path}/{norm.split('.')[-2]}", "SkipSimplifiedLayerNormalization", [r, z, _gain(g, cfg, read, shapes, norm)],
         {"epsilon": float(cfg.rms_norm_eps)}, domain=MS_DOMAIN,
@@ -428,6 +440,9 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
         norm = f"{pre}.post_feedforward_layernorm.weight"
         d = g.op(f"{path}/post_feedforward_layernorm", "SimplifiedLayerNormalization",
                  [d, _gain(g, cfg, read, shapes, norm)], {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})
+
+    if residual is not None:
+        d = g.op(f"{path}/residual_mul", "Mul", [d, residual], name="Mul_2")
 
     # --- The residual add, fused with the next norm ---
     last = j == cfg.num_hidden_layers - 1

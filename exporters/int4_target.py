@@ -186,7 +186,8 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
             with torch.no_grad():
                 flat = x.reshape(-1).tolist()
                 rows = ref.reader.rows("model.embed_tokens.weight", [(i, i + 1) for i in flat]).float()  # [b n3, n2]
-                scale = math.sqrt(cfg.hidden_size) if cfg.embed_scale else 1.0  # Gemma's sqrt(n2)
+                # Gemma's sqrt(n2), Granite's embedding_multiplier
+                scale = math.sqrt(cfg.hidden_size) if cfg.embed_scale else cfg.embedding_multiplier
                 q = emulate(rows, HEAD)
                 whole += kl(g, ((q - rows) * scale).reshape(bounds[0].shape))
                 if split:  # the frequent ids' rows exact: what is left when HEAD_FREQUENT is kept 8-bit
@@ -391,18 +392,19 @@ def _probes(ref: Any, z: Any, count: int, seed: int = 0) -> Any:
     """
     import torch
 
-    from llama_tools.modeling.model import softcap
+    from llama_tools.modeling.model import final_logits
 
     cfg = ref.cfg
     h = _final(ref)(z).reshape(-1, z.shape[-1])  # Zbar: [b n3, n2]
     cap = cfg.final_logit_softcap
+    finish = lambda raw: final_logits(cfg, raw)  # noqa: E731  (Granite's scaling, Gemma 2's cap)
     k = min(TOP_K, cfg.vocab_size)
     lse = torch.full((h.shape[0],), -math.inf, dtype=torch.float64)  # [b n3]
     top_raw = torch.empty(h.shape[0], 0)  # [b n3, <= K] raw logits of the likeliest so far
     top = torch.empty(h.shape[0], 0, dtype=torch.long)
     a = 0
     for raw, _ in _head_chunks(ref, h):
-        lse = torch.logaddexp(lse, torch.logsumexp(softcap(raw, cap).double(), -1))
+        lse = torch.logaddexp(lse, torch.logsumexp(finish(raw).double(), -1))
         both = torch.cat([top_raw, raw], -1)
         ids = torch.cat([top, torch.arange(a, a + raw.shape[1]).expand(h.shape[0], -1)], -1)
         top_raw, pick = both.topk(min(k, both.shape[1]), -1)  # softcap is monotonic: the same candidates
@@ -410,13 +412,15 @@ def _probes(ref: Any, z: Any, count: int, seed: int = 0) -> Any:
         a += raw.shape[1]
     top, order = top.sort(-1)
     top_raw = top_raw.gather(-1, order)
-    p = torch.exp(softcap(top_raw, cap).double() - lse[:, None]).float()  # [b n3, K]
+    p = torch.exp(finish(top_raw).double() - lse[:, None]).float()  # [b n3, K]
     name, _ = _head_rows(ref)
     w = torch.stack([ref.reader.rows(name, [(int(v), int(v) + 1) for v in t]).float() for t in top])  # [b n3, K, n2]
     if cfg.norm_head:
         w = torch.nn.functional.normalize(w, dim=-1)
     if cap:
-        w = w * (1 - torch.tanh(top_raw / cap) ** 2)[..., None]  # d softcap / d logit
+        w = w * (1 - torch.tanh(top_raw / cfg.logits_scaling / cap) ** 2)[..., None]  # d softcap / d logit
+    if cfg.logits_scaling != 1.0:
+        w = w / cfg.logits_scaling  # Granite: H divided by logits_scaling
     w = w - (p[..., None] * w).sum(1, keepdim=True)  # w'_v - w̄'
     eps = torch.randn(count, *p.shape, generator=torch.Generator().manual_seed(seed))  # [count, b n3, K]
     u = torch.einsum("stk,tkd->std", eps * p.sqrt(), w)  # [count, b n3, n2]
@@ -429,18 +433,18 @@ def _head_kl(ref: Any, z: Any, emulate: Emulate, exact_below: int = 0) -> float:
     [n3, n1] tensor is held."""
     import torch
 
-    from llama_tools.modeling.model import softcap
+    from llama_tools.modeling.model import final_logits
 
-    cap = ref.cfg.final_logit_softcap
+    finish = lambda raw: final_logits(ref.cfg, raw)  # noqa: E731
     h = _final(ref)(z)[0]  # Zbar: [n3, n2]
     lse = [torch.full((h.shape[0],), -math.inf, dtype=torch.float64) for _ in range(2)]
     for x, q in _head_chunks(ref, h, emulate, exact_below):
         for i, y in enumerate((x, q)):
-            lse[i] = torch.logaddexp(lse[i], torch.logsumexp(softcap(y, cap).double(), -1))
+            lse[i] = torch.logaddexp(lse[i], torch.logsumexp(finish(y).double(), -1))
     kl = torch.zeros(h.shape[0], dtype=torch.float64)
     for x, q in _head_chunks(ref, h, emulate, exact_below):
-        lp = softcap(x, cap).double() - lse[0][:, None]
-        kl += (lp.exp() * (lp - (softcap(q, cap).double() - lse[1][:, None]))).sum(-1)
+        lp = finish(x).double() - lse[0][:, None]
+        kl += (lp.exp() * (lp - (finish(q).double() - lse[1][:, None]))).sum(-1)
     return float(kl.mean().detach())
 
 
@@ -661,14 +665,14 @@ def states_logits(ref: Any, z: Any) -> Callable[[int, int], np.ndarray]:
     the final norm, then W^8 a chunk at a time (for Gemma's 262,144 tokens, 192 positions' logits are 0.2 GB)."""
     import torch
 
-    from llama_tools.modeling.model import softcap
+    from llama_tools.modeling.model import final_logits
 
     h = _final(ref)(z)[0]  # Zbar: [n3, n2]
 
     def rows(a: int, b: int) -> np.ndarray:
         with torch.no_grad():
             x = torch.cat([x for x, _ in _head_chunks(ref, h[a:b])], -1)
-            return softcap(x, ref.cfg.final_logit_softcap).float().numpy()
+            return final_logits(ref.cfg, x).float().numpy()
     return rows
 
 

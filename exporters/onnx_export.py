@@ -205,8 +205,9 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     if not streamed:
         _apply_weights(program, hidden, {**state, **tables}, folded)
     attach_rope_function(graph, rope_op, opset)
-    assert rope_nodes == (2 * cfg.num_hidden_layers if cfg.position_encoding == "rope" else 0), (
-        f"{rope_nodes} RoPE nodes for {cfg.num_hidden_layers} layers")
+    rotating = 0 if cfg.position_encoding != "rope" else (
+        cfg.num_hidden_layers if cfg.rope_layers is None else sum(cfg.rope_layers))  # SmolLM3: some layers none
+    assert rope_nodes == 2 * rotating, f"{rope_nodes} RoPE nodes for {rotating} layers with RoPE"
     set_metadata(graph, cfg, rope_op, dt.name, weights.source, weights.seed)
     say(f"writing {output}")
     data = save_model(graph, output, external_data_threshold_bytes, check, progress, source=lazy)

@@ -182,9 +182,12 @@ def _layer_activations(cfg: ModelConfig, j: int, b: int, n3: int, past: int) -> 
     p = f"model.layers.{j}."
     a = lambda sec, sym, desc, mod, port, shape, count=1: ShapeRow(  # noqa: E731
         "activation", sec, j, sym, desc, mod, port, tuple(shape), count)
-    rope, gain, sliding = cfg.position_encoding == "rope", _gain(cfg), cfg.slides(j)
+    rope, gain, sliding = cfg.rotates(j), _gain(cfg), cfg.slides(j)
     qs, ks = (f"Qbar^{{{j},i}}", f"Kbar^{{{j},i}}") if rope else (f"Q^{{{j},i}}", f"K^{{{j},i}}")
-    raw = f"{qs}{ks}T/sqrt({'s' if _custom_scale(cfg) else 'n6'})"
+    m = cfg.residual_multiplier
+    times = f"{m:g} " if m != 1.0 else ""  # Granite: what attention and the FFN add is scaled first
+    raw = f"{qs}{ks}T x {cfg.attention_multiplier:g}" if cfg.attention_multiplier is not None else \
+        f"{qs}{ks}T/sqrt({'s' if _custom_scale(cfg) else 'n6'})"
     cap = cfg.attn_logit_softcap
     score = f"{f'softcap({raw})' if cap is not None else raw}+{_mask_symbol(sliding)}"
     rows = [
@@ -246,8 +249,13 @@ def _layer_activations(cfg: ModelConfig, j: int, b: int, n3: int, past: int) -> 
         window = f", sliding window of {cfg.sliding_window} keys"
     else:
         window = ", global layer: full causal mask" if len(_layer_kinds(cfg)) > 1 else ""
+    if cfg.attention_multiplier is not None:
+        scale = " (attention_multiplier, not 1 / sqrt(n6))"
+    if cfg.rope_layers is not None and not rope:
+        window += ", no RoPE in this layer"
     rows += [
-        a("6.2", score, ("attention scores (+ALiBi in M)" if not rope else "attention scores") + scale + window,
+        a("6.2", score, ("attention scores (+ALiBi in M)" if cfg.position_encoding != "rope" else "attention scores")
+          + scale + window,
           p + "self_attn", "inside", (b, n3, total), n5),
         a("6.2", f"smax({score})", "attention probabilities", p + "self_attn", "inside", (b, n3, total), n5),
         a("6.2", f"U^{{{j},i}}", "smax(...) V^{j,i}: one head's output", p + "self_attn", "inside", (b, n3, n6), n5),
@@ -264,7 +272,7 @@ def _layer_activations(cfg: ModelConfig, j: int, b: int, n3: int, past: int) -> 
         ]
     else:
         rows += [
-            a("6.3", f"Y^{{{j}}}", "Z^j + R^j", p + "post_attention_layernorm", "in", (b, n3, n2)),
+            a("6.3", f"Y^{{{j}}}", f"Z^j + {times}R^j", p + "post_attention_layernorm", "in", (b, n3, n2)),
             a("6.4", f"Ybar^{{{j}}}", f"rnorm(Y^j){gain}", p + "post_attention_layernorm", "out", (b, n3, n2)),
         ]
     rows += _moe_activations(cfg, j, b, n3) if cfg.is_moe else _ffn_activations(cfg, j, b, n3)
@@ -275,7 +283,8 @@ def _layer_activations(cfg: ModelConfig, j: int, b: int, n3: int, past: int) -> 
             a("6.4", f"Z^{{{j + 1}}}", "Y^j + rnorm(Yhat^j): decoder output", p.rstrip("."), "out", (b, n3, n2)),
         ]
     else:
-        rows.append(a("6.4", f"Z^{{{j + 1}}}", "Y^j + Yhat^j: decoder output", p.rstrip("."), "out", (b, n3, n2)))
+        rows.append(a("6.4", f"Z^{{{j + 1}}}", f"Y^j + {times}Yhat^j: decoder output", p.rstrip("."), "out",
+                      (b, n3, n2)))
     return rows
 
 
@@ -353,6 +362,12 @@ def activation_rows(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 
             a("6", "Z^{0}", f"D[t^] x sqrt(n2) = {math.sqrt(n2):g} (Gemma's embedding scale, in the weights' dtype)",
               "model", "inside", (b, n3, n2)),
         ]
+    elif cfg.embedding_multiplier != 1.0:
+        rows += [
+            a("6", "D[t^]", "token embeddings: rows of D", "model.embed_tokens", "out", (b, n3, n2)),
+            a("6", "Z^{0}", f"D[t^] x {cfg.embedding_multiplier:g} (embedding_multiplier)", "model", "inside",
+              (b, n3, n2)),
+        ]
     else:
         rows.append(a("6", "Z^{0}", "token embeddings: rows of D", "model.embed_tokens", "out", (b, n3, n2)))
     for j in range(n8 if layers == "all" else 1):
@@ -362,7 +377,13 @@ def activation_rows(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 
         a("6.6", f"Zbar^{{{n8}}}", f"rnorm(Z^n8): the model's output{_gain(cfg)}", "model.norm", "out", (b, n3, n2)),
     ]
     cap = cfg.final_logit_softcap
-    if cap is None:
+    if cfg.logits_scaling != 1.0:
+        rows += [
+            a("7", f"Zbar^{{{n8}}}W^{{8T}}", "logits before their scaling", "lm_head", "out", (b, n3, cfg.vocab_size)),
+            a("7", "H", f"Zbar^n8 W^{{8T}} / {cfg.logits_scaling:g} (logits_scaling)", "lm_head", "after",
+              (b, n3, cfg.vocab_size)),
+        ]
+    elif cap is None:
         rows.append(a("7", "H", "logits Zbar^n8 W^{8T}", "lm_head", "out", (b, n3, cfg.vocab_size)))
     else:
         rows += [
@@ -459,7 +480,11 @@ def row_count(cfg: ModelConfig, seq_len: int, batch: int = 1, past: int = 0, lay
     per_decoder = sum(r.layer == 0 for r in rows)
     # The copy keeps decoder 0's kind of layer only; the whole model builds one mask per kind.
     masks = 0 if only == "weights" else len(_layer_kinds(cfg)) - len(_layer_kinds(one))
-    return len(rows) + masks + per_decoder * ((cfg.num_hidden_layers if layers == "all" else 1) - 1)
+    n = cfg.num_hidden_layers if layers == "all" else 1
+    # SmolLM3: a layer without RoPE has no Qbar, Kbar rows (rope_layers is listed, so bounded)
+    unrotated = 0 if only == "weights" or cfg.rope_layers is None else (
+        2 * sum(cfg.rotates(0) and not cfg.rotates(j) for j in range(n)))
+    return len(rows) + masks + per_decoder * (n - 1) - unrotated
 
 
 def to_frame(report: ShapeReport) -> Any:

@@ -50,6 +50,12 @@ CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
                       dict(head_dim=16, sliding_window=16, query_pre_attn_scalar=24, layer_types=_GEMMA3_LAYERS),
                       {_FULL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                        _SLIDING: _default(10000.0)}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=3.0, residual_multiplier=0.4,
+                                                           attention_multiplier=0.09, logits_scaling=0.5),
+                _default(10000.0)),
+    # every 2nd layer without RoPE, those layers sliding (transformers' rule for SmolLM3's layer_types)
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, use_sliding_window=True,
+                                                           sliding_window=16), _default(2000000.0)),
 }
 
 

@@ -48,6 +48,12 @@ CASES = {  # family: (config class, model class, what the family adds)
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         query_pre_attn_scalar=24, sliding_window=WINDOW, rope_local_base_freq=100.0, rope_theta=1e4,
         sliding_window_pattern=2, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # Granite's four multipliers, none of them 1 (transformers' defaults), attention's far from 1 / sqrt(n6)
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=3.0, residual_multiplier=0.4,
+                                                           attention_multiplier=0.09, logits_scaling=0.5)),
+    # SmolLM3: every 2nd layer without RoPE (llama.cpp's 4th is the GGUF case's), those layers sliding
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, rope_theta=1e4,
+                                                           use_sliding_window=True, sliding_window=WINDOW)),
 }
 IDS = torch.tensor([[1, 17, 200, 5, 99, 42, 7, 250, 3, 64, 128, 11, 33, 90]])  # longer than the window
 
@@ -96,16 +102,26 @@ def test_logits_and_greedy_tokens_equal_transformers(family):
 
 def test_what_the_family_adds_changes_the_output(family):
     """Negative controls: each override, turned off, changes the logits far beyond rounding."""
+    from llama_tools.modeling.model import model_from_state
+
     name, d, _ = family
     model = load_model(d)
     cfg = model.cfg
     with torch.no_grad():
         base = model(IDS).logits
     off = {"qk_norm": False} if cfg.qk_norm else {}
+    if cfg.family == "granite":  # each multiplier alone
+        for f in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            changed = model_from_state(cfg.replace(**{f: 1.0}), model.state_dict(), torch.float32)
+            with torch.no_grad():
+                assert (changed(IDS).logits - base).abs().max() > 1e-2, f
+        off = {"attention_multiplier": None}
+    if cfg.rope_layers is not None:
+        off = {"rope_layers": None, "sliding_window": None, "layer_types": None}
     if cfg.final_logit_softcap is not None:
         assert base.abs().max() > 0.9 * cfg.final_logit_softcap  # the cap bites
         off = {"final_logit_softcap": None}
-    if cfg.sliding_window is not None:
+    if cfg.sliding_window is not None and not off:
         off = {"sliding_window": None, "layer_types": None}
     if cfg.norm_plus_one and not off:
         off = {"norm_plus_one": False}
@@ -113,8 +129,6 @@ def test_what_the_family_adds_changes_the_output(family):
         state = {k: v for k, v in model.state_dict().items() if "q_norm" not in k and "k_norm" not in k}
     else:
         state = model.state_dict()
-    from llama_tools.modeling.model import model_from_state
-
     changed = model_from_state(cfg.replace(**off), state, torch.float32)
     with torch.no_grad():
         assert (changed(IDS).logits - base).abs().max() > 1e-2, off
@@ -183,7 +197,8 @@ def write_family_gguf(d: Path, hf, path: Path) -> None:
     as HF has them (rope type NEOX), Gemma's gains stored as 1 + γ; every tensor F32, so the file is the same model."""
     gguf = pytest.importorskip("gguf")
     c = hf.config
-    arch = {"qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}[c.model_type]
+    arch = {"qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "granite": "granite",
+            "smollm3": "smollm3"}[c.model_type]
     w = gguf.GGUFWriter(str(path), arch)
     n = c.num_hidden_layers
     add_llama_hparams(w, load_config(d))  # the keys every architecture shares, from the config.json HF wrote
@@ -204,6 +219,11 @@ def write_family_gguf(d: Path, hf, path: Path) -> None:
         w.add_final_logit_softcapping(c.final_logit_softcapping)
     if getattr(c, "rope_local_base_freq", None):
         w.add_rope_freq_base_swa(c.rope_local_base_freq)
+    if arch == "granite":  # llama.cpp's names for the four multipliers
+        for key, value in (("embedding_scale", c.embedding_multiplier), ("residual_scale", c.residual_multiplier),
+                           ("attention.scale", c.attention_multiplier), ("logit_scale", c.logits_scaling)):
+            w.add_float32(f"granite.{key}", value)
+    interleave = arch in ("granite", "smollm3")  # converted as Llama: q/k rows in Meta's order (convert_hf_to_gguf)
     # A byte-level vocabulary of the model's size: specials, letters, then pieces no text reaches.
     tokens = (["<unk>", "<s>", "</s>"] + [chr(c) for c in range(97, 123)] + ["Ġ"]
               + [f"<x{i}>" for i in range(c.vocab_size - 30)])
@@ -221,12 +241,20 @@ def write_family_gguf(d: Path, hf, path: Path) -> None:
         a = t.detach().numpy().astype(np.float32)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             a = a + 1.0  # convert_hf_to_gguf.py: Gemma's gains as llama.cpp multiplies by them
+        if interleave and name.endswith(("q_proj.weight", "k_proj.weight")):  # LlamaModel.permute
+            heads = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
+            a = a.reshape(heads, 2, a.shape[0] // heads // 2, a.shape[1]).swapaxes(1, 2).reshape(a.shape)
         w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), a)
     finish_gguf(w)
 
 
 def test_family_gguf_is_counted_loaded_exported_and_verified(family, tmp_path):
     name, d, hf = family
+    if name == "smollm3":  # llama.cpp fixes its layers without RoPE at every 4th; this case's are every 2nd
+        with pytest.raises(ValueError, match="layers without RoPE"):
+            from llama_tools.checkpoints.gguf.write import check_config
+            check_config(load_model(d).cfg)
+        return
     path = tmp_path / f"{name}.gguf"
     write_family_gguf(d, hf, path)
     r = CliRunner().invoke(cli, ["count-params", str(path), "--format", "json"])

@@ -73,6 +73,10 @@ CASES = {
                "gemma"),
     "gemma3": ("gemma3_text", dict(GEMMA, sliding_window=16, layer_types=[SLIDING, FULL],
                                    rope_theta=1e6, rope_local_base_freq=1e4), "gemma"),
+    # Granite's four multipliers off 1; SmolLM3 deep enough that its 4th layer goes without RoPE (llama.cpp's rule)
+    "granite": ("granite", dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                                logits_scaling=0.5, rope_theta=1e4), "bpe"),
+    "smollm3": ("smollm3", dict(rope_theta=1e5, num_hidden_layers=4, tie_word_embeddings=False), "bpe"),
 }
 DTYPES = {"F32": None, "F16": "float16", "BF16": "bfloat16"}
 TORCH = {"F16": torch.float16, "BF16": torch.bfloat16}

@@ -498,6 +498,14 @@ def configs(draw) -> tuple[ModelConfig, str | None]:
                      final_logit_softcap=draw(st.sampled_from([None, 30.0])))
     if family == "llama":
         extra.update(o_bias=draw(st.booleans()), mlp_bias=draw(st.booleans()))
+    if family == "granite":
+        extra.update(embedding_multiplier=draw(st.sampled_from([1.0, 12.0])),
+                     residual_multiplier=draw(st.sampled_from([1.0, 0.22])),
+                     attention_multiplier=draw(st.sampled_from([None, 0.0078125])),
+                     logits_scaling=draw(st.sampled_from([1.0, 16.0])))
+    if family == "smollm3":  # llama.cpp's own rule: every 4th layer without RoPE
+        rotates = tuple((j + 1) % 4 != 0 for j in range(layers))
+        extra.update(rope_layers=None if all(rotates) else rotates)
     if family == "mixtral":  # written as llama.cpp's 'llama' with experts: stacked ffn_*_exps, read back as Mixtral
         experts = draw(st.integers(1, 4))
         extra.update(num_experts=experts, num_experts_per_tok=draw(st.integers(1, experts)))

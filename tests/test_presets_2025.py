@@ -55,6 +55,18 @@ _SMOLLM2 = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_si
                 tie_word_embeddings=True, hidden_act="silu", bos_token_id=0, eos_token_id=0,
                 torch_dtype="bfloat16")
 
+_GRANITE = dict(model_type="granite", architectures=["GraniteForCausalLM"], vocab_size=49155, num_hidden_layers=40,
+                num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=10000000.0,
+                rope_scaling=None, max_position_embeddings=131072, tie_word_embeddings=True, attention_bias=False,
+                mlp_bias=False, hidden_act="silu", embedding_multiplier=12.0, residual_multiplier=0.22,
+                bos_token_id=0, eos_token_id=0, pad_token_id=0, torch_dtype="bfloat16")
+_SMOLLM3 = dict(model_type="smollm3", architectures=["SmolLM3ForCausalLM"], vocab_size=128256, rms_norm_eps=1e-6,
+                rope_theta=5000000.0, rope_scaling=None, max_position_embeddings=65536, tie_word_embeddings=True,
+                attention_bias=False, mlp_bias=False, hidden_act="silu", use_sliding_window=False,
+                sliding_window=None, no_rope_layer_interval=4,
+                no_rope_layers=[int((j + 1) % 4 != 0) for j in range(36)],
+                bos_token_id=128000, eos_token_id=128012, pad_token_id=128004, torch_dtype="bfloat16")
+
 
 def _sizes(hidden: int, ffn: int, layers: int, heads: int, kv: int, **kw) -> dict:
     return dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
@@ -95,6 +107,12 @@ PUBLISHED: dict[str, tuple[dict, float, float]] = {
     "smollm2-135m": ({**_SMOLLM2, **_sizes(576, 1536, 30, 9, 3)}, 134.5e6, 5e4),
     "smollm2-360m": ({**_SMOLLM2, **_sizes(960, 2560, 32, 15, 5)}, 362e6, 5e5),
     "smollm2-1.7b": ({**_SMOLLM2, **_sizes(2048, 8192, 24, 32, 32), "rope_theta": 130000.0}, 1.71e9, 5e6),
+    # Granite 3.1's cards: 2.5B and 8.1B (8,170,848,256)
+    "granite-3.1-2b": ({**_GRANITE, "hidden_size": 2048, "intermediate_size": 8192, "attention_multiplier": 0.015625,
+                        "logits_scaling": 8.0}, 2.53e9, 5e6),
+    "granite-3.1-8b": ({**_GRANITE, "hidden_size": 4096, "intermediate_size": 12800,
+                        "attention_multiplier": 0.0078125, "logits_scaling": 16.0}, 8.17e9, 5e6),
+    "smollm3-3b": ({**_SMOLLM3, **_sizes(2048, 11008, 36, 16, 4)}, 3.08e9, 5e6),
 }
 
 
@@ -168,6 +186,7 @@ def test_negative_a_one_unit_change_is_seen():
 def test_aliases_people_type():
     for alias, target in {"llama3.1-8b": "llama-3.1-8b", "Llama-3.2-1B": "llama-3.2-1b", "Qwen3-0.6B": "qwen3-0.6b",
                           "gemma-3-1b-pt": "gemma-3-1b", "gemma2-9b": "gemma-2-9b",
-                          "SmolLM2-135M": "smollm2-135m"}.items():
+                          "SmolLM2-135M": "smollm2-135m", "granite-3.1-8b-instruct": "granite-3.1-8b",
+                          "SmolLM3-3B": "smollm3-3b"}.items():
         assert get_preset(alias) is PRESETS[target]
     assert all(a == a.lower() and "/" not in a for a in ALIASES)  # a "/" reads as a path (looks_like_path)

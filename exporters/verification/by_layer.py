@@ -337,12 +337,13 @@ class LayerReference:
     def embed(self, ids: np.ndarray) -> Any:
         import torch
 
+        from llama_tools.modeling.model import embedding_scale
+
         t = torch.from_numpy(ids)
         uniq, inverse = torch.unique(t, return_inverse=True)
         rows = self.reader.rows("model.embed_tokens.weight", [(int(i), int(i) + 1) for i in uniq])
         z = rows.to(self.dtype)[inverse]  # [n_unique, n2] gathered to [b, n3, n2]
-        # Gemma's sqrt(n2) in the pass's dtype, as the model's embed computes it
-        return z * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=self.dtype) if self.cfg.embed_scale else z
+        return embedding_scale(self.cfg, z)  # Gemma's sqrt(n2), Granite's multiplier, as the model's embed
 
     def layer(self, j: int, z: Any, mask: np.ndarray) -> tuple[Any, Any, Any]:
         """Decoder j on z: (Z^{j+1}, K, V); the fp32 weights read one tensor at a time, each cast, then freed."""

@@ -412,6 +412,8 @@ def keys_by_position(meta: ExportMetadata, mask: np.ndarray) -> Callable[[int, n
     assert tables is not None, "a graph whose attention rotates has RoPE tables"
 
     def turned_back(layer: int, keys: np.ndarray) -> np.ndarray:
+        if not cfg.rotates(layer):  # SmolLM3's layers without RoPE: GQA left their keys as they are
+            return keys
         cos, sin = layer_tables(tables, cfg.slides(layer))
         return rope_ops.unrotate_slots(keys, pads, cos.numpy(), sin.numpy(), meta.rope_layout == INTERLEAVED)
     return turned_back

@@ -333,6 +333,9 @@ def _layer_types(data: dict[str, Any], path: Path, family: str, layers: int) -> 
             raise ValueError(f"{path}: field 'num_hidden_layers' is {layers:,}; a {family} config's sliding and "
                              f"full layers are listed one by one, at most {LAYER_LIST_LIMIT:,}")
         return tuple(SLIDING if j >= first else FULL for j in range(layers))
+    if "no_rope_layers" in keys:  # SmolLM3's config: the layers without RoPE are the sliding ones
+        rotates = _rope_layers(data, path, layers)
+        return tuple(FULL if r else SLIDING for r in rotates)
     pattern = {"gemma2": 2, "gemma3": None}.get(family, 0)
     if pattern is None:  # Gemma 3's configs name it with or without a leading underscore
         key = "sliding_window_pattern" if data.get("sliding_window_pattern") is not None else "_sliding_window_pattern"
@@ -341,6 +344,23 @@ def _layer_types(data: dict[str, Any], path: Path, family: str, layers: int) -> 
         raise ValueError(f"{path}: field 'num_hidden_layers' is {layers:,}; a {family} config's sliding and full "
                          f"layers are listed one by one, at most {LAYER_LIST_LIMIT:,} (published: 62)")
     return tuple(SLIDING if (j + 1) % pattern else FULL for j in range(layers)) if pattern else None
+
+
+def _rope_layers(data: dict[str, Any], path: Path, layers: int) -> tuple[bool, ...]:
+    """SmolLM3's `no_rope_layers` (1: the layer rotates, 0: it does not), or every no_rope_layer_interval-th layer
+    without (transformers' default); listed per layer, so bounded first."""
+    if layers > LAYER_LIST_LIMIT:
+        raise ValueError(f"{path}: field 'num_hidden_layers' is {layers:,}; a smollm3 config's layers with and "
+                         f"without RoPE are listed one by one, at most {LAYER_LIST_LIMIT:,} (published: 36)")
+    raw = data.get("no_rope_layers")
+    if raw is None:
+        every = _as_int(_get(data, "no_rope_layer_interval", 4), path, "no_rope_layer_interval")
+        return tuple((j + 1) % every != 0 for j in range(layers))
+    if not isinstance(raw, list) or len(raw) != layers or any(type(x) is not int or x not in (0, 1) for x in raw):
+        got = f"a list of {len(raw):,}" if isinstance(raw, list) else _got(raw)
+        raise ValueError(f"{path}: field 'no_rope_layers' must list 1 (RoPE) or 0 (none) for each of the {layers:,} "
+                         f"layers, got {got}")
+    return tuple(bool(x) for x in raw)
 
 
 def _check_head_width(hidden: int, heads: int, path: Path, keys: tuple[str, str]) -> None:
@@ -371,10 +391,11 @@ def _family(data: dict[str, Any], path: Path) -> str:
     return family
 
 
-def _unmodelled(data: dict[str, Any], path: Path) -> None:
-    """Refuse a key that changes the math in a model no family here computes, unless it holds its neutral value."""
+def _unmodelled(data: dict[str, Any], path: Path, family: str) -> None:
+    """Refuse a key that changes the math in a model no family here computes, unless it holds its neutral value or
+    the family reads it."""
     for key, neutral in UNMODELLED_KEYS.items():
-        if key in data and not neutral(data[key]):
+        if key in data and key not in FAMILIES[family].hf_keys and not neutral(data[key]):
             raise ValueError(f"{path}: field {key!r} is {_got(data[key])}; it changes the math and llama-tools does "
                              f"not model it, so it refuses the config rather than compute another model")
 
@@ -389,7 +410,7 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
     family = _family(data, path)
     fam = FAMILIES[family]
     keys = fam.hf_keys
-    _unmodelled(data, path)
+    _unmodelled(data, path, family)
     integer = lambda key, minimum=1: _as_int(_require(data, path, key), path, key, minimum)  # noqa: E731
     flag = lambda key: _as_bool(_get(data, key, keys.get(key, False)), path, key)  # noqa: E731
     optional = lambda key: None if data.get(key) is None else _as_int(data[key], path, key)  # noqa: E731
@@ -457,6 +478,12 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
         pad_token_id=None if data.get("pad_token_id") is None else _token_id(data, path, "pad_token_id", 0),
         torch_dtype=_stored_dtype(data, path),
     )
+    if "no_rope_layers" in keys:
+        rotates = _rope_layers(data, path, layers)
+        kw["rope_layers"] = None if all(rotates) else rotates
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        if key in keys:  # Granite's (transformers' defaults 1, attention_multiplier's too)
+            kw[key] = _as_float(read(key), path, key)
     experts = read("num_local_experts")
     if experts is not None and _as_int(experts, path, "num_local_experts", 0):
         kw["num_experts"] = _as_int(experts, path, "num_local_experts")
@@ -618,5 +645,15 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if fam.window_flag:
         d["use_sliding_window"] = cfg.sliding_window is not None
         if cfg.sliding_window is not None and cfg.layer_types is None:
-            d["max_window_layers"] = 0  # every layer slides (the family's default keeps the first 28 full)
+            if "max_window_layers" in keys:
+                d["max_window_layers"] = 0  # every layer slides (the family's default keeps the first 28 full)
+            else:  # SmolLM3 would slide only its layers without RoPE
+                d["layer_types"] = [SLIDING] * cfg.num_hidden_layers
+    if "no_rope_layers" in keys:  # SmolLM3: listed, so the file says what our reading holds
+        d["no_rope_layers"] = [int(cfg.rotates(j)) for j in range(cfg.num_hidden_layers)]
+    for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        if key in keys:
+            d[key] = getattr(cfg, key)
+    if "attention_multiplier" in keys:  # Granite's code multiplies by it, its default 1: never left out
+        d["attention_multiplier"] = cfg.score_scale
     return d

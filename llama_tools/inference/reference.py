@@ -32,8 +32,8 @@ from ..checkpoints.header_readers import TensorInfo
 from ..checkpoints.inspection import read_checkpoint_headers
 from ..checkpoints.layouts import split_qkv
 from ..modeling.model import (
-    CausalLMOutput, DecoderLayer, KVCache, RMSNorm, RopeTables, layer_masks, layer_tables, norm, positions, rope_tables_of,
-    softcap)
+    CausalLMOutput, DecoderLayer, KVCache, RMSNorm, RopeTables, embedding_scale, final_logits, layer_masks,
+    layer_tables, norm, positions, rope_tables_of)
 from ..modeling.rope import per_pass
 from ..outputs.progress import Progress, silent
 from ..checkpoints.source import ModelSource, resolve
@@ -380,12 +380,11 @@ class StreamedReference:
         uniq, inverse = torch.unique(input_ids, return_inverse=True)
         rows = self.reader.rows("model.embed_tokens.weight", [(int(i), int(i) + 1) for i in uniq], self.device)
         z = rows.to(self.dtype)[inverse]  # [n_unique, n2] gathered to [b, n3, n2]
-        # Gemma's sqrt(n2), rounded to the arithmetic's dtype as the model's embed (and HF) round it
-        return z * torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=self.dtype) if self.cfg.embed_scale else z
+        return embedding_scale(self.cfg, z)  # Gemma's sqrt(n2), Granite's multiplier, as the model's embed
 
     @torch.no_grad()
     def head(self, zbar: torch.Tensor) -> torch.Tensor:
-        """H = Zbar W^{8 T} (softcapped where the model caps): [..., n2] -> [..., n1]."""
+        """H = Zbar W^{8 T}, finished as the model finishes it (final_logits): [..., n2] -> [..., n1]."""
         return self._head(zbar)
 
     def _head(self, zbar: torch.Tensor) -> torch.Tensor:
@@ -404,7 +403,7 @@ class StreamedReference:
             out.append(reassociated_matmul(zbar, w) if self.reassociated else zbar @ w.T)  # [b, n3, rows]
             self.times.read += t1 - t0
             self.times.compute += time.perf_counter() - t1
-        return softcap(torch.cat(out, dim=-1), cfg.final_logit_softcap)
+        return final_logits(cfg, torch.cat(out, dim=-1))
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

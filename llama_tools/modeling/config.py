@@ -142,6 +142,13 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap tanh(scores / cap), before the mask
     final_logit_softcap: float | None = None  # Gemma 2: logits -> cap tanh(logits / cap)
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (unscaled); None: rope_theta
+    rope_layers: tuple[bool, ...] | None = None  # SmolLM3: whether layer j rotates q and k; None: every layer
+    # Granite's four multipliers: Z^0 times the first, R and Yhat times the second before each residual, scores
+    # Qbar Kbar^T times the third instead of / sqrt(n6), H divided by the fourth.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     # Mixture of experts (Mixtral, DeepSeek-MoE): 0 experts means a dense SwiGLU FFN.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -217,7 +224,8 @@ class ModelConfig:
         for f in ("qk_norm", "norm_plus_one", "embed_scale", "sandwich_norms"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{where}: field {f} must be true or false, got {getattr(self, f)!r}")
-        for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "rope_local_theta"):
+        for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "rope_local_theta",
+                  "attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"):
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                                   or not (math.isfinite(v) and v > 0)):
@@ -227,6 +235,11 @@ class ModelConfig:
                                or any(t not in (SLIDING, FULL) for t in lt)):
             raise ValueError(f"{where}: field layer_types must list {SLIDING!r} or {FULL!r} for each of the "
                              f"{self.num_hidden_layers} layers, got {lt!r}")
+        rl = self.rope_layers
+        if rl is not None and (not isinstance(rl, tuple) or len(rl) != self.num_hidden_layers
+                               or any(not isinstance(r, bool) for r in rl)):
+            raise ValueError(f"{where}: field rope_layers must say true or false for each of the "
+                             f"{self.num_hidden_layers} layers, got {rl!r}")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
             raise ValueError(f"{where}: num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
                              f"got {self.num_experts_per_tok}")
@@ -249,16 +262,28 @@ class ModelConfig:
         """Whether layer j attends through the sliding window (every layer when layer_types is None)."""
         return self.sliding_window is not None and (self.layer_types is None or self.layer_types[j] == SLIDING)
 
+    def rotates(self, j: int) -> bool:
+        """Whether layer j rotates q and k by RoPE (SmolLM3 leaves some layers without; ALiBi none)."""
+        return self.position_encoding == "rope" and (self.rope_layers is None or self.rope_layers[j])
+
     @property
     def uniform_layers(self) -> bool:
         """Whether every decoder layer computes the same function of its own weights (no local/global mix)."""
         # Without layer_types every layer slides alike: no loop over n8, which may be any number.
+        if self.rope_layers is not None and len(set(self.rope_layers)) > 1:
+            return False
         return self.sliding_window is None or self.layer_types is None or len(set(self.layer_types)) <= 1
 
     @property
     def attention_scale(self) -> float:
         """What scores are divided by the square root of: n6, or Gemma's query_pre_attn_scalar."""
         return self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
+
+    @property
+    def score_scale(self) -> float:
+        """What Qbar Kbar^T is multiplied by: Granite's attention_multiplier, else 1 / sqrt(n6 or Gemma's s)."""
+        return self.attention_multiplier if self.attention_multiplier is not None \
+            else 1.0 / math.sqrt(self.attention_scale)
 
     @property
     def is_moe(self) -> bool:
@@ -278,9 +303,11 @@ class ModelConfig:
         rederive = {name: 0 for name, value in self._derivations().items()
                     if getattr(self, name) == value and name not in changes}
         n = changes.get("num_hidden_layers")
-        if n is not None and self.layer_types is not None and "layer_types" not in changes:
-            # fewer layers keep the first n layer types; more repeat the pattern
-            rederive["layer_types"] = tuple(self.layer_types[j % len(self.layer_types)] for j in range(n))
+        for f in ("layer_types", "rope_layers"):
+            listed = getattr(self, f)
+            if n is not None and listed is not None and f not in changes:
+                # fewer layers keep the first n entries; more repeat the pattern
+                rederive[f] = tuple(listed[j % len(listed)] for j in range(n))
         return dataclasses.replace(self, **{**rederive, **changes})
 
     def to_dict(self) -> dict[str, Any]:
@@ -291,8 +318,9 @@ class ModelConfig:
         d = dict(d)
         if d.get("rope_scaling"):
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        if d.get("layer_types") is not None:
-            d["layer_types"] = tuple(d["layer_types"])
+        for f in ("layer_types", "rope_layers"):
+            if d.get(f) is not None:
+                d[f] = tuple(d[f])
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 

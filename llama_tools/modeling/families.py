@@ -12,6 +12,8 @@ fields; `convert` and the export name the family from here. No torch.
 | gemma   |          | 1 + γ     | GELU-tanh  | pre-norm            | / sqrt(n6)         | alike; D x sqrt(n2)|
 | gemma2  |          | 1 + γ     | GELU-tanh  | pre- and post-norm  | / sqrt(s), capped  | local / global    |
 | gemma3  | per head | 1 + γ     | GELU-tanh  | pre- and post-norm  | / sqrt(s)          | 5 local : 1 global|
+| granite |          | γ         | SiLU       | pre-norm, both x m  | x m                | alike; D x m, H / m|
+| smollm3 |          | γ         | SiLU       | pre-norm            | / sqrt(n6)         | every 4th no RoPE |
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ _GEMMA2_KEYS = {**_GEMMA_KEYS, "hidden_activation": "gelu_pytorch_tanh", "num_ke
 _GEMMA3_KEYS = {**_GEMMA2_KEYS, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
                 "max_position_embeddings": 131072, "attn_logit_softcapping": None, "final_logit_softcapping": None,
                 "sliding_window_pattern": 6}
+# Granite: Llama with four multipliers (transformers' defaults: 1 each, so attention_multiplier 1 is no 1/sqrt(n6)).
+_GRANITE_KEYS = {**_LLAMA_KEYS, "embedding_multiplier": 1.0, "residual_multiplier": 1.0,
+                 "attention_multiplier": 1.0, "logits_scaling": 1.0}
+# SmolLM3: Llama whose layers listed 0 in no_rope_layers (default: every no_rope_layer_interval-th) have no RoPE.
+_SMOLLM3_KEYS = {**_LLAMA_KEYS, "rope_theta": 2000000.0, "max_position_embeddings": 32768,
+                 "num_key_value_heads": 4, "tie_word_embeddings": True, "use_sliding_window": False,
+                 "sliding_window": None, "layer_types": None, "no_rope_layers": None, "no_rope_layer_interval": 4}
 # Baichuan and InternLM2 ship their own modeling code beside the weights (trust_remote_code).
 _BAICHUAN_KEYS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
                   "position_embedding": None, "norm_head": None}
@@ -88,6 +97,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            genai_type="gemma2"),
     Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), {**_GEMMA, "sandwich_norms": True, "qk_norm": True},
            hf_keys=_GEMMA3_KEYS, genai_type="gemma3_text"),
+    Family("granite", ("GraniteForCausalLM",), ("granite",), hf_keys=_GRANITE_KEYS, genai_type="granite"),
+    Family("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), hf_keys=_SMOLLM3_KEYS, genai_type="smollm3"),
     Family("baichuan", ("BaichuanForCausalLM", "BaiChuanForCausalLM"), ("baichuan",), hf_keys=_BAICHUAN_KEYS),
     Family("internlm2", ("InternLM2ForCausalLM",), ("internlm2",), hf_keys=_INTERNLM2_KEYS),
 ]}
@@ -100,8 +111,9 @@ def _neutral(*values: Any) -> Any:
 
 
 # Keys that change the math in the transformers (or remote) code of models no family here computes: refused in one
-# line naming the key unless they hold the value that changes nothing. A config that carries one is a variant
-# (Granite's multipliers, SmolLM3's layers without RoPE, partial rotary, bidirectional attention, ...).
+# line naming the key unless they hold the value that changes nothing, or unless the config's family reads the key
+# (Granite's multipliers, SmolLM3's layers without RoPE). Elsewhere a config that carries one is a variant
+# (partial rotary, bidirectional attention, ...).
 UNMODELLED_KEYS: dict[str, Any] = {
     "use_bidirectional_attention": _neutral(None, False),
     "partial_rotary_factor": _neutral(None, 1, 1.0),

@@ -69,6 +69,21 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
+def embedding_scale(cfg: ModelConfig, z: torch.Tensor) -> torch.Tensor:
+    """Z^0 as the family scales D's rows: Gemma's sqrt(n2) rounded to z's dtype first (as HF does), Granite's
+    embedding_multiplier a Python float (as HF multiplies); others as they are."""
+    if cfg.embed_scale:
+        return z * torch.tensor(math.sqrt(cfg.hidden_size), dtype=z.dtype)
+    return z * cfg.embedding_multiplier if cfg.embedding_multiplier != 1.0 else z
+
+
+def final_logits(cfg: ModelConfig, h: torch.Tensor) -> torch.Tensor:
+    """H as the family finishes it: Granite divides by logits_scaling, Gemma 2 soft-caps; any slab of columns alike."""
+    if cfg.logits_scaling != 1.0:
+        h = h / cfg.logits_scaling
+    return softcap(h, cfg.final_logit_softcap)
+
+
 ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}  # config.ACTIVATIONS
 
 
@@ -248,9 +263,10 @@ def positions(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, past
 class Attention(nn.Module):
     """Self-attention sublayer (6.2) with grouped-query heads and a KV cache."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, j: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.rotates = cfg.rotates(j)  # SmolLM3: some layers attend without RoPE
         n2 = cfg.hidden_size
         self.q_proj = nn.Linear(n2, cfg.q_size, bias=cfg.qkv_bias)  # W^{j1}: (n5 n6) x n2
         self.k_proj = nn.Linear(n2, cfg.kv_size, bias=cfg.qkv_bias)  # W^{j2}: (kv_heads n6) x n2
@@ -273,7 +289,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # each head's row normalized over its n6
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [b, n5 or kv, n3, n6]
         v = self.v_proj(zbar).view(b, n3, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)  # [b, kv, n3, n6]
-        if rope_tables is not None:
+        if rope_tables is not None and self.rotates:
             q = self.q_rope(q, position_ids, rope_tables)  # Qbar^{j,i} = rope(Q^{j,i})
             k = self.k_rope(k, position_ids, rope_tables)  # Kbar^{j,i} = rope(K^{j,i})
         if past is not None:
@@ -285,8 +301,11 @@ class Attention(nn.Module):
             k = k.repeat_interleave(cfg.n_rep, dim=1)  # [b, n5, past + n3, n6]
             v = v.repeat_interleave(cfg.n_rep, dim=1)
         # U^{j,i} = smax(Qbar Kbar^T / sqrt(n6) + M) V, softmax in fp32 as the references do; Gemma scales by
-        # its own scalar and Gemma 2 caps the scores before the mask.
-        scores = softcap((q @ k.transpose(-1, -2)) / math.sqrt(cfg.attention_scale), cfg.attn_logit_softcap)
+        # its own scalar, Granite multiplies by its own, and Gemma 2 caps the scores before the mask.
+        qk = q @ k.transpose(-1, -2)  # [b, n5, n3, past + n3]
+        qk = qk * cfg.attention_multiplier if cfg.attention_multiplier is not None \
+            else qk / math.sqrt(cfg.attention_scale)
+        scores = softcap(qk, cfg.attn_logit_softcap)
         scores = scores + bias  # [b, n5, n3, past + n3]
         probs = torch.softmax(wide(scores), dim=-1).to(q.dtype)
         u = probs @ v  # [b, n5, n3, n6]
@@ -340,8 +359,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, j: int = 0):
         super().__init__()
         self.sliding = cfg.slides(j)  # this layer's mask and RoPE tables are the local ones
+        self.residual_multiplier = cfg.residual_multiplier  # Granite: R and Yhat scaled before each residual
         self.input_layernorm = norm(cfg)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, j)
         self.post_attention_layernorm = norm(cfg)
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(cfg), norm(cfg)
@@ -365,6 +385,8 @@ class DecoderLayer(nn.Module):
         r, present = self.self_attn(zbar, bias, position_ids, rope_tables, past)
         if hasattr(self, "post_feedforward_layernorm"):
             r = self.post_attention_layernorm(r)  # Gemma 2/3: R^j normalized before the residual
+        if self.residual_multiplier != 1.0:
+            r = r * self.residual_multiplier
         return z + r, present  # Y^j = Z^j + R^j
 
     def feed_forward(self, y: torch.Tensor) -> torch.Tensor:
@@ -375,6 +397,8 @@ class DecoderLayer(nn.Module):
         yhat = ffn(ybar)
         if sandwich:
             yhat = self.post_feedforward_layernorm(yhat)
+        if self.residual_multiplier != 1.0:
+            yhat = yhat * self.residual_multiplier
         return y + yhat  # Z^{j+1} = Y^j + Yhat^j
 
 
@@ -389,9 +413,8 @@ class Backbone(nn.Module):
         self.norm = norm(cfg)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Z^0: row t_i of D for each token (Gemma: times sqrt(n2), rounded to the weights' dtype as HF does)."""
-        z = self.embed_tokens(input_ids)  # [b, n3, n2]
-        return z * torch.tensor(math.sqrt(z.shape[-1]), dtype=z.dtype) if self.cfg.embed_scale else z
+        """Z^0: row t_i of D for each token, scaled as the family scales it (embedding_scale)."""
+        return embedding_scale(self.cfg, self.embed_tokens(input_ids))  # [b, n3, n2]
 
 
 class Llama(nn.Module):
@@ -447,7 +470,7 @@ class Llama(nn.Module):
             presents.append(present)
         zbar = self.model.norm(z)  # Zbar^{n8} = rnorm(Z^{n8})
         w = F.normalize(self.lm_head.weight, dim=-1) if self.cfg.norm_head else self.lm_head.weight
-        logits = softcap(zbar @ w.T, self.cfg.final_logit_softcap)  # H = Zbar^{n8} W^{8 T}: [b, n3, n1]
+        logits = final_logits(self.cfg, zbar @ w.T)  # H = Zbar^{n8} W^{8 T}: [b, n3, n1]
         return CausalLMOutput(logits=logits, past_key_values=tuple(presents))
 
 

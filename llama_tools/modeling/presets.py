@@ -59,10 +59,20 @@ _GEMMA3_MM = dict(_GEMMA3, vocab_size=262208, max_position_embeddings=131072, sl
 _SMOLLM2 = dict(vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192,
                 bos_token_id=0, eos_token_id=0, torch_dtype=BF16)
 
+# Granite 3.1: Llama blocks with four multipliers, tied, 49,155 tokens, 128K positions at base 10^7.
+_GRANITE = dict(**_family("granite"), vocab_size=49155, num_hidden_layers=40, num_attention_heads=32,
+                num_key_value_heads=8, tie_word_embeddings=True, rope_theta=1e7, max_position_embeddings=131072,
+                embedding_multiplier=12.0, residual_multiplier=0.22, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                torch_dtype=BF16)
+# SmolLM3: Llama blocks, every 4th layer without RoPE (no_rope_every), tied, Llama 3's vocabulary.
+_SMOLLM3 = dict(**_family("smollm3"), vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                rope_theta=5e6, max_position_embeddings=65536, bos_token_id=128000, eos_token_id=128012,
+                pad_token_id=128004, torch_dtype=BF16, no_rope_every=4)
+
 
 def _preset(name: str, *bases: dict[str, Any], **kw: Any) -> ModelConfig:
     """LLaMA-2's defaults (eps 1e-5, 4096 positions, fp16), then `bases`, then `kw`; `full_every` (Gemma 2/3) makes
-    the layer types from the layer count (_pattern)."""
+    the layer types from the layer count (_pattern), `no_rope_every` (SmolLM3) the layers with RoPE."""
     fields: dict[str, Any] = dict(rms_norm_eps=1e-5, max_position_embeddings=4096, torch_dtype=FP16)
     for base in bases:
         fields.update(base)
@@ -70,6 +80,9 @@ def _preset(name: str, *bases: dict[str, Any], **kw: Any) -> ModelConfig:
     every = fields.pop("full_every", None)
     if every:
         fields["layer_types"] = _pattern(fields["num_hidden_layers"], every)
+    every = fields.pop("no_rope_every", None)
+    if every:
+        fields["rope_layers"] = tuple((j + 1) % every != 0 for j in range(fields["num_hidden_layers"]))
     return ModelConfig(name=name, source=name, **fields)
 
 
@@ -153,6 +166,12 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
             num_attention_heads=15, num_key_value_heads=5),
     _preset("smollm2-1.7b", _SMOLLM2, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
             num_attention_heads=32, num_key_value_heads=32, rope_theta=130000.0),
+    _preset("granite-3.1-2b", _GRANITE, hidden_size=2048, intermediate_size=8192, attention_multiplier=0.015625,
+            logits_scaling=8.0),
+    _preset("granite-3.1-8b", _GRANITE, hidden_size=4096, intermediate_size=12800, attention_multiplier=0.0078125,
+            logits_scaling=16.0),
+    _preset("smollm3-3b", _SMOLLM3, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+            num_attention_heads=16, num_key_value_heads=4),
     # Small enough to build in a test: GQA (4 query heads over 2 KV heads), two layers.
     _preset("tiny", vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, torch_dtype=FP32),
@@ -169,6 +188,9 @@ ALIASES = {
     "gemma3-270m": "gemma-3-270m", "gemma3-1b": "gemma-3-1b", "gemma3-4b": "gemma-3-4b",
     "gemma3-12b": "gemma-3-12b", "gemma3-27b": "gemma-3-27b", "gemma-3-1b-pt": "gemma-3-1b",
     "gemma-3-4b-pt": "gemma-3-4b", "gemma-3-12b-pt": "gemma-3-12b", "gemma-3-27b-pt": "gemma-3-27b",
+    "granite-3.1-2b-instruct": "granite-3.1-2b", "granite-3.1-8b-instruct": "granite-3.1-8b",
+    "granite3.1-2b": "granite-3.1-2b", "granite3.1-8b": "granite-3.1-8b", "smollm3": "smollm3-3b",
+    "smollm3-3b-base": "smollm3-3b",
 }
 
 # Where each preset's numbers come from (its published config.json; the paper for its four).
@@ -190,7 +212,8 @@ PRESET_SOURCES = {
     "gemma-3-1b": "google/gemma-3-1b-pt", "gemma-3-4b": "google/gemma-3-4b-pt (text_config)",
     "gemma-3-12b": "google/gemma-3-12b-pt (text_config)", "gemma-3-27b": "google/gemma-3-27b-pt (text_config)",
     "smollm2-135m": "HuggingFaceTB/SmolLM2-135M", "smollm2-360m": "HuggingFaceTB/SmolLM2-360M",
-    "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B",
+    "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B", "granite-3.1-2b": "ibm-granite/granite-3.1-2b-instruct",
+    "granite-3.1-8b": "ibm-granite/granite-3.1-8b-instruct", "smollm3-3b": "HuggingFaceTB/SmolLM3-3B",
     "tiny": "built in: seeded weights and a tokenizer, for tests and the README",
 }
 

@@ -30,6 +30,7 @@ class GgufArchitecture:
     caps_attention: bool = False  # llama.cpp soft-caps attention scores by {arch}.attn_logit_softcapping
     # llama.cpp's (attention, final logit) soft-caps when the file names none; None: no cap (Gemma 2 always caps)
     default_caps: tuple[float | None, float | None] = (None, None)
+    no_rope_every: int = 0  # llama.cpp leaves layer j without RoPE when (j + 1) % this == 0 (no key says so)
 
 
 # llama.cpp writes Mistral as "llama" and permutes its q/k rows to Meta's interleaved order (its rope type NORM);
@@ -43,7 +44,14 @@ ARCHITECTURES = {"llama": GgufArchitecture("llama", GGUF.rope_layout),
                  "gemma2": GgufArchitecture("gemma2", HALF, gains_plus_one=True, swa_pattern=2, big_layers=46,
                                             caps_attention=True, default_caps=(50.0, 30.0)),
                  "gemma3": GgufArchitecture("gemma3", HALF, gains_plus_one=True, swa_pattern=6, swa_base=10000.0,
-                                            big_layers=62)}
+                                            big_layers=62),
+                 # Llama's block and rows (llama.cpp's converters derive both from its LlamaModel); Granite's four
+                 # multipliers as granite.* keys; SmolLM3's layers without RoPE fixed by llama.cpp at every 4th.
+                 "granite": GgufArchitecture("granite", GGUF.rope_layout),
+                 "smollm3": GgufArchitecture("smollm3", GGUF.rope_layout, no_rope_every=4)}
+# Granite's multipliers: ModelConfig field -> the <arch>.* key llama.cpp reads it from (llama.cpp's names).
+GRANITE_KEYS = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+                "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
 LAYER = re.compile(r"^blk\.(\d+)\.")
 
 # What a modelled architecture's sizes say of its tensors' shapes, in GGML order (ne[0]: a row's width, torch's last

@@ -8,7 +8,7 @@ from typing import Any
 from ...modeling.config import INT64_MAX, SIZE_LIMITS, ModelConfig, RopeScaling
 from ...modeling.families import FAMILIES, FULL, SLIDING
 from ...modeling.rope import yarn_attention_factor
-from .architectures import ARCHITECTURES, MOE_FAMILY, ROPE_FREQS
+from .architectures import ARCHITECTURES, GRANITE_KEYS, MOE_FAMILY, ROPE_FREQS
 from .read import UnmodelledGguf, field_value, meta_value
 from .rope_freqs import llama3_scaling, rope_freqs_tensor
 
@@ -112,6 +112,16 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
                            ("final_logit_softcapping", "final_logit_softcap")):
             v = get(key, float, None, required=False)
             extra[field] = _f32(v) if v else None
+    if arch == "granite":  # absent: llama.cpp's 0, which for the attention scale is 1 / sqrt(n6), else no scaling
+        for f, key in GRANITE_KEYS.items():
+            v = get(key, float, None, required=False)
+            if v is not None and v < 0:
+                raise ValueError(f"{path}: GGUF metadata {arch}.{key} is {v!r}; it must be a number >= 0")
+            if v:
+                extra[f] = _f32(v)
+    if a.no_rope_every:
+        rotates = tuple((j + 1) % a.no_rope_every != 0 for j in range(layers))
+        extra["rope_layers"] = None if all(rotates) else rotates
     base = get("rope.freq_base_swa", float, a.swa_base, required=False)
     if base is not None:
         extra["rope_local_theta"] = _f32(base)

@@ -31,8 +31,8 @@ from ...modeling.config import ModelConfig
 from ...modeling.families import FAMILIES, FULL, SLIDING
 from ...modeling.rope import yarn_attention_factor
 from ..formats import checkpoint_tensors
-from .architectures import (ARCHITECTURES, GGUF, LLAMA3_ARCHITECTURES, MOE_FAMILY, ROPE_FREQS, WRITTEN_AS,
-                            GgufArchitecture)
+from .architectures import (ARCHITECTURES, GGUF, GRANITE_KEYS, LLAMA3_ARCHITECTURES, MOE_FAMILY, ROPE_FREQS,
+                            WRITTEN_AS, GgufArchitecture)
 from .rope_freqs import PUBLISHED, llama3_divisors
 from .vocabulary import Vocabulary, write_vocabulary
 
@@ -99,6 +99,10 @@ def check_config(cfg: ModelConfig) -> None:
           for f in _FAMILY_FIELDS),
         *((f"{f} (GGUF's {arch} has none)", arch not in _SCALED and getattr(cfg, f) is not None)
           for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap")),
+        *((f"{f} {getattr(cfg, f)!r} (GGUF's {arch} has none)", arch != "granite" and getattr(cfg, f) != family[f])
+          for f in GRANITE_KEYS),
+        (f"{'these' if a.no_rope_every else 'any'} layers without RoPE (llama.cpp's {arch} leaves out "
+         f"{f'every {a.no_rope_every}th' if a.no_rope_every else 'none'})", _rope_layers_differ(cfg, a)),
     ) if bad]
     if problems:
         raise ValueError(f"{where}: a GGUF cannot express {problems[0]}; convert it with --to hf")
@@ -112,6 +116,14 @@ def check_config(cfg: ModelConfig) -> None:
     if big:
         raise ValueError(f"{where}: field {big[0]} is {big[1]:,}; a GGUF stores it as a uint32 (at most "
                          f"{UINT32_MAX:,})")
+
+
+def _rope_layers_differ(cfg: ModelConfig, a: GgufArchitecture) -> bool:
+    """Whether cfg's layers without RoPE are not the ones llama.cpp fixes for the architecture (SmolLM3's every 4th)."""
+    every = a.no_rope_every
+    if cfg.rope_layers is None:  # every layer rotates: llama.cpp's too, unless it reaches its first without
+        return bool(every) and cfg.num_hidden_layers >= every
+    return cfg.rope_layers != tuple((j + 1) % every != 0 if every else True for j in range(cfg.num_hidden_layers))
 
 
 def yarn_gguf_attn_factor(s: Any) -> float:
@@ -224,6 +236,9 @@ def _hparams(w: Any, cfg: ModelConfig, arch: str, a: GgufArchitecture) -> list[s
             if not mine and theirs:  # a GGUF has no way to say "no cap" to it (a cap of 0 divides by zero)
                 said.append(f"{arch}: the config soft-caps no {what}; llama.cpp's {arch} caps them at {theirs:g} "
                             f"all the same (a GGUF cannot say 'no cap'): its large {what} come out smaller")
+    if arch == "granite":  # llama.cpp reads all four; an attention.scale of 0 is its 1 / sqrt(n6), as None ours
+        for f, key in GRANITE_KEYS.items():
+            w.add_float32(f"{arch}.{key}", float(getattr(cfg, f) or 0.0))
     local = cfg.rope_local_theta if cfg.rope_local_theta is not None else (
         cfg.rope_theta if a.swa_base is not None else None)  # None: the local layers use the global base
     if local is not None and local != a.swa_base:
