@@ -153,6 +153,52 @@ def test_the_real_gemma3_is_read_as_transformers_reads_it(tmp_path):
         src.cfg.replace(source="", name="")
 
 
+@pytest.mark.slow
+def test_the_real_gemma3_in_transformers_5_layout_is_exported_and_verified(tmp_path):
+    """The same checkpoint with transformers 5's config (rope_parameters per layer type): the fused export and the
+    default verify pass, and the graph's two RoPE table pairs hold the two bases (a lost local base would put the
+    global one there: the export and its own verdict would agree on the wrong model)."""
+    import numpy as np
+    import onnx
+    import realmodels
+
+    try:
+        d = realmodels.gemma3_hf()
+    except realmodels.Unavailable as e:
+        pytest.skip(str(e))
+    src = tmp_path / "v5"
+    src.mkdir()
+    for f in d.iterdir():
+        if f.name != "config.json":
+            try:
+                (src / f.name).hardlink_to(f)  # the 1 GB of weights, not copied
+            except OSError:
+                shutil.copy(f, src / f.name)
+    v5 = json.loads((d / "config.json").read_text())
+    v5["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": v5.pop("rope_theta")},
+                             "sliding_attention": {"rope_type": "default",
+                                                   "rope_theta": v5.pop("rope_local_base_freq")}}
+    del v5["rope_scaling"]
+    (src / "config.json").write_text(json.dumps(v5))
+    graph = tmp_path / "fused" / "model.onnx"
+    r = CliRunner().invoke(cli, ["export", "onnx", str(src), "-o", str(graph), "--optimize", "-q"])
+    assert r.exit_code == 0, r.output[-1500:]
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    tables = {}
+    for t in onnx.load(str(graph), load_external_data=False).graph.initializer:
+        if t.name in ("cos_cache", "cos_cache_local"):
+            if uses_external_data(t):
+                load_external_data_for_tensor(t, str(graph.parent))
+            tables[t.name] = onnx.numpy_helper.to_array(t)  # [positions, n6 / 2]
+    head_half = v5["head_dim"] // 2
+    for name, base in (("cos_cache", 1e6), ("cos_cache_local", 1e4)):  # angle of position 1, frequency 1
+        assert np.isclose(tables[name][1, 1], np.cos(base ** (-1 / head_half)), atol=1e-6), name
+    r = CliRunner().invoke(cli, ["verify", "parity", str(graph), "-q", "--format", "json"])
+    assert r.exit_code == 0, r.output[-2500:]
+    assert json.loads(r.output)["passed"]
+
+
 def test_a_gguf_is_judged_by_llama_cpp_and_a_misread_is_seen(tmp_path, monkeypatch):
     """tiny (with its tokenizer) to GGUF in F32, then llama.cpp reads the file itself: our reading of it agrees; with
     the RoPE base misread from the GGUF, llama.cpp's logits are far past the F32 bound."""
