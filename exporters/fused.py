@@ -220,9 +220,12 @@ def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
     if scale != 1.0:  # in the activations' dtype (Gemma: as HF rounds it)
         z = g.op("/model/embed_tokens", "Mul", [z, g.const("/model/embed_tokens/scale", scale, dtype)],
                  name="Mul_scale")
-    norm = "model.layers.0.input_layernorm.weight"
-    zbar = g.op("/model/layers.0/input_layernorm", "SimplifiedLayerNormalization", [z, gain(norm)],
-                {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})  # fp32 inside, as RMSNorm
+    if cfg.post_norms:  # OLMo 2: attention reads the residual stream itself
+        zbar = z
+    else:
+        norm = "model.layers.0.input_layernorm.weight"
+        zbar = g.op("/model/layers.0/input_layernorm", "SimplifiedLayerNormalization", [z, gain(norm)],
+                    {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})  # fp32 inside, as RMSNorm
     presents = []
     for j in range(n_layers):
         cos_cache, sin_cache = layer_tables(tables, cfg.slides(j))
@@ -360,12 +363,16 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
         for which, x, heads in (("q", q, nq), ("k", k, nkv)):
             norm = f"{pre}.self_attn.{which}_norm.weight"
             npath = f"{attn}/{which}_norm"
-            heads_shape = g.const(f"{npath}/heads_shape", [0, 0, heads, cfg.head_dim], i64)
-            flat_shape = g.const(f"{npath}/flat_shape", [0, 0, heads * cfg.head_dim], i64)
-            xh = g.op(npath, "Reshape", [x, heads_shape], name="Reshape_heads")  # [b, s, h d] -> [b, s, h, d]
-            xn = g.op(npath, "SimplifiedLayerNormalization", [xh, _gain(g, cfg, read, shapes, norm)],
-                      {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})
-            x = g.op(npath, "Reshape", [xn, flat_shape], name="Reshape_flat")  # [b, s, h, d] -> [b, s, h d]
+            if cfg.qk_norm_whole:  # OLMo 2: over the whole projection [b, s, h d]
+                x = g.op(npath, "SimplifiedLayerNormalization", [x, _gain(g, cfg, read, shapes, norm)],
+                         {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})
+            else:
+                heads_shape = g.const(f"{npath}/heads_shape", [0, 0, heads, cfg.head_dim], i64)
+                flat_shape = g.const(f"{npath}/flat_shape", [0, 0, heads * cfg.head_dim], i64)
+                xh = g.op(npath, "Reshape", [x, heads_shape], name="Reshape_heads")  # [b, s, h d] -> [b, s, h, d]
+                xn = g.op(npath, "SimplifiedLayerNormalization", [xh, _gain(g, cfg, read, shapes, norm)],
+                          {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})
+                x = g.op(npath, "Reshape", [xn, flat_shape], name="Reshape_flat")  # [b, s, h, d] -> [b, s, h d]
             if in_attention or not rotates:  # GQA rotates it, or nothing does
                 qkv_in.append(x)
             elif rope_op == rope_ops.OURS.name:
@@ -418,10 +425,16 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
         norm = f"{pre}.pre_feedforward_layernorm.weight"
     if residual is not None:
         r = g.op(f"{path}/residual_mul", "Mul", [r, residual], name="Mul_1")
-    ybar, _, _, y = g.op(
-        f"{path}/{norm.split('.')[-2]}", "SkipSimplifiedLayerNormalization", [r, z, _gain(g, cfg, read, shapes, norm)],
-        {"epsilon": float(cfg.rms_norm_eps)}, domain=MS_DOMAIN,
-        outputs=[None, "", "", None])  # (normalized, -, -, the sum z + r)
+    if cfg.post_norms:  # OLMo 2: R normalized, added; the FFN reads the sum itself
+        r = g.op(f"{path}/post_attention_layernorm", "SimplifiedLayerNormalization",
+                 [r, _gain(g, cfg, read, shapes, norm)], {"axis": -1, "epsilon": float(cfg.rms_norm_eps),
+                                                          "stash_type": 1})
+        ybar = y = g.op(f"{path}/residual_add", "Add", [z, r], name="Add_1")  # Y^j = Z^j + rnorm(R^j)
+    else:
+        ybar, _, _, y = g.op(
+            f"{path}/{norm.split('.')[-2]}", "SkipSimplifiedLayerNormalization",
+            [r, z, _gain(g, cfg, read, shapes, norm)], {"epsilon": float(cfg.rms_norm_eps)}, domain=MS_DOMAIN,
+            outputs=[None, "", "", None])  # (normalized, -, -, the sum z + r)
 
     # --- SwiGLU ---
     mlp = f"{path}/mlp"
@@ -436,7 +449,7 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
     hidden = g.op(mlp, "Mul", [act, up])
     w, b = linear("mlp", ["down_proj"], cfg.mlp_bias)
     d = matmul("mlp/down_proj", hidden, w, b)  # [b, s, n2]
-    if cfg.sandwich_norms:  # Gemma 2/3: the FFN's output normalized before the residual
+    if cfg.sandwich_norms or cfg.post_norms:  # Gemma 2/3, OLMo 2: the FFN's output normalized before the residual
         norm = f"{pre}.post_feedforward_layernorm.weight"
         d = g.op(f"{path}/post_feedforward_layernorm", "SimplifiedLayerNormalization",
                  [d, _gain(g, cfg, read, shapes, norm)], {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})
@@ -444,8 +457,14 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
     if residual is not None:
         d = g.op(f"{path}/residual_mul", "Mul", [d, residual], name="Mul_2")
 
-    # --- The residual add, fused with the next norm ---
+    # --- The residual add, fused with the next norm (OLMo 2: a plain add; the final norm after the last) ---
     last = j == cfg.num_hidden_layers - 1
+    if cfg.post_norms:
+        z_next = g.op(f"{path}/residual_add", "Add", [y, d], name="Add_2")  # Z^{j+1} = Y^j + rnorm(Yhat^j)
+        zbar_next = g.op("/model/norm", "SimplifiedLayerNormalization", [z_next, _gain(g, cfg, read, shapes,
+                                                                                       "model.norm.weight")],
+                         {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1}) if last else z_next
+        return zbar_next, z_next, [present_k, present_v]
     norm_path, norm_name = (("/model/norm", "model.norm.weight") if last else
                             (f"/model/layers.{j + 1}/input_layernorm", f"model.layers.{j + 1}.input_layernorm.weight"))
     zbar_next, _, _, z_next = g.op(

@@ -135,7 +135,8 @@ def _first_decoder_specs(cfg: ModelConfig) -> list[WeightSpec]:
 def weight_rows(cfg: ModelConfig, layers: str = "all") -> list[ShapeRow]:
     """One row per parameter, straight from weight_specs (a tied lm_head appears once, as D)."""
     specs = weight_specs(cfg) if layers == "all" else _first_decoder_specs(cfg)
-    return [ShapeRow("weight", _weight_section(s, cfg.sandwich_norms), s.layer, s.symbol, f"weight ({s.component})",
+    after = cfg.sandwich_norms or cfg.post_norms  # a norm after attention (Gemma 2/3, OLMo 2)
+    return [ShapeRow("weight", _weight_section(s, after), s.layer, s.symbol, f"weight ({s.component})",
                      s.name, "param", s.shape, meta_name=s.meta_name) for s in specs]
 
 
@@ -190,18 +191,28 @@ def _layer_activations(cfg: ModelConfig, j: int, b: int, n3: int, past: int) -> 
         f"{qs}{ks}T/sqrt({'s' if _custom_scale(cfg) else 'n6'})"
     cap = cfg.attn_logit_softcap
     score = f"{f'softcap({raw})' if cap is not None else raw}+{_mask_symbol(sliding)}"
-    rows = [
-        a("6.1", f"Z^{{{j}}}", f"decoder {j} input", p.rstrip("."), "in", (b, n3, n2)),
-        a("6.1", f"Zbar^{{{j}}}", f"rnorm(Z^j){gain}", p + "input_layernorm", "out", (b, n3, n2)),
-        a("6.2", f"Q^{{{j}}}", "queries Zbar^j W^{j1T}", p + "self_attn.q_proj", "out", (b, n3, cfg.q_size)),
-        a("6.2", f"K^{{{j}}}", "keys Zbar^j W^{j2T}", p + "self_attn.k_proj", "out", (b, n3, cfg.kv_size)),
-        a("6.2", f"V^{{{j}}}", "values Zbar^j W^{j3T}", p + "self_attn.v_proj", "out", (b, n3, cfg.kv_size)),
+    x = "Z^j" if cfg.post_norms else "Zbar^j"  # OLMo 2: attention reads the residual stream itself
+    rows = [a("6.1", f"Z^{{{j}}}", f"decoder {j} input", p.rstrip("."), "in", (b, n3, n2))]
+    if not cfg.post_norms:
+        rows.append(a("6.1", f"Zbar^{{{j}}}", f"rnorm(Z^j){gain}", p + "input_layernorm", "out", (b, n3, n2)))
+    rows += [
+        a("6.2", f"Q^{{{j}}}", f"queries {x} W^{{j1T}}", p + "self_attn.q_proj", "out", (b, n3, cfg.q_size)),
+        a("6.2", f"K^{{{j}}}", f"keys {x} W^{{j2T}}", p + "self_attn.k_proj", "out", (b, n3, cfg.kv_size)),
+        a("6.2", f"V^{{{j}}}", f"values {x} W^{{j3T}}", p + "self_attn.v_proj", "out", (b, n3, cfg.kv_size)),
         a("6.2", f"Q^{{{j},i}}", "query block of one head (column split of Q^j)", p + "self_attn", "inside",
           (b, n3, n6), n5),
         a("6.2", f"K^{{{j},i}}", "key block of one KV head", p + "self_attn", "inside", (b, n3, n6), kv),
         a("6.2", f"V^{{{j},i}}", "value block of one KV head", p + "self_attn", "inside", (b, n3, n6), kv),
     ]
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_whole:
+        # OLMo 2: each row of Q^j and K^j normalized over the whole projection, before the heads are split.
+        rows += [
+            a("6.2", f"rnorm(Q^{{{j}}})", f"q norm: each query row RMS-normalized over n5 n6{gain}",
+              p + "self_attn.q_norm", "out", (b, n3, cfg.q_size)),
+            a("6.2", f"rnorm(K^{{{j}}})", f"k norm: each key row RMS-normalized over kv n6{gain}",
+              p + "self_attn.k_norm", "out", (b, n3, cfg.kv_size)),
+        ]
+    elif cfg.qk_norm:
         # Qwen3, Gemma 3: each head's row normalized over its n6 channels by one shared gain, before RoPE.
         rows += [
             a("6.2", f"rnorm(Q^{{{j},i}})", f"q norm: each query head RMS-normalized over n6{gain}",
@@ -262,7 +273,15 @@ def _layer_activations(cfg: ModelConfig, j: int, b: int, n3: int, past: int) -> 
         a("6.2", f"U^{{{j}}}", "[U^{j,0}, ..., U^{j,n5-1}]", p + "self_attn.o_proj", "in", (b, n3, cfg.q_size)),
         a("6.2", f"R^{{{j}}}", "U^j W^{j4T}", p + "self_attn.o_proj", "out", (b, n3, n2)),
     ]
-    if cfg.sandwich_norms:
+    if cfg.post_norms:
+        # OLMo 2: R^j normalized before the residual; the FFN reads Y^j itself.
+        rows += [
+            a("6.3", f"rnorm(R^{{{j}}})", f"post-attention norm: R^j normalized before the residual{gain}",
+              p + "post_attention_layernorm", "out", (b, n3, n2)),
+            a("6.3", f"Y^{{{j}}}", "Z^j + rnorm(R^j): the FFN's input, no norm before it", p + "mlp", "in",
+              (b, n3, n2)),
+        ]
+    elif cfg.sandwich_norms:
         # Gemma 2/3: HF's post_attention_layernorm normalizes R^j; 6.3's norm is pre_feedforward_layernorm.
         rows += [
             a("6.3", f"rnorm(R^{{{j}}})", f"post-attention norm: R^j normalized before the residual{gain}",
@@ -276,7 +295,7 @@ def _layer_activations(cfg: ModelConfig, j: int, b: int, n3: int, past: int) -> 
             a("6.4", f"Ybar^{{{j}}}", f"rnorm(Y^j){gain}", p + "post_attention_layernorm", "out", (b, n3, n2)),
         ]
     rows += _moe_activations(cfg, j, b, n3) if cfg.is_moe else _ffn_activations(cfg, j, b, n3)
-    if cfg.sandwich_norms:
+    if cfg.sandwich_norms or cfg.post_norms:
         rows += [
             a("6.4", f"rnorm(Yhat^{{{j}}})", f"post-FFN norm: Yhat^j normalized before the residual{gain}",
               p + "post_feedforward_layernorm", "out", (b, n3, n2)),
@@ -295,7 +314,8 @@ _ACT_WORDS = {"silu": "silu", "gelu_tanh": "GELU (tanh approximation)"}
 def _ffn_activations(cfg: ModelConfig, j: int, b: int, n3: int) -> list[ShapeRow]:
     """SwiGLU: Yhat^j = (silu(Ybar W^{j5T}) ⊗ (Ybar W^{j7T})) W^{j6T}; Gemma's GeGLU puts gelu_tanh for silu."""
     n2, n7, p = cfg.hidden_size, cfg.intermediate_size, f"model.layers.{j}.mlp"
-    gate, up = f"Ybar^{{{j}}}W^{{{j}5T}}", f"Ybar^{{{j}}}W^{{{j}7T}}"
+    y = "Y" if cfg.post_norms else "Ybar"  # OLMo 2's FFN reads Y^j itself
+    gate, up = f"{y}^{{{j}}}W^{{{j}5T}}", f"{y}^{{{j}}}W^{{{j}7T}}"
     act = cfg.hidden_act
     a = lambda sym, desc, mod, port, shape: ShapeRow("activation", "6.4", j, sym, desc, mod, port, shape)  # noqa: E731
     return [

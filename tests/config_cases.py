@@ -53,6 +53,7 @@ CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=3.0, residual_multiplier=0.4,
                                                            attention_multiplier=0.09, logits_scaling=0.5),
                 _default(10000.0)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(attention_bias=True), _default(500000.0)),
     # every 2nd layer without RoPE, those layers sliding (transformers' rule for SmolLM3's layer_types)
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, use_sliding_window=True,
                                                            sliding_window=16), _default(2000000.0)),

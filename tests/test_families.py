@@ -51,6 +51,8 @@ CASES = {  # family: (config class, model class, what the family adds)
     # Granite's four multipliers, none of them 1 (transformers' defaults), attention's far from 1 / sqrt(n6)
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=3.0, residual_multiplier=0.4,
                                                            attention_multiplier=0.09, logits_scaling=0.5)),
+    # OLMo 2: norms after attention and the FFN only, q/k normalized over the whole projection
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=1e4)),
     # SmolLM3: every 2nd layer without RoPE (llama.cpp's 4th is the GGUF case's), those layers sliding
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, rope_theta=1e4,
                                                            use_sliding_window=True, sliding_window=WINDOW)),
@@ -198,7 +200,7 @@ def write_family_gguf(d: Path, hf, path: Path) -> None:
     gguf = pytest.importorskip("gguf")
     c = hf.config
     arch = {"qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "granite": "granite",
-            "smollm3": "smollm3"}[c.model_type]
+            "smollm3": "smollm3", "olmo2": "olmo2"}[c.model_type]
     w = gguf.GGUFWriter(str(path), arch)
     n = c.num_hidden_layers
     add_llama_hparams(w, load_config(d))  # the keys every architecture shares, from the config.json HF wrote

@@ -67,6 +67,11 @@ _SMOLLM3 = dict(model_type="smollm3", architectures=["SmolLM3ForCausalLM"], voca
                 no_rope_layers=[int((j + 1) % 4 != 0) for j in range(36)],
                 bos_token_id=128000, eos_token_id=128012, pad_token_id=128004, torch_dtype="bfloat16")
 
+_OLMO2 = dict(model_type="olmo2", architectures=["Olmo2ForCausalLM"], vocab_size=100352, rms_norm_eps=1e-6,
+              rope_theta=500000.0, rope_scaling=None, max_position_embeddings=4096, tie_word_embeddings=False,
+              attention_bias=False, hidden_act="silu", bos_token_id=100257, eos_token_id=100257,
+              pad_token_id=100277, torch_dtype="float32")
+
 
 def _sizes(hidden: int, ffn: int, layers: int, heads: int, kv: int, **kw) -> dict:
     return dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
@@ -113,6 +118,9 @@ PUBLISHED: dict[str, tuple[dict, float, float]] = {
     "granite-3.1-8b": ({**_GRANITE, "hidden_size": 4096, "intermediate_size": 12800,
                         "attention_multiplier": 0.0078125, "logits_scaling": 16.0}, 8.17e9, 5e6),
     "smollm3-3b": ({**_SMOLLM3, **_sizes(2048, 11008, 36, 16, 4)}, 3.08e9, 5e6),
+    # OLMo 2's cards: 7B (7.30B) and 13B (13.7B)
+    "olmo-2-7b": ({**_OLMO2, **_sizes(4096, 11008, 32, 32, 32)}, 7.3e9, 5e7),
+    "olmo-2-13b": ({**_OLMO2, **_sizes(5120, 13824, 40, 40, 40)}, 13.7e9, 5e7),
 }
 
 

@@ -58,7 +58,8 @@ class CheckpointFormat:
                                  f"families are not part of Meta checkpoints)")
             return spec.meta_name
         name = spec.hf_name
-        for a, b in (self.sandwich_renames if cfg is not None and cfg.sandwich_norms else ()) + self.renames:
+        after = cfg is not None and (cfg.sandwich_norms or cfg.post_norms)  # norms after attention and the FFN
+        for a, b in (self.sandwich_renames if after else ()) + self.renames:
             name = name.replace(a, b)
         return name
 

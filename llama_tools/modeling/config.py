@@ -138,6 +138,8 @@ class ModelConfig:
     embed_scale: bool = False  # Gemma: Z^0 = rows of D times sqrt(n2)
     hidden_act: str = "silu"  # the FFN gate's activation (ACTIVATIONS)
     sandwich_norms: bool = False  # Gemma 2/3: a norm after attention and after the FFN too, before each residual
+    post_norms: bool = False  # OLMo 2: norms after attention and after the FFN only (none before them)
+    qk_norm_whole: bool = False  # OLMo 2: the q/k norm over the whole projection (n5 n6, kv n6), not per head
     query_pre_attn_scalar: float | None = None  # Gemma 2/3: scores divided by sqrt(this) instead of sqrt(n6)
     attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap tanh(scores / cap), before the mask
     final_logit_softcap: float | None = None  # Gemma 2: logits -> cap tanh(logits / cap)
@@ -221,7 +223,7 @@ class ModelConfig:
                                      f"numbers, got {len(v)}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"{where}: hidden_act must be one of {', '.join(ACTIVATIONS)}, got {self.hidden_act!r}")
-        for f in ("qk_norm", "norm_plus_one", "embed_scale", "sandwich_norms"):
+        for f in ("qk_norm", "norm_plus_one", "embed_scale", "sandwich_norms", "post_norms", "qk_norm_whole"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{where}: field {f} must be true or false, got {getattr(self, f)!r}")
         for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "rope_local_theta",

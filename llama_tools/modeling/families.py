@@ -14,6 +14,7 @@ fields; `convert` and the export name the family from here. No torch.
 | gemma3  | per head | 1 + γ     | GELU-tanh  | pre- and post-norm  | / sqrt(s)          | 5 local : 1 global|
 | granite |          | γ         | SiLU       | pre-norm, both x m  | x m                | alike; D x m, H / m|
 | smollm3 |          | γ         | SiLU       | pre-norm            | / sqrt(n6)         | every 4th no RoPE |
+| olmo2   | whole q/k| γ         | SiLU       | post-norm only      | / sqrt(n6)         | alike             |
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ _GRANITE_KEYS = {**_LLAMA_KEYS, "embedding_multiplier": 1.0, "residual_multiplie
 _SMOLLM3_KEYS = {**_LLAMA_KEYS, "rope_theta": 2000000.0, "max_position_embeddings": 32768,
                  "num_key_value_heads": 4, "tie_word_embeddings": True, "use_sliding_window": False,
                  "sliding_window": None, "layer_types": None, "no_rope_layers": None, "no_rope_layer_interval": 4}
+# OLMo 2: Llama's sizes with norms after attention and the FFN only, q/k normalized over the whole projection.
+_OLMO2_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+               "head_dim": None, "num_key_value_heads": None, "max_position_embeddings": 2048,
+               "tie_word_embeddings": False, "attention_bias": False}
 # Baichuan and InternLM2 ship their own modeling code beside the weights (trust_remote_code).
 _BAICHUAN_KEYS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
                   "position_embedding": None, "norm_head": None}
@@ -99,6 +104,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            hf_keys=_GEMMA3_KEYS, genai_type="gemma3_text"),
     Family("granite", ("GraniteForCausalLM",), ("granite",), hf_keys=_GRANITE_KEYS, genai_type="granite"),
     Family("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), hf_keys=_SMOLLM3_KEYS, genai_type="smollm3"),
+    Family("olmo2", ("Olmo2ForCausalLM",), ("olmo2",), {"qk_norm": True, "qk_norm_whole": True, "post_norms": True},
+           hf_keys=_OLMO2_KEYS, genai_type="olmo"),
     Family("baichuan", ("BaichuanForCausalLM", "BaiChuanForCausalLM"), ("baichuan",), hf_keys=_BAICHUAN_KEYS),
     Family("internlm2", ("InternLM2ForCausalLM",), ("internlm2",), hf_keys=_INTERNLM2_KEYS),
 ]}

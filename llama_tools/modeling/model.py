@@ -43,10 +43,11 @@ class RMSNorm(nn.Module):
     The paper's rnor has no gain; checkpoints do (one vector per norm). Gemma's gain is (1 + γ).
     """
 
-    def __init__(self, dim: int, eps: float, plus_one: bool = False):
+    def __init__(self, dim: int, eps: float, plus_one: bool = False, wide_gain: bool = False):
         super().__init__()
         self.eps = eps
         self.plus_one = plus_one
+        self.wide_gain = wide_gain
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,12 +57,15 @@ class RMSNorm(nn.Module):
         sigma = torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # [..., 1]: one sigma_i per row
         if self.plus_one:  # Gemma applies its gain in fp32, then casts
             return ((x32 / sigma) * (1.0 + wide(self.weight))).to(x.dtype)
+        if self.wide_gain:  # OLMo 2 too
+            return ((x32 / sigma) * wide(self.weight)).to(x.dtype)
         return self.weight * (x32 / sigma).to(x.dtype)
 
 
 def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:
-    """The family's RMSNorm over n2 (or `dim`)."""
-    return RMSNorm(cfg.hidden_size if dim is None else dim, cfg.rms_norm_eps, cfg.norm_plus_one)
+    """The family's RMSNorm over n2 (or `dim`); OLMo 2, as Gemma, applies its gain in fp32 before the cast."""
+    return RMSNorm(cfg.hidden_size if dim is None else dim, cfg.rms_norm_eps, cfg.norm_plus_one,
+                   wide_gain=cfg.post_norms)
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -272,8 +276,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(n2, cfg.kv_size, bias=cfg.qkv_bias)  # W^{j2}: (kv_heads n6) x n2
         self.v_proj = nn.Linear(n2, cfg.kv_size, bias=cfg.qkv_bias)  # W^{j3}: (kv_heads n6) x n2
         self.o_proj = nn.Linear(cfg.q_size, n2, bias=cfg.o_bias)  # W^{j4}: n2 x (n5 n6)
-        if cfg.qk_norm:  # Qwen3, Gemma 3: one gain of n6 shared by every q head, one by every k head
-            self.q_norm, self.k_norm = norm(cfg, cfg.head_dim), norm(cfg, cfg.head_dim)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: one gain of n6 shared by every q head, one by every k head; OLMo 2: one
+            # gain over the whole projection (n5 n6 and kv n6)
+            q, k = (cfg.q_size, cfg.kv_size) if cfg.qk_norm_whole else (cfg.head_dim, cfg.head_dim)
+            self.q_norm, self.k_norm = norm(cfg, q), norm(cfg, k)
         interleaved = cfg.rope_layout == INTERLEAVED
         self.q_rope, self.k_rope = RotaryEmbedding(interleaved), RotaryEmbedding(interleaved)
 
@@ -283,9 +289,12 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, n3, _ = zbar.shape
         # Q^j = Zbar^j W^{j1 T}, split by columns into n5 blocks Q^{j,i} of n3 x n6.
-        q = self.q_proj(zbar).view(b, n3, cfg.num_attention_heads, cfg.head_dim)  # [b, n3, n5, n6]
-        k = self.k_proj(zbar).view(b, n3, cfg.num_key_value_heads, cfg.head_dim)  # [b, n3, kv, n6]
-        if cfg.qk_norm:
+        q, k = self.q_proj(zbar), self.k_proj(zbar)  # [b, n3, n5 n6], [b, n3, kv n6]
+        if cfg.qk_norm and cfg.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)  # OLMo 2: each row normalized over the whole projection
+        q = q.view(b, n3, cfg.num_attention_heads, cfg.head_dim)  # [b, n3, n5, n6]
+        k = k.view(b, n3, cfg.num_key_value_heads, cfg.head_dim)  # [b, n3, kv, n6]
+        if cfg.qk_norm and not cfg.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)  # each head's row normalized over its n6
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [b, n5 or kv, n3, n6]
         v = self.v_proj(zbar).view(b, n3, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)  # [b, kv, n3, n6]
@@ -353,18 +362,23 @@ class DecoderLayer(nn.Module):
     """Decoder j: Z^j -> Z^{j+1} (6.1-6.4).
 
     Gemma 2/3 ("sandwich" norms) also normalize what attention and the FFN add, before each residual; there
-    HF's post_attention_layernorm is that norm after attention, and pre_feedforward_layernorm is 6.3's.
+    HF's post_attention_layernorm is that norm after attention, and pre_feedforward_layernorm is 6.3's. OLMo 2
+    ("post" norms) keeps only those two norms after: attention and the FFN read the residual stream itself.
     """
 
     def __init__(self, cfg: ModelConfig, j: int = 0):
         super().__init__()
         self.sliding = cfg.slides(j)  # this layer's mask and RoPE tables are the local ones
         self.residual_multiplier = cfg.residual_multiplier  # Granite: R and Yhat scaled before each residual
-        self.input_layernorm = norm(cfg)
+        self.post_norms = cfg.post_norms
+        if not cfg.post_norms:
+            self.input_layernorm = norm(cfg)
         self.self_attn = Attention(cfg, j)
         self.post_attention_layernorm = norm(cfg)
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(cfg), norm(cfg)
+        elif cfg.post_norms:
+            self.post_feedforward_layernorm = norm(cfg)
         if cfg.is_moe:
             self.block_sparse_moe = MixtureOfExperts(cfg)
         else:
@@ -381,21 +395,25 @@ class DecoderLayer(nn.Module):
                rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
                past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """6.1-6.2: Z^j -> Y^j and the layer's K/V."""
-        zbar = self.input_layernorm(z)  # Zbar^j = rnorm(Z^j): [b, n3, n2]
+        zbar = z if self.post_norms else self.input_layernorm(z)  # Zbar^j = rnorm(Z^j): [b, n3, n2]
         r, present = self.self_attn(zbar, bias, position_ids, rope_tables, past)
         if hasattr(self, "post_feedforward_layernorm"):
-            r = self.post_attention_layernorm(r)  # Gemma 2/3: R^j normalized before the residual
+            r = self.post_attention_layernorm(r)  # Gemma 2/3, OLMo 2: R^j normalized before the residual
         if self.residual_multiplier != 1.0:
             r = r * self.residual_multiplier
         return z + r, present  # Y^j = Z^j + R^j
 
     def feed_forward(self, y: torch.Tensor) -> torch.Tensor:
         """6.3-6.4: Y^j -> Z^{j+1}."""
-        sandwich = hasattr(self, "post_feedforward_layernorm")
-        ybar = (self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm)(y)  # Ybar^j = rnorm(Y^j)
+        if self.post_norms:  # OLMo 2: the FFN reads Y^j itself
+            ybar = y
+        elif hasattr(self, "pre_feedforward_layernorm"):  # Gemma 2/3
+            ybar = self.pre_feedforward_layernorm(y)
+        else:
+            ybar = self.post_attention_layernorm(y)  # Ybar^j = rnorm(Y^j)
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
         yhat = ffn(ybar)
-        if sandwich:
+        if hasattr(self, "post_feedforward_layernorm"):
             yhat = self.post_feedforward_layernorm(yhat)
         if self.residual_multiplier != 1.0:
             yhat = yhat * self.residual_multiplier

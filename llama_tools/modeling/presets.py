@@ -69,6 +69,11 @@ _SMOLLM3 = dict(**_family("smollm3"), vocab_size=128256, tie_word_embeddings=Tru
                 rope_theta=5e6, max_position_embeddings=65536, bos_token_id=128000, eos_token_id=128012,
                 pad_token_id=128004, torch_dtype=BF16, no_rope_every=4)
 
+# OLMo 2 (November 2024): norms after attention and the FFN, 100,352 rows, untied, 4K positions at base 500,000.
+_OLMO2 = dict(**_family("olmo2"), vocab_size=100352, rms_norm_eps=1e-6, rope_theta=500000.0,
+              max_position_embeddings=4096, bos_token_id=100257, eos_token_id=100257, pad_token_id=100277,
+              torch_dtype=FP32)
+
 
 def _preset(name: str, *bases: dict[str, Any], **kw: Any) -> ModelConfig:
     """LLaMA-2's defaults (eps 1e-5, 4096 positions, fp16), then `bases`, then `kw`; `full_every` (Gemma 2/3) makes
@@ -170,6 +175,10 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
             logits_scaling=8.0),
     _preset("granite-3.1-8b", _GRANITE, hidden_size=4096, intermediate_size=12800, attention_multiplier=0.0078125,
             logits_scaling=16.0),
+    _preset("olmo-2-7b", _OLMO2, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+            num_attention_heads=32),
+    _preset("olmo-2-13b", _OLMO2, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+            num_attention_heads=40),
     _preset("smollm3-3b", _SMOLLM3, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
             num_attention_heads=16, num_key_value_heads=4),
     # Small enough to build in a test: GQA (4 query heads over 2 KV heads), two layers.
@@ -190,7 +199,8 @@ ALIASES = {
     "gemma-3-4b-pt": "gemma-3-4b", "gemma-3-12b-pt": "gemma-3-12b", "gemma-3-27b-pt": "gemma-3-27b",
     "granite-3.1-2b-instruct": "granite-3.1-2b", "granite-3.1-8b-instruct": "granite-3.1-8b",
     "granite3.1-2b": "granite-3.1-2b", "granite3.1-8b": "granite-3.1-8b", "smollm3": "smollm3-3b",
-    "smollm3-3b-base": "smollm3-3b",
+    "smollm3-3b-base": "smollm3-3b", "olmo-2-1124-7b": "olmo-2-7b", "olmo-2-1124-13b": "olmo-2-13b",
+    "olmo2-7b": "olmo-2-7b", "olmo2-13b": "olmo-2-13b",
 }
 
 # Where each preset's numbers come from (its published config.json; the paper for its four).
@@ -214,6 +224,7 @@ PRESET_SOURCES = {
     "smollm2-135m": "HuggingFaceTB/SmolLM2-135M", "smollm2-360m": "HuggingFaceTB/SmolLM2-360M",
     "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B", "granite-3.1-2b": "ibm-granite/granite-3.1-2b-instruct",
     "granite-3.1-8b": "ibm-granite/granite-3.1-8b-instruct", "smollm3-3b": "HuggingFaceTB/SmolLM3-3B",
+    "olmo-2-7b": "allenai/OLMo-2-1124-7B", "olmo-2-13b": "allenai/OLMo-2-1124-13B",
     "tiny": "built in: seeded weights and a tokenizer, for tests and the README",
 }
 

@@ -51,25 +51,28 @@ def _layer_specs(cfg: ModelConfig, j: int, experts: int | None = None) -> list[W
     def paper(hf_name: str, meta_name: str, i: int, shape: tuple[int, ...], component: str, shard: int) -> WeightSpec:
         """W^{ji}, one of the paper's matrices: its HF and Meta names and the dimension Meta's shards split."""
         return s(hf + hf_name, meta + meta_name, f"W^{{{j}{i}}}", shape, component, in_paper=True, meta_shard_dim=shard)
-    out = [
+    out = [] if cfg.post_norms else [  # OLMo 2 has no norm before attention
         s(hf + "input_layernorm.weight", meta + "attention_norm.weight", f"γ^{{{j},1}}", (n2,), "norm",
-          in_paper=False),
-        # W^{j1}, W^{j2}, W^{j3}: n2 x n2 in the paper; with GQA, K and V shrink to kv_heads * n6 rows.
-        *(paper(f"self_attn.{p}_proj.weight", f"attention.w{p}.weight", i, rows, f"attn.{p}", 0)
-          for p, i, rows in (("q", 1, (q, n2)), ("k", 2, (kv, n2)), ("v", 3, (kv, n2)))),
-    ]
+          in_paper=False)]
+    # W^{j1}, W^{j2}, W^{j3}: n2 x n2 in the paper; with GQA, K and V shrink to kv_heads * n6 rows.
+    out += [paper(f"self_attn.{p}_proj.weight", f"attention.w{p}.weight", i, rows, f"attn.{p}", 0)
+            for p, i, rows in (("q", 1, (q, n2)), ("k", 2, (kv, n2)), ("v", 3, (kv, n2)))]
     if cfg.qkv_bias:
         out += [s(hf + f"self_attn.{p}_proj.bias", None, f"b^{{{j}{i}}}", (size,), "attn.bias", in_paper=False)
                 for p, i, size in (("q", 1, q), ("k", 2, kv), ("v", 3, kv))]
     out.append(paper("self_attn.o_proj.weight", "attention.wo.weight", 4, (n2, q), "attn.o", 1))
     if cfg.o_bias:
         out.append(s(hf + "self_attn.o_proj.bias", None, f"b^{{{j}4}}", (n2,), "attn.bias", in_paper=False))
-    if cfg.qk_norm:  # Qwen3, Gemma 3: one gain of n6 for all q heads, one for all k heads
-        out += [s(hf + f"self_attn.{p}_norm.weight", None, f"γ^{{{j},{p}}}", (cfg.head_dim,), "attn.qk_norm",
-                  in_paper=False) for p in ("q", "k")]
+    if cfg.qk_norm:  # Qwen3, Gemma 3: one gain of n6 for all q heads, one for all k heads; OLMo 2: whole rows
+        out += [s(hf + f"self_attn.{p}_norm.weight", None, f"γ^{{{j},{p}}}", (width if cfg.qk_norm_whole
+                                                                               else cfg.head_dim,),
+                  "attn.qk_norm", in_paper=False) for p, width in (("q", q), ("k", kv))]
     if cfg.sandwich_norms:  # Gemma 2/3: HF's post_attention_layernorm follows attention; 6.3's norm is pre_feedforward
         out += [s(hf + "post_attention_layernorm.weight", None, f"γ^{{{j},o}}", (n2,), "norm", in_paper=False),
                 s(hf + "pre_feedforward_layernorm.weight", None, f"γ^{{{j},2}}", (n2,), "norm", in_paper=False),
+                s(hf + "post_feedforward_layernorm.weight", None, f"γ^{{{j},f}}", (n2,), "norm", in_paper=False)]
+    elif cfg.post_norms:  # OLMo 2: after attention and after the FFN only
+        out += [s(hf + "post_attention_layernorm.weight", None, f"γ^{{{j},o}}", (n2,), "norm", in_paper=False),
                 s(hf + "post_feedforward_layernorm.weight", None, f"γ^{{{j},f}}", (n2,), "norm", in_paper=False)]
     else:
         out.append(s(hf + "post_attention_layernorm.weight", meta + "ffn_norm.weight", f"γ^{{{j},2}}", (n2,), "norm",

@@ -48,7 +48,9 @@ ARCHITECTURES = {"llama": GgufArchitecture("llama", GGUF.rope_layout),
                  # Llama's block and rows (llama.cpp's converters derive both from its LlamaModel); Granite's four
                  # multipliers as granite.* keys; SmolLM3's layers without RoPE fixed by llama.cpp at every 4th.
                  "granite": GgufArchitecture("granite", GGUF.rope_layout),
-                 "smollm3": GgufArchitecture("smollm3", GGUF.rope_layout, no_rope_every=4)}
+                 "smollm3": GgufArchitecture("smollm3", GGUF.rope_layout, no_rope_every=4),
+                 # HF's rows (rope type NEOX); its norms after attention and the FFN as Gemma 2/3's are named
+                 "olmo2": GgufArchitecture("olmo2", HALF)}
 # Granite's multipliers: ModelConfig field -> the <arch>.* key llama.cpp reads it from (llama.cpp's names).
 GRANITE_KEYS = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                 "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}

@@ -51,7 +51,8 @@ _FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16"}
 _SCALED = ("gemma2", "gemma3")
 UINT32_MAX = 2**32 - 1  # GGUF's sizes and token ids are uint32
 # ModelConfig fields the reader takes from the architecture's family, not from the file.
-_FAMILY_FIELDS = ("qk_norm", "norm_plus_one", "embed_scale", "hidden_act", "sandwich_norms")
+_FAMILY_FIELDS = ("qk_norm", "norm_plus_one", "embed_scale", "hidden_act", "sandwich_norms", "post_norms",
+                  "qk_norm_whole")
 
 
 @dataclass
