@@ -54,6 +54,12 @@ CASES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
                                                            attention_multiplier=0.09, logits_scaling=0.5),
                 _default(10000.0)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(attention_bias=True), _default(500000.0)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=16), _default(10000.0)),
+    # Phi-3's own longrope (short and long factors, n6 / 2 = 8 each) past its original context of 64
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", dict(original_max_position_embeddings=64),
+                      {"rope_type": "longrope", "rope_theta": 10000.0,
+                       "short_factor": [1.0, 1.1, 1.3, 1.5, 2.0, 2.5, 3.0, 3.5],
+                       "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]}),
     # every 2nd layer without RoPE, those layers sliding (transformers' rule for SmolLM3's layer_types)
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, use_sliding_window=True,
                                                            sliding_window=16), _default(2000000.0)),
@@ -75,7 +81,9 @@ def v4_kwargs(case: str) -> dict[str, Any]:
         out["rope_local_base_freq"] = rope[_SLIDING]["rope_theta"]
     out["rope_theta"] = full["rope_theta"]
     scaling = {k: v for k, v in full.items() if k != "rope_theta"}
-    out["rope_scaling"] = None if scaling["rope_type"] == "default" else scaling
+    if CASES[case][0] == "Phi3Config" and scaling["rope_type"] != "default":  # 4.x's Phi3Config: `type` and the
+        scaling = {"type": scaling.pop("rope_type"), **scaling}  # two lists only (its _rope_scaling_validation)
+    out["rope_scaling"] = None if scaling.get("rope_type") == "default" else scaling
     return out
 
 

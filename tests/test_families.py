@@ -53,6 +53,8 @@ CASES = {  # family: (config class, model class, what the family adds)
                                                            attention_multiplier=0.09, logits_scaling=0.5)),
     # OLMo 2: norms after attention and the FFN only, q/k normalized over the whole projection
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=1e4)),
+    # Phi-3: stored packed (qkv_proj, gate_up_proj), a window shorter than the prompt
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=WINDOW, rope_theta=1e4)),
     # SmolLM3: every 2nd layer without RoPE (llama.cpp's 4th is the GGUF case's), those layers sliding
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, rope_theta=1e4,
                                                            use_sliding_window=True, sliding_window=WINDOW)),
@@ -252,9 +254,12 @@ def write_family_gguf(d: Path, hf, path: Path) -> None:
 
 def test_family_gguf_is_counted_loaded_exported_and_verified(family, tmp_path):
     name, d, hf = family
-    if name == "smollm3":  # llama.cpp fixes its layers without RoPE at every 4th; this case's are every 2nd
-        with pytest.raises(ValueError, match="layers without RoPE"):
-            from llama_tools.checkpoints.gguf.write import check_config
+    refused = {"smollm3": "layers without RoPE",  # llama.cpp fixes them at every 4th; this case's are every 2nd
+               "phi3": "no GGUF architecture here"}  # llama.cpp's phi3 keeps gate and up as one ffn_up
+    if name in refused:
+        from llama_tools.checkpoints.gguf.write import check_config
+
+        with pytest.raises(ValueError, match=refused[name]):
             check_config(load_model(d).cfg)
         return
     path = tmp_path / f"{name}.gguf"
@@ -290,3 +295,26 @@ def test_default_inputs_run_past_a_sliding_window():
     assert len(big.rows) == 2 and "no row past the sliding window of 512" in big.what
     src = SimpleNamespace(cfg=SimpleNamespace(sliding_window=5), path=None, tokenizer=None)
     assert [len(r) for r in default_inputs(src, 256, 128, random_ids=2).rows] == [11, 6]
+
+
+def test_phi3_is_read_and_written_packed(tmp_path):
+    """Phi-3's qkv_proj and gate_up_proj are split as transformers splits them (its own modules read them packed),
+    and `convert --to hf` packs them again: transformers loads the converted files to the same logits."""
+    from safetensors import safe_open
+
+    d = tmp_path / "phi3"
+    hf = hf_model("phi3", d)
+    out = tmp_path / "converted"
+    r = CliRunner().invoke(cli, ["convert", str(d), str(out), "--to", "hf"])
+    assert r.exit_code == 0, r.output[-800:]
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        names = set(f.keys())
+    assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"} <= names
+    assert not any("q_proj" in n or "gate_proj" in n for n in names)
+    again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, hf(IDS).logits)
+    ours = load_model(out)
+    gate, up = hf.model.layers[1].mlp.gate_up_proj.weight.chunk(2)  # transformers' own split: gate first
+    assert torch.equal(ours.model.layers[1].mlp.gate_proj.weight, gate)
+    assert torch.equal(ours.model.layers[1].mlp.up_proj.weight, up)

@@ -72,6 +72,11 @@ _OLMO2 = dict(model_type="olmo2", architectures=["Olmo2ForCausalLM"], vocab_size
               attention_bias=False, hidden_act="silu", bos_token_id=100257, eos_token_id=100257,
               pad_token_id=100277, torch_dtype="float32")
 
+_PHI3 = dict(model_type="phi3", architectures=["Phi3ForCausalLM"], vocab_size=32064, rms_norm_eps=1e-5,
+             rope_theta=10000.0, rope_scaling=None, max_position_embeddings=4096,
+             original_max_position_embeddings=4096, sliding_window=2047, tie_word_embeddings=False,
+             hidden_act="silu", bos_token_id=1, eos_token_id=32000, pad_token_id=32000, torch_dtype="bfloat16")
+
 
 def _sizes(hidden: int, ffn: int, layers: int, heads: int, kv: int, **kw) -> dict:
     return dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
@@ -118,6 +123,9 @@ PUBLISHED: dict[str, tuple[dict, float, float]] = {
     "granite-3.1-8b": ({**_GRANITE, "hidden_size": 4096, "intermediate_size": 12800,
                         "attention_multiplier": 0.0078125, "logits_scaling": 16.0}, 8.17e9, 5e6),
     "smollm3-3b": ({**_SMOLLM3, **_sizes(2048, 11008, 36, 16, 4)}, 3.08e9, 5e6),
+    # Phi-3's cards: mini 3.8B, medium 14B
+    "phi-3-mini-4k": ({**_PHI3, **_sizes(3072, 8192, 32, 32, 32)}, 3.8e9, 5e7),
+    "phi-3-medium-4k": ({**_PHI3, **_sizes(5120, 17920, 40, 40, 10)}, 14.0e9, 5e7),
     # OLMo 2's cards: 7B (7.30B) and 13B (13.7B)
     "olmo-2-7b": ({**_OLMO2, **_sizes(4096, 11008, 32, 32, 32)}, 7.3e9, 5e7),
     "olmo-2-13b": ({**_OLMO2, **_sizes(5120, 13824, 40, 40, 40)}, 13.7e9, 5e7),

@@ -90,14 +90,13 @@ def meta_params(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _hf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]]:
-    from .layouts import fuse_qkv
+    from .layouts import fuse_parts
 
     fmt = family_format(cfg)
     out = {}
     for ct in checkpoint_tensors(cfg, fmt):
-        out[ct.name] = state[ct.parts[0]] if len(ct.parts) == 1 else fuse_qkv(
-            [state[p] for p in ct.parts], fmt.fused_qkv or "", cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg.head_dim)
+        out[ct.name] = state[ct.parts[0]] if len(ct.parts) == 1 else fuse_parts(
+            [state[p] for p in ct.parts], ct.parts, fmt.fused_qkv or "", cfg)
     return fmt.name, out
 
 

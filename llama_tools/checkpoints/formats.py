@@ -8,6 +8,7 @@ conversion (convert.py) and the CLI's choices read them from here. No torch impo
 | hf        | model.layers.j.self_attn.q_proj | half        | none                                    |
 | meta      | layers.j.attention.wq           | interleaved | none; model-parallel shards to merge    |
 | baichuan  | hf, q/k/v as self_attn.W_pack   | half        | rows cat(q, k, v)                       |
+| phi3      | hf, qkv_proj and gate_up_proj   | half        | rows cat(q, k, v); gate, up cat(gate, up)|
 | internlm2 | attention.wqkv, feed_forward.w1 | half        | per KV head: its n_rep q heads, k, v    |
 | gguf      | blk.j.attn_q                    | interleaved | none; one .gguf file, mostly quantized  |
 """
@@ -49,6 +50,7 @@ class CheckpointFormat:
     file_kind: str | None = None  # a WeightFiles.kind whose files are always in this format
     sandwich_renames: tuple[tuple[str, str], ...] = ()  # applied first for Gemma 2/3's four norms a layer
     stacked_experts: bool = False  # a layer's routed experts as one tensor a projection, named by expert 0's name
+    fused_gate_up: str | None = None  # a layer's gate and up rows as one tensor of this name (Phi-3's gate_up_proj)
 
     def tensor_name(self, spec: WeightSpec, cfg: ModelConfig | None = None) -> str:
         """The stored name of an unfused weight (cfg: the model's, where its norms' names depend on it)."""
@@ -70,6 +72,9 @@ FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in [
                      marker="tok_embeddings.weight", meta_names=True, file_kind="meta"),
     CheckpointFormat("baichuan", "Baichuan: HF names, q/k/v rows fused as W_pack", HALF, "concat",
                      "self_attn.W_pack.weight", marker="self_attn.W_pack.weight"),
+    CheckpointFormat("phi3", "Phi-3: HF names, q/k/v rows fused as qkv_proj, gate/up as gate_up_proj", HALF, "concat",
+                     "self_attn.qkv_proj.weight", marker="self_attn.qkv_proj.weight",
+                     fused_gate_up="mlp.gate_up_proj.weight"),
     CheckpointFormat("internlm2", "InternLM2: own names, q/k/v grouped per KV head as wqkv", HALF, "grouped",
                      "attention.wqkv.weight", marker="attention.wqkv.weight", renames=(
                          ("model.embed_tokens.", "model.tok_embeddings."), ("self_attn.o_proj.", "attention.wo."),
@@ -104,7 +109,7 @@ WRITABLE = ("hf", "meta", "gguf")
 BENIGN_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
                    "rope_freqs.weight")  # llama.cpp's per-dimension RoPE divisors (Llama 3.1's, from the config)
 # Family -> the format its published checkpoints use (default: hf).
-_FAMILY_FORMAT = {"baichuan": "baichuan", "internlm2": "internlm2"}
+_FAMILY_FORMAT = {"baichuan": "baichuan", "internlm2": "internlm2", "phi3": "phi3"}
 
 
 def get_format(name: str) -> CheckpointFormat:
@@ -144,13 +149,17 @@ def checkpoint_tensors(cfg: ModelConfig, fmt: CheckpointFormat | None = None) ->
     by_name = {s.name: s for s in specs}
     out: list[CheckpointTensor] = []
     for s in specs:
-        if s.component in ("attn.k", "attn.v"):
-            continue  # inside the fused tensor emitted with attn.q
+        if s.component in ("attn.k", "attn.v") or (fmt.fused_gate_up and s.component == "mlp.up"):
+            continue  # inside the fused tensor emitted with attn.q (mlp.gate)
         if s.component == "attn.q":
             prefix = s.name.rsplit("self_attn.q_proj", 1)[0]  # "model.layers.j."
             parts = tuple(prefix + f"self_attn.{p}_proj.weight" for p in "qkv")
             rows = sum(by_name[p].shape[0] for p in parts)
             out.append(CheckpointTensor(prefix + fmt.fused_name, (rows, cfg.hidden_size), parts))
+        elif fmt.fused_gate_up and s.component == "mlp.gate":
+            prefix = s.name.rsplit("mlp.gate_proj", 1)[0]
+            parts = (s.name, prefix + "mlp.up_proj.weight")
+            out.append(CheckpointTensor(prefix + fmt.fused_gate_up, (2 * s.shape[0], s.shape[1]), parts))
         else:
             out.append(CheckpointTensor(fmt.tensor_name(s, cfg), s.shape, (s.name,)))
     return out

@@ -4,14 +4,20 @@
   interleaved order, pairs (x0, x1), (x2, x3), ... rotate together; HF permutes them so that
   x_i rotates with x_{i + n6/2} (rotate_half). The permutation works per head, so k uses the
   number of KV heads: using the query head count there is the classic GQA bug.
-- Fused q/k/v: Baichuan's W_pack concatenates q, k, v rows; InternLM2's wqkv groups them per KV head.
+- Fused q/k/v: Baichuan's W_pack and Phi-3's qkv_proj concatenate q, k, v rows; InternLM2's wqkv groups them per KV
+  head. Fused gate/up: Phi-3's gate_up_proj concatenates gate and up rows.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..modeling.rope_layouts import HALF, INTERLEAVED
+
+if TYPE_CHECKING:
+    from ..modeling.config import ModelConfig
 
 
 def _check_rows(w: torch.Tensor, n_heads: int, what: str) -> int:
@@ -85,6 +91,21 @@ def fuse_qkv(parts: list[torch.Tensor], fused: str, n_heads: int, n_kv_heads: in
     k = k.reshape(n_kv_heads, 1, head_dim, *rest)  # [kv, 1, n6, n2...]
     v = v.reshape(n_kv_heads, 1, head_dim, *rest)
     return torch.cat((q, k, v), dim=1).reshape(-1, *rest)  # [kv * (n_rep + 2) * n6, n2...]
+
+
+def split_parts(w: torch.Tensor, parts: tuple[str, ...], fused: str, cfg: "ModelConfig",
+                name: str) -> list[torch.Tensor]:
+    """A stored tensor holding several module weights (formats.CheckpointTensor.parts) -> those weights."""
+    if parts[0].endswith("mlp.gate_proj.weight"):  # Phi-3's gate_up_proj: cat(gate, up)
+        return split_rows(w, [cfg.intermediate_size] * len(parts), name)
+    return split_qkv(w, fused, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, name)
+
+
+def fuse_parts(ws: list[torch.Tensor], parts: tuple[str, ...], fused: str, cfg: "ModelConfig") -> torch.Tensor:
+    """The inverse of split_parts."""
+    if parts[0].endswith("mlp.gate_proj.weight"):
+        return fuse_rows(ws)
+    return fuse_qkv(ws, fused, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
 
 
 def split_rows(w: torch.Tensor, sizes: list[int], name: str) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ import torch
 
 from ..modeling.config import ModelConfig
 from .formats import BENIGN_SUFFIXES, CheckpointFormat, checkpoint_tensors, detect_format, merge_meta_shards
-from .layouts import permute_rope_rows, split_qkv
+from .layouts import permute_rope_rows, split_parts
 from ..modeling.model import model_from_state
 from ..outputs.progress import Progress, silent
 from .inspection import read_checkpoint_headers
@@ -120,8 +120,7 @@ def read_checkpoint(directory: str | Path, rope_layout: str | None = None,
             state[ct.parts[0]] = w
         else:
             assert fmt.fused_qkv is not None, f"{fmt.name}: a multi-part tensor without a fusion rule"
-            pieces = split_qkv(w, fmt.fused_qkv, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                               ct.name)
+            pieces = split_parts(w, ct.parts, fmt.fused_qkv, cfg, ct.name)
             state.update(zip(ct.parts, pieces))
     for name in list(stored):
         if name.endswith(BENIGN_SUFFIXES):

@@ -30,7 +30,7 @@ from ..modeling.config import ModelConfig
 from ..checkpoints.formats import BENIGN_SUFFIXES, checkpoint_tensors
 from ..checkpoints.header_readers import TensorInfo
 from ..checkpoints.inspection import read_checkpoint_headers
-from ..checkpoints.layouts import split_qkv
+from ..checkpoints.layouts import split_parts
 from ..modeling.model import (
     CausalLMOutput, DecoderLayer, KVCache, RMSNorm, RopeTables, embedding_scale, final_logits, layer_masks,
     layer_tables, norm, positions, rope_tables_of)
@@ -177,7 +177,7 @@ class _Stored:
     """Where a module-named weight lives: the stored tensor, and which part of a fused q/k/v it is."""
 
     stored: str
-    part: int | None  # None: the whole tensor; 0/1/2: q/k/v of a fused W_pack / wqkv
+    part: int | None  # None: the whole tensor; else its index among the fused tensor's parts (q/k/v, gate/up)
     parts: int
 
 
@@ -195,6 +195,7 @@ class CheckpointReader:
         self.cfg = cfg.replace(rope_layout=self.format.rope_layout)  # as stored
         self.info: dict[str, TensorInfo] = {t.name: t for t in infos}
         self.where: dict[str, _Stored] = {}
+        self._parts: dict[str, tuple[str, ...]] = {}  # stored name -> the module weights it holds
         for ct in checkpoint_tensors(cfg, self.format):
             t = self.info.get(ct.name)
             if t is None:
@@ -205,6 +206,7 @@ class CheckpointReader:
                                  f"predicts {list(ct.shape)}")
             for i, part in enumerate(ct.parts):
                 self.where[part] = _Stored(ct.name, i if len(ct.parts) > 1 else None, len(ct.parts))
+            self._parts[ct.name] = ct.parts
         known = {w.stored for w in self.where.values()}
         extra = [n for n in self.info if n not in known and not n.endswith(BENIGN_SUFFIXES)
                  and not (cfg.tie_word_embeddings and n in ("lm_head.weight", "output.weight"))]
@@ -269,8 +271,8 @@ class CheckpointReader:
                 t = self._slice(handles, s, None)
                 for n in (n for n in names if self.where[n].stored == s):
                     part = self.where[n].part
-                    piece = t if part is None else split_qkv(t, self.format.fused_qkv or "", self.cfg.num_attention_heads,
-                                                             self.cfg.num_key_value_heads, self.cfg.head_dim, s)[part]
+                    piece = t if part is None else split_parts(
+                        t, self._parts[s], self.format.fused_qkv or "", self.cfg, s)[part]
                     out[n] = self._owned(piece, device)
                 del t
         return out

@@ -15,6 +15,7 @@ fields; `convert` and the export name the family from here. No torch.
 | granite |          | γ         | SiLU       | pre-norm, both x m  | x m                | alike; D x m, H / m|
 | smollm3 |          | γ         | SiLU       | pre-norm            | / sqrt(n6)         | every 4th no RoPE |
 | olmo2   | whole q/k| γ         | SiLU       | post-norm only      | / sqrt(n6)         | alike             |
+| phi3    |          | γ         | SiLU       | pre-norm            | / sqrt(n6)         | alike; packed qkv |
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ _SMOLLM3_KEYS = {**_LLAMA_KEYS, "rope_theta": 2000000.0, "max_position_embedding
 _OLMO2_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-5, "hidden_act": "silu",
                "head_dim": None, "num_key_value_heads": None, "max_position_embeddings": 2048,
                "tie_word_embeddings": False, "attention_bias": False}
+# Phi-3 (and 3.5): Llama's block stored packed (qkv_proj, gate_up_proj: formats.py), a window where the config says,
+# longrope's short and long factors past original_max_position_embeddings; partial rotary (Phi-4-mini) is refused.
+_PHI3_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+              "head_dim": None, "num_key_value_heads": None, "max_position_embeddings": 4096,
+              "original_max_position_embeddings": 4096, "tie_word_embeddings": False, "sliding_window": None}
 # Baichuan and InternLM2 ship their own modeling code beside the weights (trust_remote_code).
 _BAICHUAN_KEYS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
                   "position_embedding": None, "norm_head": None}
@@ -106,6 +112,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("smollm3", ("SmolLM3ForCausalLM",), ("smollm3",), hf_keys=_SMOLLM3_KEYS, genai_type="smollm3"),
     Family("olmo2", ("Olmo2ForCausalLM",), ("olmo2",), {"qk_norm": True, "qk_norm_whole": True, "post_norms": True},
            hf_keys=_OLMO2_KEYS, genai_type="olmo"),
+    Family("phi3", ("Phi3ForCausalLM",), ("phi3",), hf_keys=_PHI3_KEYS, genai_type="phi3"),
     Family("baichuan", ("BaichuanForCausalLM", "BaiChuanForCausalLM"), ("baichuan",), hf_keys=_BAICHUAN_KEYS),
     Family("internlm2", ("InternLM2ForCausalLM",), ("internlm2",), hf_keys=_INTERNLM2_KEYS),
 ]}

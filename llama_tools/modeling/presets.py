@@ -74,6 +74,10 @@ _OLMO2 = dict(**_family("olmo2"), vocab_size=100352, rms_norm_eps=1e-6, rope_the
               max_position_embeddings=4096, bos_token_id=100257, eos_token_id=100257, pad_token_id=100277,
               torch_dtype=FP32)
 
+# Phi-3 (4K context): Llama blocks stored packed, 32,064 rows, untied, a window of 2,047.
+_PHI3 = dict(**_family("phi3"), vocab_size=32064, max_position_embeddings=4096, sliding_window=2047,
+             bos_token_id=1, eos_token_id=32000, pad_token_id=32000, torch_dtype=BF16)
+
 
 def _preset(name: str, *bases: dict[str, Any], **kw: Any) -> ModelConfig:
     """LLaMA-2's defaults (eps 1e-5, 4096 positions, fp16), then `bases`, then `kw`; `full_every` (Gemma 2/3) makes
@@ -179,6 +183,10 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
             num_attention_heads=32),
     _preset("olmo-2-13b", _OLMO2, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
             num_attention_heads=40),
+    _preset("phi-3-mini-4k", _PHI3, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+            num_attention_heads=32),
+    _preset("phi-3-medium-4k", _PHI3, hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
+            num_attention_heads=40, num_key_value_heads=10),
     _preset("smollm3-3b", _SMOLLM3, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
             num_attention_heads=16, num_key_value_heads=4),
     # Small enough to build in a test: GQA (4 query heads over 2 KV heads), two layers.
@@ -200,7 +208,9 @@ ALIASES = {
     "granite-3.1-2b-instruct": "granite-3.1-2b", "granite-3.1-8b-instruct": "granite-3.1-8b",
     "granite3.1-2b": "granite-3.1-2b", "granite3.1-8b": "granite-3.1-8b", "smollm3": "smollm3-3b",
     "smollm3-3b-base": "smollm3-3b", "olmo-2-1124-7b": "olmo-2-7b", "olmo-2-1124-13b": "olmo-2-13b",
-    "olmo2-7b": "olmo-2-7b", "olmo2-13b": "olmo-2-13b",
+    "olmo2-7b": "olmo-2-7b", "olmo2-13b": "olmo-2-13b", "phi-3-mini-4k-instruct": "phi-3-mini-4k",
+    "phi3-mini": "phi-3-mini-4k", "phi-3-mini": "phi-3-mini-4k", "phi-3-medium-4k-instruct": "phi-3-medium-4k",
+    "phi3-medium": "phi-3-medium-4k",
 }
 
 # Where each preset's numbers come from (its published config.json; the paper for its four).
@@ -225,6 +235,7 @@ PRESET_SOURCES = {
     "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B", "granite-3.1-2b": "ibm-granite/granite-3.1-2b-instruct",
     "granite-3.1-8b": "ibm-granite/granite-3.1-8b-instruct", "smollm3-3b": "HuggingFaceTB/SmolLM3-3B",
     "olmo-2-7b": "allenai/OLMo-2-1124-7B", "olmo-2-13b": "allenai/OLMo-2-1124-13B",
+    "phi-3-mini-4k": "microsoft/Phi-3-mini-4k-instruct", "phi-3-medium-4k": "microsoft/Phi-3-medium-4k-instruct",
     "tiny": "built in: seeded weights and a tokenizer, for tests and the README",
 }
 
