@@ -164,23 +164,23 @@ def test_moe_and_mla_components_and_per_layer_from_the_module_tree(tmp_path):
 
 
 def test_mixing_native_and_foreign_models_in_one_run(tmp_path):
-    path, config = write_config(tmp_path, "phi3", num_hidden_layers=2)
+    path, config = write_config(tmp_path, "starcoder2", num_hidden_layers=2)
     r = run("count-params", "tiny", str(path))
     assert r.exit_code == 0, r.output
-    assert "n8(4 n2² + 3 n2 n7) + n1 n2" in r.stdout and "Phi3ForCausalLM (phi3)" in r.stdout
+    assert "n8(4 n2² + 3 n2 n7) + n1 n2" in r.stdout and "Starcoder2ForCausalLM (starcoder2)" in r.stdout
     data = json.loads(run("count-params", "tiny", str(path), "--format", "json").stdout)
     assert data[0]["model"] == "tiny" and data[1]["total"] == hf_count(config)
 
 
 def test_without_transformers_the_refusal_is_one_line_with_the_pip_command(tmp_path, monkeypatch):
-    path, _ = write_config(tmp_path, "olmo2", num_hidden_layers=1)
+    path, _ = write_config(tmp_path, "cohere", num_hidden_layers=1)
     transformers_count._tree.cache_clear()
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
     for argv in (["count-params", str(path)], ["report", "shapes", str(path)]):
         r = run(*argv)
         lines = r.output.strip().splitlines()
         assert r.exit_code == 1 and len(lines) == 1 and "Traceback" not in r.output, r.output
-        assert "Olmo2ForCausalLM" in lines[0] and 'pip install "transformers' in lines[0] and str(path) in lines[0]
+        assert "CohereForCausalLM" in lines[0] and 'pip install "transformers' in lines[0] and str(path) in lines[0]
 
 
 def test_configs_transformers_cannot_build_are_one_line(tmp_path):
@@ -189,7 +189,8 @@ def test_configs_transformers_cannot_build_are_one_line(tmp_path):
     unknown.write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "model_type": "no_such_model"}))
     bad = tmp_path / "bad" / "config.json"
     bad.parent.mkdir()
-    bad.write_text(json.dumps({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": "wide"}))
+    bad.write_text(json.dumps({"architectures": ["StableLmForCausalLM"], "model_type": "stablelm",
+                               "hidden_size": "wide"}))
     no_type = tmp_path / "no_type" / "config.json"
     no_type.parent.mkdir()
     no_type.write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))

@@ -202,7 +202,7 @@ def write_family_gguf(d: Path, hf, path: Path) -> None:
     gguf = pytest.importorskip("gguf")
     c = hf.config
     arch = {"qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "granite": "granite",
-            "smollm3": "smollm3", "olmo2": "olmo2"}[c.model_type]
+            "smollm3": "smollm3", "olmo2": "olmo2", "phi3": "phi3"}[c.model_type]
     w = gguf.GGUFWriter(str(path), arch)
     n = c.num_hidden_layers
     add_llama_hparams(w, load_config(d))  # the keys every architecture shares, from the config.json HF wrote
@@ -215,6 +215,8 @@ def write_family_gguf(d: Path, hf, path: Path) -> None:
     if getattr(c, "sliding_window", None) and arch.startswith("gemma"):
         w.add_sliding_window(c.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    if getattr(c, "sliding_window", None) and arch == "phi3":  # llama.cpp's converter writes it (llama.cpp skips it)
+        w.add_sliding_window(c.sliding_window)
     if getattr(c, "query_pre_attn_scalar", None):
         w.add_float32(f"{arch}.attention.scale", c.query_pre_attn_scalar ** -0.5)  # llama.cpp assumes n6 without it
     if getattr(c, "attn_logit_softcapping", None):
@@ -254,8 +256,7 @@ def write_family_gguf(d: Path, hf, path: Path) -> None:
 
 def test_family_gguf_is_counted_loaded_exported_and_verified(family, tmp_path):
     name, d, hf = family
-    refused = {"smollm3": "layers without RoPE",  # llama.cpp fixes them at every 4th; this case's are every 2nd
-               "phi3": "no GGUF architecture here"}  # llama.cpp's phi3 keeps gate and up as one ffn_up
+    refused = {"smollm3": "layers without RoPE"}  # llama.cpp fixes them at every 4th; this case's are every 2nd
     if name in refused:
         from llama_tools.checkpoints.gguf.write import check_config
 

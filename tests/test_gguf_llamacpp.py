@@ -78,6 +78,7 @@ CASES = {
                                 logits_scaling=0.5, rope_theta=1e4), "bpe"),
     "smollm3": ("smollm3", dict(rope_theta=1e5, num_hidden_layers=4, tie_word_embeddings=False), "bpe"),
     "olmo2": ("olmo2", dict(rope_theta=5e5), "bpe"),
+    "phi3": ("phi3", dict(rope_theta=1e4, sliding_window=None), "bpe"),  # llama.cpp's phi3 applies no window
 }
 DTYPES = {"F32": None, "F16": "float16", "BF16": "bfloat16"}
 TORCH = {"F16": torch.float16, "BF16": torch.bfloat16}

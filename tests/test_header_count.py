@@ -134,9 +134,9 @@ def test_an_index_and_a_directory_without_config_are_counted_from_every_shard(tm
     assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1 and str(index) in r.output, r.output
 
 
-def write_phi3_gguf(path: Path) -> dict[str, np.ndarray]:
-    """A GGUF of an architecture no family here models (phi3): blk.N. names, F32 and Q8_0 tensors."""
-    w = gguf.GGUFWriter(str(path), "phi3")
+def write_phi2_gguf(path: Path) -> dict[str, np.ndarray]:
+    """A GGUF of an architecture no family here models (phi2): blk.N. names, F32 and Q8_0 tensors."""
+    w = gguf.GGUFWriter(str(path), "phi2")
     w.add_block_count(2)
     stored: dict[str, np.ndarray] = {}
     for name, shape, q in [("token_embd.weight", (32, 64), gguf.GGMLQuantizationType.Q8_0),
@@ -154,10 +154,10 @@ def write_phi3_gguf(path: Path) -> dict[str, np.ndarray]:
 
 
 def test_a_gguf_of_another_architecture_is_counted_from_its_header(tmp_path):
-    path = tmp_path / "phi3.gguf"
-    stored = write_phi3_gguf(path)
+    path = tmp_path / "phi2.gguf"
+    stored = write_phi2_gguf(path)
     got, r = counted(str(path))
-    assert got["architecture"] == "phi3" and got["format"] == "gguf" and "'phi3'" in got["reason"]
+    assert got["architecture"] == "phi2" and got["format"] == "gguf" and "'phi2'" in got["reason"]
     assert got["total"] == sum(a.size for a, _, _ in stored.values())
     assert got["total_bytes"] == sum(d.nbytes for _, d, _ in stored.values())  # Q8_0: 34 bytes per 32 weights
     by_type: dict[str, int] = {}
@@ -221,15 +221,15 @@ def test_a_partial_safetensors_is_counted_with_its_shortfall(tmp_path):
 
 
 def test_a_partial_gguf_is_counted_with_its_shortfall(tmp_path):
-    full = tmp_path / "phi3.gguf"
-    stored = write_phi3_gguf(full)
+    full = tmp_path / "phi2.gguf"
+    stored = write_phi2_gguf(full)
     reader = gguf.GGUFReader(full)  # the library's own reading of the complete file: where the data end
     declared = max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors)
-    part = cut(full, tmp_path / "part" / "phi3.gguf", reader.data_offset)  # the header whole, no data
+    part = cut(full, tmp_path / "part" / "phi2.gguf", reader.data_offset)  # the header whole, no data
     got, r = counted(str(part))
     assert got["total"] == sum(a.size for a, _, _ in stored.values()) and got["partial"]
     assert got["files"][0]["bytes_missing"] == declared - reader.data_offset
-    assert "phi3.gguf" in r.stderr and "partial" in r.stderr
+    assert "phi2.gguf" in r.stderr and "partial" in r.stderr
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ conversion (convert.py) and the CLI's choices read them from here. No torch impo
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, Literal, TypeVar
 
@@ -23,6 +24,7 @@ from ..modeling.rope_layouts import HALF, INTERLEAVED, RopeLayout
 from ..modeling.weights import WeightSpec, weight_specs
 
 FusedQKV = Literal["concat", "grouped"]
+_LAYER_PREFIX = re.compile(r"^.*?\.\d+\.")  # a stored name's layer part: "model.layers.3.", "blk.3."
 T = TypeVar("T")
 
 
@@ -50,7 +52,9 @@ class CheckpointFormat:
     file_kind: str | None = None  # a WeightFiles.kind whose files are always in this format
     sandwich_renames: tuple[tuple[str, str], ...] = ()  # applied first for Gemma 2/3's four norms a layer
     stacked_experts: bool = False  # a layer's routed experts as one tensor a projection, named by expert 0's name
-    fused_gate_up: str | None = None  # a layer's gate and up rows as one tensor of this name (Phi-3's gate_up_proj)
+    # a layer's gate and up rows as one tensor, named by this rename of the gate's stored name (Phi-3's gate_up_proj,
+    # llama.cpp's phi3 ffn_up)
+    fused_gate_up: tuple[str, str] | None = None
 
     def tensor_name(self, spec: WeightSpec, cfg: ModelConfig | None = None) -> str:
         """The stored name of an unfused weight (cfg: the model's, where its norms' names depend on it)."""
@@ -74,7 +78,7 @@ FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in [
                      "self_attn.W_pack.weight", marker="self_attn.W_pack.weight"),
     CheckpointFormat("phi3", "Phi-3: HF names, q/k/v rows fused as qkv_proj, gate/up as gate_up_proj", HALF, "concat",
                      "self_attn.qkv_proj.weight", marker="self_attn.qkv_proj.weight",
-                     fused_gate_up="mlp.gate_up_proj.weight"),
+                     fused_gate_up=("mlp.gate_proj.", "mlp.gate_up_proj.")),
     CheckpointFormat("internlm2", "InternLM2: own names, q/k/v grouped per KV head as wqkv", HALF, "grouped",
                      "attention.wqkv.weight", marker="attention.wqkv.weight", renames=(
                          ("model.embed_tokens.", "model.tok_embeddings."), ("self_attn.o_proj.", "attention.wo."),
@@ -139,7 +143,7 @@ def checkpoint_tensors(cfg: ModelConfig, fmt: CheckpointFormat | None = None) ->
     """The tensors a checkpoint of `cfg` holds in format `fmt` (default: the family's own)."""
     fmt = fmt or family_format(cfg)
     specs = weight_specs(cfg)
-    if fmt.fused_qkv is None:
+    if fmt.fused_qkv is None and fmt.fused_gate_up is None:
         try:
             if fmt.stacked_experts and cfg.is_moe:
                 return _stacked(cfg, fmt, specs)
@@ -149,17 +153,19 @@ def checkpoint_tensors(cfg: ModelConfig, fmt: CheckpointFormat | None = None) ->
     by_name = {s.name: s for s in specs}
     out: list[CheckpointTensor] = []
     for s in specs:
-        if s.component in ("attn.k", "attn.v") or (fmt.fused_gate_up and s.component == "mlp.up"):
+        if (fmt.fused_qkv and s.component in ("attn.k", "attn.v")) or (fmt.fused_gate_up and s.component == "mlp.up"):
             continue  # inside the fused tensor emitted with attn.q (mlp.gate)
-        if s.component == "attn.q":
+        if fmt.fused_qkv and s.component == "attn.q":
             prefix = s.name.rsplit("self_attn.q_proj", 1)[0]  # "model.layers.j."
             parts = tuple(prefix + f"self_attn.{p}_proj.weight" for p in "qkv")
             rows = sum(by_name[p].shape[0] for p in parts)
-            out.append(CheckpointTensor(prefix + fmt.fused_name, (rows, cfg.hidden_size), parts))
+            stored = _LAYER_PREFIX.match(fmt.tensor_name(s, cfg))  # "model.layers.j." or GGUF's "blk.j."
+            assert stored is not None, f"{fmt.name}: {s.name} is stored under no layer prefix"
+            out.append(CheckpointTensor(stored.group(0) + fmt.fused_name, (rows, cfg.hidden_size), parts))
         elif fmt.fused_gate_up and s.component == "mlp.gate":
-            prefix = s.name.rsplit("mlp.gate_proj", 1)[0]
-            parts = (s.name, prefix + "mlp.up_proj.weight")
-            out.append(CheckpointTensor(prefix + fmt.fused_gate_up, (2 * s.shape[0], s.shape[1]), parts))
+            parts = (s.name, s.name.replace("mlp.gate_proj.", "mlp.up_proj."))
+            name = fmt.tensor_name(s, cfg).replace(*fmt.fused_gate_up)
+            out.append(CheckpointTensor(name, (2 * s.shape[0], s.shape[1]), parts))
         else:
             out.append(CheckpointTensor(fmt.tensor_name(s, cfg), s.shape, (s.name,)))
     return out

@@ -31,6 +31,7 @@ class GgufArchitecture:
     # llama.cpp's (attention, final logit) soft-caps when the file names none; None: no cap (Gemma 2 always caps)
     default_caps: tuple[float | None, float | None] = (None, None)
     no_rope_every: int = 0  # llama.cpp leaves layer j without RoPE when (j + 1) % this == 0 (no key says so)
+    fused_gate_up: bool = False  # Phi-3's: q/k/v as one attn_qkv, gate and up as one ffn_up (gate first)
 
 
 # llama.cpp writes Mistral as "llama" and permutes its q/k rows to Meta's interleaved order (its rope type NORM);
@@ -50,7 +51,9 @@ ARCHITECTURES = {"llama": GgufArchitecture("llama", GGUF.rope_layout),
                  "granite": GgufArchitecture("granite", GGUF.rope_layout),
                  "smollm3": GgufArchitecture("smollm3", GGUF.rope_layout, no_rope_every=4),
                  # HF's rows (rope type NEOX); its norms after attention and the FFN as Gemma 2/3's are named
-                 "olmo2": GgufArchitecture("olmo2", HALF)}
+                 "olmo2": GgufArchitecture("olmo2", HALF),
+                 # HF's rows; gate_up_proj kept whole as ffn_up (llama.cpp's SwiGLU splits it: gate, then up)
+                 "phi3": GgufArchitecture("phi3", HALF, fused_gate_up=True)}
 # Granite's multipliers: ModelConfig field -> the <arch>.* key llama.cpp reads it from (llama.cpp's names).
 GRANITE_KEYS = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                 "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
@@ -67,6 +70,8 @@ SHAPES = {"token_embd.weight": ("hidden", "vocab"), "output.weight": ("hidden", 
           "ffn_gate_inp.weight": ("hidden", "experts"), "ffn_gate_exps.weight": ("hidden", "expert_ffn", "experts"),
           "ffn_up_exps.weight": ("hidden", "expert_ffn", "experts"),
           "ffn_down_exps.weight": ("expert_ffn", "hidden", "experts")}
+# Phi-3's fused tensors (fused_gate_up): ffn_up holds gate and up, attn_qkv q, k and v.
+FUSED_SHAPES = {"ffn_up.weight": ("hidden", "2ffn"), "attn_qkv.weight": ("hidden", "qkv")}
 # Tensors that exist only in a mixture-of-experts layer: a file holding one must say {arch}.expert_count.
 EXPERT_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 MAX_EXPERTS = SIZE_LIMITS["num_local_experts"]  # as a config.json may say: every expert is listed by name
@@ -86,6 +91,16 @@ LLAMA3_ARCHITECTURES = ("llama",)  # those whose rope_freqs.weight llama.cpp app
 # (experts x tensors string replacements), so at most this many experts are read in that form: Mixtral has 8.
 MAX_PER_EXPERT = 64
 _PROJECTIONS = (("w1", "gate"), ("w3", "up"), ("w2", "down"))
+
+
+# Phi-3's files as llama.cpp's converter writes them: q/k/v as one attn_qkv (cat(q, k, v)), gate and up as one ffn_up
+GGUF_PHI3 = dataclasses.replace(GGUF, fused_qkv="concat", fused_name="attn_qkv.weight",
+                                fused_gate_up=("ffn_gate.", "ffn_up."))
+
+
+def gguf_format(arch: str) -> CheckpointFormat:
+    """The GGUF format a file of this architecture is in (Phi-3's q/k/v and gate/up fused)."""
+    return GGUF_PHI3 if ARCHITECTURES[arch].fused_gate_up else GGUF
 
 
 def per_expert_format(experts: int) -> CheckpointFormat:

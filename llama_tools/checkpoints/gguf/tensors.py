@@ -15,7 +15,7 @@ from ..formats import CheckpointFormat, checkpoint_tensors
 from ..header_readers import FileExtent, TensorInfo
 from ..weight_files import CheckpointHeaders, WeightFiles
 from ...modeling.weights import stack_specs, weight_specs
-from .architectures import ARCHITECTURES, GGUF, KIND, MAX_PER_EXPERT, ROPE_FREQS, per_expert_format
+from .architectures import ARCHITECTURES, KIND, MAX_PER_EXPERT, ROPE_FREQS, gguf_format, per_expert_format
 from .check import check_metadata
 from .config import gguf_config
 from .read import UnmodelledGguf, field_value, gguf_extent, open_gguf, refuse_partial
@@ -71,7 +71,7 @@ def read_gguf_headers(path: str | Path) -> CheckpointHeaders:
 def file_format(reader: Any, cfg: ModelConfig, path: Path) -> CheckpointFormat:
     """GGUF's format, or its per-expert form for a mixture of experts written before llama.cpp stacked them."""
     if not cfg.is_moe or not any(t.name == "blk.0.ffn_gate.0.weight" for t in reader.tensors):
-        return GGUF
+        return gguf_format(field_value(reader, "general.architecture"))
     if cfg.num_experts > MAX_PER_EXPERT:
         raise UnmodelledGguf(f"{path}: {cfg.num_experts:,} experts stored one tensor each (blk.0.ffn_gate.0.weight); "
                              f"llama-tools reads up to {MAX_PER_EXPERT} so, and any number stacked (ffn_gate_exps)")
@@ -120,14 +120,17 @@ class GgufReader:
         refuse_partial(self._gguf, p)
         cfg = gguf_config(self._gguf, p)
         infos = tensor_infos(self._gguf, p)
-        self.files, self.format, self.cfg = WeightFiles(KIND, (p,)), GGUF, cfg  # q/k rows as stored: interleaved
+        fmt = file_format(self._gguf, cfg, p)
+        self.files, self.format, self.cfg = WeightFiles(KIND, (p,)), fmt, cfg  # q/k rows as stored
         self.gains_plus_one = ARCHITECTURES[field_value(self._gguf, "general.architecture")].gains_plus_one
         self.info: dict[str, TensorInfo] = {t.name: t for t in infos}
         self._tensors = {t.name: t for t in self._gguf.tensors}
         self.where: dict[str, str] = {}  # module name -> stored name
         self.expert: dict[str, int] = {}  # module name -> its index in a stacked experts tensor (ffn_gate_exps)
+        self.part: dict[str, tuple[int, int]] = {}  # module name -> its rows [start, stop) in a fused tensor (Phi-3)
+        rows_of = {s.name: s.shape[0] for s in weight_specs(cfg)}
         # experts bounded by check_metadata (the stacked tensors' axis), or by file_format (per-expert tensors)
-        for ct in checkpoint_tensors(cfg, file_format(self._gguf, cfg, p)):
+        for ct in checkpoint_tensors(cfg, fmt):
             t = self.info.get(ct.name)
             if t is None:
                 raise ValueError(f"{p}: tensor {ct.name!r} that its metadata predicts is not in the file")
@@ -138,6 +141,9 @@ class GgufReader:
                 self.where[part] = ct.name
                 if len(ct.shape) == 3:  # a stacked experts tensor, even of one expert
                     self.expert[part] = i
+                elif len(ct.parts) > 1:  # rows of a fused tensor, the parts one after another
+                    start = sum(rows_of[q] for q in ct.parts[:i])
+                    self.part[part] = (start, start + rows_of[part])
         # rope_freqs.weight is read into the config (its llama3 scaling), not as a weight
         extra = sorted(set(self.info) - set(self.where.values()) - {ROPE_FREQS})
         if extra:
@@ -208,12 +214,14 @@ class GgufReader:
         """A module-named weight's fp32 array, a fresh one: from the cache (copied), else dequantized (and kept
         while the cache's bytes allow, the least recently read dropped first)."""
         stored, e = self.where[name], self.expert.get(name)
-        key = (stored, e)
+        key = (name, None) if name in self.part else (stored, e)
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
             return hit.copy()
-        if e is None:
+        if name in self.part:  # its rows of a fused tensor (quantized blocks never span rows)
+            a = self._dequantized(stored, [self.part[name]])
+        elif e is None:
             a = self._dequantized(stored)
         else:  # one expert's rows of the stacked tensor
             rows = self.info[stored].shape[1]

@@ -31,8 +31,9 @@ from ...modeling.config import ModelConfig
 from ...modeling.families import FAMILIES, FULL, SLIDING
 from ...modeling.rope import yarn_attention_factor
 from ..formats import checkpoint_tensors
-from .architectures import (ARCHITECTURES, GGUF, GRANITE_KEYS, LLAMA3_ARCHITECTURES, MOE_FAMILY, ROPE_FREQS,
-                            WRITTEN_AS, GgufArchitecture)
+from ...modeling.weights import weight_specs
+from .architectures import (ARCHITECTURES, GRANITE_KEYS, LLAMA3_ARCHITECTURES, MOE_FAMILY, ROPE_FREQS, WRITTEN_AS,
+                            GgufArchitecture, gguf_format)
 from .rope_freqs import PUBLISHED, llama3_divisors
 from .vocabulary import Vocabulary, write_vocabulary
 
@@ -334,10 +335,11 @@ def write_gguf(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str | Path
     arch, a = architecture(cfg)
     dtype = dtypes.model_dtype(dtype).name if dtype is not None else None
     plan = []  # (stored name, module names, shape, GGML type): every tensor checked before the file is opened
-    for ct in checkpoint_tensors(cfg, GGUF):
+    spec_shape = {s.name: s.shape for s in weight_specs(cfg)}
+    for ct in checkpoint_tensors(cfg, gguf_format(arch)):
         stacked = len(ct.shape) == 3  # a layer's experts, one projection: [experts, rows, columns]
-        want = ct.shape[1:] if stacked else ct.shape
         for part in ct.parts:
+            want = ct.shape[1:] if stacked else spec_shape[part]  # a fused tensor's parts: each its own rows
             t = state.get(part)
             if t is None:
                 raise ValueError(f"tensor {part} of the {cfg.family} model {cfg.name!r} is missing")
@@ -374,8 +376,10 @@ def write_gguf(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str | Path
                 if not parts:  # rope_freqs.weight
                     w.write_tensor_data(np.asarray(divisors, np.float32))
                     continue
-                t = _stack([state[p] for p in parts]) if len(shape) == 3 else state[parts[0]]
-                w.write_tensor_data(_stored(parts[0], t, cfg, a, q))
+                if len(shape) == 3:
+                    w.write_tensor_data(_stored(parts[0], _stack([state[p] for p in parts]), cfg, a, q))
+                else:  # one tensor, or a fused one's parts one after another (Phi-3's attn_qkv, ffn_up: gate, up)
+                    w.write_tensor_data(np.concatenate([_stored(p, state[p], cfg, a, q) for p in parts]))
         finally:
             w.close()
     return GgufWritten(arch, len(plan), params, sum(nbytes), warnings)
