@@ -263,3 +263,16 @@ def test_a_surrogate_template_is_left_out_of_the_client_files_in_one_warning(tin
     r = invoke(["export", "onnx", str(good), "-o", str(tmp_path / "g-out" / "model.onnx")])
     ok(r)
     assert json.loads((tmp_path / "g-out" / "tokenizer_config.json").read_text())["chat_template"]
+
+
+@pytest.mark.parametrize("command", [["verify", "parity"], ["count-params"]])
+def test_a_graph_without_its_onnx_name_is_told_what_a_model_file_is(tmp_path, command):
+    """A file that is not JSON given as MODEL (an exported graph renamed without .onnx) is refused naming the file,
+    why, and what a MODEL file is; a file named .json keeps the JSON error alone."""
+    graph = tmp_path / "model-noext"
+    graph.write_bytes(b"\x08\x0a\x12\x04\xff\xfe\x00\x01" + bytes(64))  # protobuf-like bytes
+    line = one_line(invoke([*command, str(graph)]), str(graph), "not UTF-8 text", "known by its .onnx name")
+    assert "config.json, params.json or .gguf" in line
+    named = tmp_path / "config.json"
+    named.write_bytes(b"\xff{}")
+    assert "known by its .onnx name" not in one_line(invoke(["count-params", str(named)]), str(named), "not UTF-8 text")

@@ -128,6 +128,16 @@ def test_a_layout_the_installed_transformers_does_not_read_is_not_judged_by_it(g
     assert rep.passed  # not run is no failure: the header says it, the graph checks still decide
 
 
+def _v5_layout(d: Path) -> dict:
+    """D's Gemma 3 config.json (4.x layout) as transformers 5 writes it: one rope_parameters entry per layer type."""
+    v5 = json.loads((d / "config.json").read_text())
+    v5["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": v5.pop("rope_theta")},
+                             "sliding_attention": {"rope_type": "default",
+                                                   "rope_theta": v5.pop("rope_local_base_freq")}}
+    del v5["rope_scaling"]
+    return v5
+
+
 @pytest.mark.slow
 def test_the_real_gemma3_is_read_as_transformers_reads_it(tmp_path):
     """Gemma 3 270M as transformers saves it (18 layers, 5 local : 1 global at bases 1e4 / 1e6): read right in the
@@ -143,12 +153,7 @@ def test_the_real_gemma3_is_read_as_transformers_reads_it(tmp_path):
     rows = [list(range(2, 60))]
     rep = check_source(src, rows)
     assert rep.passed, [(b.name, b.checks[0].figures()) for b in rep.blocks]
-    v5 = json.loads((d / "config.json").read_text())
-    v5["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": v5.pop("rope_theta")},
-                             "sliding_attention": {"rope_type": "default",
-                                                   "rope_theta": v5.pop("rope_local_base_freq")}}
-    del v5["rope_scaling"]
-    (tmp_path / "config.json").write_text(json.dumps(v5))
+    (tmp_path / "config.json").write_text(json.dumps(_v5_layout(d)))
     assert config_files.load_config(tmp_path / "config.json").replace(source="", name="") == \
         src.cfg.replace(source="", name="")
 
@@ -174,11 +179,7 @@ def test_the_real_gemma3_in_transformers_5_layout_is_exported_and_verified(tmp_p
                 (src / f.name).hardlink_to(f)  # the 1 GB of weights, not copied
             except OSError:
                 shutil.copy(f, src / f.name)
-    v5 = json.loads((d / "config.json").read_text())
-    v5["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": v5.pop("rope_theta")},
-                             "sliding_attention": {"rope_type": "default",
-                                                   "rope_theta": v5.pop("rope_local_base_freq")}}
-    del v5["rope_scaling"]
+    v5 = _v5_layout(d)
     (src / "config.json").write_text(json.dumps(v5))
     graph = tmp_path / "fused" / "model.onnx"
     r = CliRunner().invoke(cli, ["export", "onnx", str(src), "-o", str(graph), "--optimize", "-q"])

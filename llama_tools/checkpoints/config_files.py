@@ -586,7 +586,13 @@ def load_config(source: str | Path) -> ModelConfig:
             raise ValueError(f"{p}: no such file or directory")
         if not p.is_file():
             raise ValueError(f"{p}: not a regular file; give a config.json, params.json or checkpoint directory")
-        data = read_json(p)
+        try:
+            data = read_json(p)
+        except ValueError as e:
+            if p.suffix == ".json":
+                raise
+            raise ValueError(f"{e}; a MODEL file is a config.json, params.json or .gguf (an ONNX graph is known by "
+                             f"its .onnx name)") from None
         return config_from_meta(data, p) if "dim" in data and "hidden_size" not in data else config_from_hf(data, p)
     return get_preset(str(source))
 
