@@ -32,7 +32,7 @@ MILLION = 10**6
 
 def closed_form(cfg: ModelConfig) -> int:
     """Parameters written out: n8 decoders of (attention + biases + FFN + 2 norms, Gemma 2/3's two more, the q/k
-    norms of Qwen3 and Gemma 3), D, the final norm, W^8."""
+    norms of Qwen3 and Gemma 3, OLMo 2's over the whole projection), D, the final norm, W^8."""
     n1, n2, n7, n8 = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     attention = 2 * q * n2 + 2 * kv * n2  # W^{j1}, W^{j4} (q x n2) and W^{j2}, W^{j3} (kv x n2)
@@ -42,7 +42,8 @@ def closed_form(cfg: ModelConfig) -> int:
         ffn = cfg.num_experts * n2 + cfg.num_experts * 3 * n2 * e7  # router + experts
     else:
         ffn = 3 * n2 * n7 + (2 * n7 + n2 if cfg.mlp_bias else 0)
-    norms = 2 * n2 + (2 * n2 if cfg.sandwich_norms else 0) + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    qk = (q + kv if cfg.qk_norm_whole else 2 * cfg.head_dim) if cfg.qk_norm else 0  # OLMo 2's over the projection
+    norms = 2 * n2 + (2 * n2 if cfg.sandwich_norms else 0) + qk  # OLMo 2: 2 (after only), as the 2 before
     decoder = attention + biases + ffn + norms
     return n8 * decoder + n1 * n2 + n2 + (0 if cfg.tie_word_embeddings else n1 * n2)
 
