@@ -41,7 +41,7 @@ from llama_tools.modeling import dtypes
 from llama_tools.outputs import files
 from llama_tools.outputs.progress import Progress, release_freed_memory, silent
 
-from .compare import DTYPE_LABEL, FP16_PER_FP32, Budget, BudgetCheck, judge
+from .compare import DTYPE_LABEL, FP16_PER_FP32, Budget, BudgetCheck, JudgeSums, judge
 from ..graph_io import INPUT_IDS, LOGITS, present_name
 from ..onnx_export import export_onnx, read_metadata
 from ..prompts import default_prompts, left_pad, positions
@@ -177,8 +177,11 @@ class GraphBlocks:
             want.extend(self.nodes[i].input)
         return tuple(sorted(keep))
 
-    def block_model(self, b: Block) -> Any:
-        """The block as a model: the graph's nodes, its initializers (external data where the export's are)."""
+    def block_model(self, b: Block, vocab: tuple[int, int, int] | None = None) -> Any:
+        """The block as a model: the graph's nodes, its initializers (external data where the export's are).
+
+        vocab (the head only): (vocab_size, start, stop): every initializer with a vocab_size axis cut to those
+        rows of the vocabulary (vocab_rows), so the block's logits are those columns alone."""
         import onnx
         from onnx import helper
 
@@ -186,14 +189,52 @@ class GraphBlocks:
         used = {x for n in nodes for x in n.input if x}
         inputs = [helper.make_tensor_value_info(x, self.elem, None) for x in b.inputs]
         inputs += [vi for name, vi in self.graph_inputs.items() if name in used]
-        outputs = [self.graph_outputs.get(x) or helper.make_tensor_value_info(x, self.elem, None)
-                   for x in (*b.outputs, *(b.presents or ()))]
+        outputs = [(self.graph_outputs.get(x) if vocab is None else None)  # a slab's logits are not [.., vocab]
+                   or helper.make_tensor_value_info(x, self.elem, None) for x in (*b.outputs, *(b.presents or ()))]
         inits = [t for name, t in self.initializers.items() if name in used]
+        if vocab is not None:
+            inits = [self.vocab_rows(t, *vocab) for t in inits]
         graph = helper.make_graph(nodes, f"{self.model.graph.name}/{b.name}", inputs, outputs, initializer=inits)
         model = helper.make_model(graph, opset_imports=list(self.model.opset_import),
                                   ir_version=self.model.ir_version, functions=list(self.model.functions))
         assert isinstance(model, onnx.ModelProto), "helper.make_model returns a ModelProto"
         return model
+
+    def vocab_rows(self, t: Any, vocab: int, start: int, stop: int) -> Any:
+        """Initializer t cut to vocabulary rows start..stop-1 along its vocab-sized axis (t itself when it has none).
+
+        Rows of a [vocab, n2] table stored outside the graph stay there: the slab is the same file at a later
+        offset, read by onnxruntime as the whole table would be. Any other layout is copied out, a slab at a time."""
+        from onnx import TensorProto, helper
+
+        dims = list(t.dims)
+        if vocab not in dims:
+            return t
+        axis = dims.index(vocab)
+        size = helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        inner = math.prod(dims[axis + 1:]) * size  # bytes of one row of that axis
+        ext = {e.key: e.value for e in t.external_data}
+        out = TensorProto()
+        out.name, out.data_type = t.name, t.data_type
+        out.dims.extend(dims[:axis] + [stop - start] + dims[axis + 1:])
+        if ext and axis == 0:
+            out.data_location = TensorProto.EXTERNAL
+            for k, v in ext.items():
+                if k not in ("offset", "length"):
+                    out.external_data.add(key=k, value=v)
+            out.external_data.add(key="offset", value=str(int(ext.get("offset", 0)) + start * inner))
+            out.external_data.add(key="length", value=str((stop - start) * inner))
+            return out
+        if ext:
+            raw = np.memmap(self.path.parent / ext["location"], np.uint8, "r", int(ext.get("offset", 0)),
+                            math.prod(dims) * size)
+        else:
+            from onnx import numpy_helper
+
+            raw = np.frombuffer(t.raw_data if t.raw_data else numpy_helper.to_array(t).tobytes(), np.uint8)
+        whole = raw.reshape(math.prod(dims[:axis]), vocab, inner)  # [rows before the axis, vocab, bytes of a row]
+        out.raw_data = np.ascontiguousarray(whole[:, start:stop]).tobytes()
+        return out
 
     def weight_bytes(self, b: Block) -> int:
         """Bytes of the block's initializers (stored or external)."""
@@ -218,7 +259,7 @@ class BlockRunner:
         self.emulated = False  # whether a block ran bf16 emulated (the CPU has no bf16 kernels)
         self.windows = windowed_pasts(blocks.nodes, str(blocks.path))  # sliding-window pasts: at least W slots
 
-    def session(self, b: Block) -> Any:
+    def session(self, b: Block, vocab: tuple[int, int, int] | None = None) -> Any:
         ort = onnxruntime()
         opts = ort.SessionOptions()
         opts.log_severity_level = 4  # fatal only: a kernel that refuses to run is raised as one line (run_bound)
@@ -227,7 +268,7 @@ class BlockRunner:
         # (Qwen2.5-0.5B's lm_head block: +0.5 GB at the run's peak).
         opts.add_session_config_entry("session.disable_prepacking", "1")
         providers = provider_list(self.provider, self.tf32)
-        model = self.blocks.block_model(b)
+        model = self.blocks.block_model(b, vocab)
         try:
             try:
                 return ort.InferenceSession(model.SerializeToString(), sess_options=opts, providers=providers)
@@ -382,19 +423,42 @@ class LayerReference:
                                        None)
         return out, k, v
 
-    def head(self, z: Any) -> Any:
-        """Logits from Z^n8: the final norm, then lm_head in row chunks (the streamed reference's own)."""
+    def final_norm(self, z: Any) -> Any:
+        """Zbar: the final norm of Z^n8, [..., n2] -> [..., n2]."""
         import torch
 
         from llama_tools.modeling.model import norm as family_norm
-        from llama_tools.inference.reference import StreamedReference
 
         with torch.device("meta"):
             norm = family_norm(self.cfg)
         norm.load_state_dict({"weight": self.reader.read(["model.norm.weight"])["model.norm.weight"].to(self.dtype)},
                              assign=True)
         with torch.no_grad():
-            return StreamedReference(self.reader, dtype=self.dtype, reassociated=self.reassociated)._head(norm(z))
+            return norm(z)
+
+    def head(self, z: Any) -> Any:
+        """Logits from Z^n8: the final norm, then lm_head in row chunks (the streamed reference's own)."""
+        import torch
+
+        from llama_tools.inference.reference import StreamedReference
+
+        with torch.no_grad():
+            return StreamedReference(self.reader, dtype=self.dtype, reassociated=self.reassociated)._head(
+                self.final_norm(z))
+
+    def head_slab(self, zbar: Any, w: Any) -> Any:
+        """Logits of vocabulary rows w [cols, n2] (fp32, as read) from Zbar [p, n2]: [p, cols], as _head makes them."""
+        import torch
+        import torch.nn.functional as F
+
+        from llama_tools.inference.reference import reassociated_matmul
+        from llama_tools.modeling.model import final_logits
+
+        w = w.to(self.dtype)
+        if self.cfg.norm_head:
+            w = F.normalize(w, dim=-1)  # row-wise, so a slab of rows is normalized as the whole table is
+        with torch.no_grad():
+            return final_logits(self.cfg, reassociated_matmul(zbar, w) if self.reassociated else zbar @ w.T)
 
 
 def _widen(dtype: Any) -> Callable[..., None]:
@@ -591,17 +655,10 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
         results.append(BlockResult(b.name, j, checks))
         z = t_z
         progress(j + 1, n8, "layer by layer")
-    head = blocks.blocks[-1]
-    z_in = z.to(ref.dtype)
-    got = timed("onnxruntime", lambda: runner.run(head, graph_in(z_in), ids, mask))
-    release_freed_memory()  # the head block's session (lm_head) is gone: its pages go back before the logits' checks
-    r_l = timed(f"PyTorch {meta.dtype}", lambda: noise_side.head(z_in))
-    a_l = timed(alt_key, lambda: alt_side.head(z_in))
-    t_l = timed("PyTorch float64", lambda: truth_side.head(z))
-    fb = (lambda: [graph_in(timed(wide_key, lambda: w.head(z.to(torch.float32)))) for w in wide_sides]
-          ) if wide_sides else None
-    results.append(BlockResult(HEAD, None, [judge("logits (from Z^n8)", got[LOGITS], (graph_in(r_l), graph_in(a_l)),
-                                                  f64(t_l), valid, meta.dtype, budget, logits=True, fallback=fb)]))
+    release_freed_memory()  # the layers' sessions and tensors are gone: their pages go back before the head's
+    results.append(BlockResult(HEAD, None, [head_check(runner, blocks.blocks[-1], z, valid, meta.dtype, budget,
+                                                       (truth_side, noise_side, alt_side), wide_sides, timed,
+                                                       (f"PyTorch {meta.dtype}", alt_key, wide_key))]))
     label = DTYPE_LABEL.get(meta.dtype, meta.dtype)
     notes = [f"each block fed PyTorch float64's own input to it (in {label}); error = RMS |onnxruntime - float64|, "
              f"noise = the larger RMS |PyTorch {label} - float64| of two correct implementations (PyTorch's, and "
@@ -623,6 +680,79 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
     graph = io.producer if io is not None else f"llama-tools {meta.graph}"
     return ByLayerReport(str(onnx_path), target.source.label, run_on, meta.dtype, graph, [len(p) for p in prompts],
                          budget, results, time.perf_counter() - start, notes, laps)
+
+
+# Logits made and judged at once, [positions, vocabulary columns]: a 262,144-piece vocabulary's logits are 1 MB a
+# position in fp32 (Gemma 3's 654 default positions: 0.7 GB a copy, four copies judged), and its lm_head 671 MB.
+HEAD_CHUNK_ELEMENTS = 1 << 21
+HEAD_MIN_COLUMNS = 1024  # a slab's columns at least: each slab is a session of its own
+
+
+def head_check(runner: BlockRunner, head: Block, z: Any, valid: np.ndarray, dtype: str, budget: Budget,
+               sides: tuple[LayerReference, LayerReference, LayerReference], wide_sides: tuple[LayerReference, ...],
+               timed: Callable[[str, Callable[[], Any]], Any], keys: tuple[str, str, str]) -> BudgetCheck:
+    """The logits of Z^n8 (float64's [b, n3, n2]) at the valid positions, made and judged a slab at a time.
+
+    Vocabulary rows start..stop of lm_head go to each side at once: onnxruntime runs the head block with its
+    vocab-sized initializers cut to those rows (GraphBlocks.vocab_rows), PyTorch reads the same rows from the
+    checkpoint; a chunk of positions at a time, each [positions, columns] chunk judged as it is made
+    (compare.JudgeSums) and dropped. Neither lm_head nor the logits are ever whole. Only the valid positions run:
+    the head is position-wise (the final norm, lm_head, a cap), so padding has no logits to judge.
+    sides: (float64, the graph's dtype, reassociated); wide_sides: fp32's pair for fp16's fallback (compare.judge).
+    """
+    import torch
+
+    from ..graph_io import LOGITS
+
+    truth, noise, alt = sides
+    cfg = truth.cfg
+    vocab = cfg.vocab_size
+    name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    zv = z[torch.from_numpy(valid)]  # [b, n3, n2] -> [P, n2]: the valid positions, in judge's (row-major) order
+    count = zv.shape[0]
+    z_in = zv.to(noise.dtype)  # the truth's input rounded to the graph's dtype: both sides get the same
+    zbar = [timed(k, lambda s=s, x=x: s.final_norm(x)) for k, s, x in
+            (("PyTorch float64", truth, zv), (keys[0], noise, z_in), (keys[1], alt, z_in))]
+    # The slab of a head whose n2 is the vocabulary's size could be cut on the wrong axis: it runs whole.
+    cols = vocab if cfg.hidden_size == vocab else min(vocab, max(HEAD_MIN_COLUMNS, HEAD_CHUNK_ELEMENTS // max(1, count)))
+    step = max(1, HEAD_CHUNK_ELEMENTS // cols)  # positions a chunk
+    feed = z_in.to(torch.float32).numpy()[None]  # [1, P, n2]: the graph's input, the positions as one row
+    ids, mask = np.zeros((1, count), np.int64), np.ones((1, count), np.int64)
+    sums = JudgeSums(count, 2, logits=True)
+    nonfinite = 0
+    for a in range(0, vocab, cols):
+        c = min(a + cols, vocab)
+        sess = timed("onnxruntime", lambda: runner.session(head, None if cols == vocab else (vocab, a, c)))
+        w = timed("PyTorch float64", lambda: truth.reader.rows(name, [(a, c)]))  # [cols, n2] fp32
+        for p in range(0, count, step):
+            q = min(p + step, count)
+            got = timed("onnxruntime", lambda: runner._run(sess, head, feed[:, p:q], ids[:, p:q], mask[:, p:q]))
+            g = got[LOGITS][0]  # [1, q - p, cols] -> [q - p, cols]
+            assert g.shape == (q - p, c - a), f"head slab {a}:{c}: onnxruntime gave {g.shape}, not {(q - p, c - a)}"
+            nonfinite += int(g.size - np.isfinite(g).sum())
+            t = timed("PyTorch float64", lambda: truth.head_slab(zbar[0][p:q], w))
+            r = timed(keys[0], lambda: noise.head_slab(zbar[1][p:q], w))
+            r2 = timed(keys[1], lambda: alt.head_slab(zbar[2][p:q], w))
+            # The fp32 copies of the graph-dtype logits: what the whole-tensor judge was given (graph_in)
+            sums.add(p, a, g, (r.to(torch.float32).numpy(), r2.to(torch.float32).numpy()), t.numpy())
+        del sess, w
+    wide_sums = None
+    if wide_sides:
+        def wide_sums() -> tuple[list[float], float]:
+            """fp32's squared errors to float64 over the same slabs (fp16's fallback): a second pass."""
+            wide_bar = [timed(keys[2], lambda s=s: s.final_norm(zv.to(torch.float32))) for s in wide_sides]
+            sq, top = [0.0] * len(wide_sides), 0.0
+            for a in range(0, vocab, cols):
+                w = truth.reader.rows(name, [(a, min(a + cols, vocab))])
+                for p in range(0, count, step):
+                    t = truth.head_slab(zbar[0][p:p + step], w).numpy()
+                    for i, (s, zb) in enumerate(zip(wide_sides, wide_bar)):
+                        d = np.abs(timed(keys[2], lambda: s.head_slab(zb[p:p + step], w)).to(torch.float32)
+                                   .numpy().astype(np.float64) - t)
+                        sq[i] += float(np.square(d).sum())
+                        top = max(top, float(d.max()) if d.size else 0.0)
+            return sq, top
+    return sums.check("logits (from Z^n8)", dtype, budget, nonfinite, wide_sums)
 
 
 def per_channel(got: np.ndarray, truth: np.ndarray, valid: np.ndarray, *refs: np.ndarray) -> tuple[np.ndarray, ...]:

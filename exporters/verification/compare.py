@@ -273,67 +273,115 @@ def judge(name: str, got: np.ndarray, ref: np.ndarray | Sequence[np.ndarray], tr
     assert refs and all(got.shape == r.shape == truth.shape for r in refs), \
         f"{name}: shapes {got.shape}, {[r.shape for r in refs]}, {truth.shape} differ"
     assert valid.shape == got.shape[:2], f"{name}: mask {valid.shape} does not match {got.shape[:2]}"
-    assert dtype in EPS, f"{name}: no rounding unit for dtype {dtype!r}"
-    budget = budget or BUDGET[dtype]
-    nonfinite = int(np.size(got) - np.isfinite(got).sum())
     where = np.nonzero(valid)  # the real positions, visited CHUNK_ELEMENTS at a time: float64 copies of a chunk only
     width = max(1, math.prod(got.shape[2:]))
     step = max(1, CHUNK_ELEMENTS // width)
     n = len(where[0])
-    sq_t = sq_e = dot = sq_g = 0.0
-    sq_r = [0.0] * len(refs)
-    max_error = max_noise = top = 0.0
-    argmax_g, argmax_t, margins = [], [], []
+    sums = JudgeSums(n, len(refs), logits)
     for a in range(0, n, step):
         idx = (where[0][a:a + step], where[1][a:a + step])
-        g, t = got[idx].astype(np.float64), truth[idx].astype(np.float64)  # [chunk, ...]
-        sq_t += float(np.square(t).sum())
-        top = max(top, float(np.abs(t).max()) if t.size else 0.0)
+        sums.add(a, 0, got[idx], [r[idx] for r in refs], truth[idx])
+    wide_sums = None
+    if fallback is not None:
+        def wide_sums() -> tuple[list[float], float]:
+            wide = [np.asarray(r) for r in fallback()]
+            assert all(r.shape == truth.shape for r in wide), f"{name}: fallback shapes differ from {truth.shape}"
+            return _noise_sums(wide, truth, where, step)
+    return sums.check(name, dtype, budget, int(np.size(got) - np.isfinite(got).sum()), wide_sums, peak)
+
+
+class JudgeSums:
+    """What `judge` reads from a tensor, summed a chunk at a time: chunks of positions, and of the last axis too.
+
+    A logits tensor of a 262,144-piece vocabulary is 1 MB a position in fp32: a caller that makes it a slab of
+    vocabulary columns at a time (by_layer's head) adds each [positions, columns] chunk as it is made, and never
+    holds it whole. Sums, maxima, argmaxes and top-2 margins are the whole tensor's (the sums' order aside).
+    """
+
+    def __init__(self, positions: int, refs: int, logits: bool = False):
+        self.sq_t = self.sq_e = self.dot = self.sq_g = 0.0
+        self.sq_r = [0.0] * refs
+        self.max_error = self.max_noise = self.top = 0.0
+        self.count = 0  # elements added
+        self.positions, self.logits = positions, logits
+        if logits:  # per position: the graph's best logit and its index, float64's best two and the best's index
+            self.g_best, self.t_best, self.t_second = (np.full(positions, -np.inf) for _ in range(3))
+            self.g_arg, self.t_arg = np.zeros(positions, np.int64), np.zeros(positions, np.int64)
+
+    def add(self, first: int, column: int, got: np.ndarray, refs: Sequence[np.ndarray], truth: np.ndarray) -> None:
+        """A chunk [p, ...] of positions first..first+p-1 (of the valid ones, in order); logits: [p, columns] from
+        vocabulary column `column` on."""
+        g, t = got.astype(np.float64), truth.astype(np.float64)  # [chunk, ...]
+        self.count += t.size
+        self.sq_t += float(np.square(t).sum())
+        self.top = max(self.top, float(np.abs(t).max()) if t.size else 0.0)
         for i, r in enumerate(refs):
-            d = np.abs(r[idx].astype(np.float64) - t)
-            sq_r[i] += float(np.square(d).sum())
-            max_noise = max(max_noise, float(d.max()) if d.size else 0.0)
-        if not nonfinite:
-            d = np.abs(g - t)
-            sq_e += float(np.square(d).sum())
-            max_error = max(max_error, float(d.max()) if d.size else 0.0)
-            dot += float((g * t).sum())
-            sq_g += float(np.square(g).sum())
-        if logits:
-            g2, t2 = g.reshape(-1, g.shape[-1]), t.reshape(-1, t.shape[-1])  # [chunk, vocab]
-            argmax_g.append(g2.argmax(-1))
-            argmax_t.append(t2.argmax(-1))
-            margins.append(margin(t2))
-    count = n * width
-    scale = math.sqrt(sq_t / count) if count else 0.0
-    floor = budget.floor(dtype, scale)
-    noises = [math.sqrt(x / count) if count else 0.0 for x in sq_r]
-    peak = top if peak is None else peak
-    estimate = ""
-    if (fallback is not None and dtype == _F16 and not math.isfinite(max(noises)) and math.isfinite(sq_t)
-            and peak <= DTYPE_MAX[_F16]):  # the values fit fp16: only PyTorch's arithmetic overflowed
-        wide = [np.asarray(r) for r in fallback()]
-        assert all(r.shape == truth.shape for r in wide), f"{name}: fallback shapes differ from {truth.shape}"
-        sq_w, max_w = _noise_sums(wide, truth, where, step)
-        if all(math.isfinite(x) for x in sq_w):  # fp32 overflowing too: nothing to estimate from, say so below
-            noises = [FP16_PER_FP32 * (math.sqrt(x / count) if count else 0.0) for x in sq_w]
-            max_noise = FP16_PER_FP32 * max_w
-            estimate = f"PyTorch fp16 overflows: fp32 x {FP16_PER_FP32:g}"
-    noise = max(noises)
-    if nonfinite:
-        error = max_error = cos = math.nan
-    else:
-        error = math.sqrt(sq_e / count) if count else 0.0
-        denom = math.sqrt(sq_g) * math.sqrt(sq_t)
-        cos = dot / denom if denom else 1.0
-    tie = 2 * (budget.multiple * max_noise + floor)
-    top1, misses = None, 0
-    if logits:
-        agree = np.concatenate(argmax_g) == np.concatenate(argmax_t) if argmax_g else np.ones(0, bool)
-        top1 = float(agree.mean()) if agree.size else 1.0
-        misses = int(((~agree) & (np.concatenate(margins) > tie)).sum()) if agree.size else 0
-    return BudgetCheck(name, dtype, error, noise, floor, budget.multiple, max_error, max_noise, scale, cos,
-                       budget.min_cosine, top1, misses, tie, nonfinite, tuple(noises), estimate, peak)
+            d = np.abs(r.astype(np.float64) - t)
+            self.sq_r[i] += float(np.square(d).sum())
+            self.max_noise = max(self.max_noise, float(d.max()) if d.size else 0.0)
+        d = np.abs(g - t)  # NaN/Inf in the graph: these sums are not read (check() says why)
+        self.sq_e += float(np.square(d).sum())
+        self.max_error = max(self.max_error, float(d.max()) if d.size else 0.0)
+        self.dot += float((g * t).sum())
+        self.sq_g += float(np.square(g).sum())
+        if self.logits and t.size:
+            rows = slice(first, first + t.shape[0])
+            g2, t2 = g.reshape(t.shape[0], -1), t.reshape(t.shape[0], -1)  # [chunk, columns]
+            _better(self.g_best, self.g_arg, rows, g2, column)
+            c1 = t2.max(-1)
+            c2 = np.partition(t2, -2, axis=-1)[:, -2] if t2.shape[1] > 1 else np.full(len(c1), -np.inf)
+            m1, m2 = self.t_best[rows].copy(), self.t_second[rows]
+            self.t_second[rows] = np.maximum(np.minimum(m1, c1), np.maximum(m2, c2))  # second of {m1, m2, c1, c2}
+            _better(self.t_best, self.t_arg, rows, t2, column)
+
+    def check(self, name: str, dtype: str, budget: Budget | None, nonfinite: int,
+              wide_sums: Callable[[], tuple[list[float], float]] | None = None,
+              peak: float | None = None) -> BudgetCheck:
+        """The BudgetCheck of everything added; nonfinite: NaN/Inf in the graph's tensor, padding included.
+
+        wide_sums (fp16 only): the fp32 implementations' squared-error sums and max error, asked for only where
+        the fp16 noise is not finite (judge's fallback)."""
+        assert dtype in EPS, f"{name}: no rounding unit for dtype {dtype!r}"
+        budget = budget or BUDGET[dtype]
+        count = self.count
+        scale = math.sqrt(self.sq_t / count) if count else 0.0
+        floor = budget.floor(dtype, scale)
+        noises = [math.sqrt(x / count) if count else 0.0 for x in self.sq_r]
+        max_noise = self.max_noise
+        peak = self.top if peak is None else peak
+        estimate = ""
+        if (wide_sums is not None and dtype == _F16 and not math.isfinite(max(noises)) and math.isfinite(self.sq_t)
+                and peak <= DTYPE_MAX[_F16]):  # the values fit fp16: only PyTorch's arithmetic overflowed
+            sq_w, max_w = wide_sums()
+            if all(math.isfinite(x) for x in sq_w):  # fp32 overflowing too: nothing to estimate from, say so below
+                noises = [FP16_PER_FP32 * (math.sqrt(x / count) if count else 0.0) for x in sq_w]
+                max_noise = FP16_PER_FP32 * max_w
+                estimate = f"PyTorch fp16 overflows: fp32 x {FP16_PER_FP32:g}"
+        noise = max(noises)
+        if nonfinite:
+            error = max_error = cos = math.nan
+        else:
+            error, max_error = (math.sqrt(self.sq_e / count) if count else 0.0), self.max_error
+            denom = math.sqrt(self.sq_g) * math.sqrt(self.sq_t)
+            cos = self.dot / denom if denom else 1.0
+        tie = 2 * (budget.multiple * max_noise + floor)
+        top1, misses = None, 0
+        if self.logits:
+            agree = self.g_arg == self.t_arg
+            top1 = float(agree.mean()) if agree.size else 1.0
+            misses = int(((~agree) & (self.t_best - self.t_second > tie)).sum())
+        return BudgetCheck(name, dtype, error, noise, floor, budget.multiple, max_error, max_noise, scale, cos,
+                           budget.min_cosine, top1, misses, tie, nonfinite, tuple(noises), estimate, peak)
+
+
+def _better(best: np.ndarray, arg: np.ndarray, rows: slice, chunk: np.ndarray, column: int) -> None:
+    """Fold a chunk's row maxima into the running (best, arg) of its rows: the lowest index wins a tie, as argmax
+    (whatever order the chunks come in)."""
+    i = chunk.argmax(-1)  # [chunk]
+    v = chunk[np.arange(len(i)), i]
+    take = (v > best[rows]) | ((v == best[rows]) & (i + column < arg[rows]))
+    best[rows] = np.where(take, v, best[rows])
+    arg[rows] = np.where(take, i + column, arg[rows])
 
 
 def _noise_sums(refs: Sequence[np.ndarray], truth: np.ndarray, where: tuple[np.ndarray, ...],
