@@ -180,8 +180,7 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
             del half
         progress(2 * cfg.num_hidden_layers - j, 2 * cfg.num_hidden_layers, "int4 sensitivity (backward)")
     if head:
-        whole = _head_kl(ref, z, emulate)
-        rest = _head_kl(ref, z, emulate, r) if split else 0.0
+        whole, rest = _head_kl(ref, z, emulate, r)
         if cfg.tie_word_embeddings:  # the Gather reads the lm_head's int4 blocks: D's rows in int4 move Z^0
             with torch.no_grad():
                 flat = x.reshape(-1).tolist()
@@ -427,25 +426,37 @@ def _probes(ref: Any, z: Any, count: int, seed: int = 0) -> Any:
     return u.reshape(count * z.shape[0], z.shape[1], z.shape[2])
 
 
-def _head_kl(ref: Any, z: Any, emulate: Emulate, exact_below: int = 0) -> float:
-    """KL(p || p') of the lm_head alone in int4 (its first `exact_below` rows exact), exactly, on the final states
-    z [1, n3, n2]: two passes over W^8's chunks (the two log-normalizers, then sum p (log p - log p')), so no
-    [n3, n1] tensor is held."""
+def _head_kl(ref: Any, z: Any, emulate: Emulate, exact_below: int = 0) -> tuple[float, float]:
+    """(KL(p || p'), the same with its first `exact_below` rows exact) of the lm_head alone in int4, exactly, on the
+    final states z [1, n3, n2], in one pass over W^8's chunks, each emulated once: with x the clean logits and y the
+    int4 ones, KL = Σ_v p_v (x_v - y_v) + lse(y) - lse(x), and Σ_v p_v (x_v - y_v) kept as a running sum rescaled
+    to the running max of x (as a streamed softmax), so no [n3, n1] tensor is held."""
     import torch
 
     from llama_tools.modeling.model import final_logits
 
-    finish = lambda raw: final_logits(ref.cfg, raw)  # noqa: E731
+    finish = lambda raw: final_logits(ref.cfg, raw).double()  # noqa: E731
     h = _final(ref)(z)[0]  # Zbar: [n3, n2]
-    lse = [torch.full((h.shape[0],), -math.inf, dtype=torch.float64) for _ in range(2)]
-    for x, q in _head_chunks(ref, h, emulate, exact_below):
-        for i, y in enumerate((x, q)):
-            lse[i] = torch.logaddexp(lse[i], torch.logsumexp(finish(y).double(), -1))
-    kl = torch.zeros(h.shape[0], dtype=torch.float64)
-    for x, q in _head_chunks(ref, h, emulate, exact_below):
-        lp = finish(x).double() - lse[0][:, None]
-        kl += (lp.exp() * (lp - (finish(q).double() - lse[1][:, None]))).sum(-1)
-    return float(kl.mean().detach())
+    n3 = h.shape[0]
+    top = torch.full((n3, 1), -math.inf, dtype=torch.float64)  # running max of x: [n3, 1]
+    mass = torch.zeros(n3, 1, dtype=torch.float64)  # Σ exp(x - top)
+    gap = torch.zeros(n3, 2, dtype=torch.float64)  # Σ exp(x - top) (x - y), the whole head's and the rest's
+    lse_y = torch.full((n3, 2), -math.inf, dtype=torch.float64)
+    a = 0
+    for x, y in _head_chunks(ref, h, emulate):
+        x, y = finish(x), finish(y)  # [n3, rows]
+        rest = y.clone()
+        keep = max(0, min(exact_below - a, x.shape[1]))
+        rest[:, :keep] = x[:, :keep]  # the frequent rows exact
+        new_top = torch.maximum(top, x.amax(-1, keepdim=True))
+        shrink, e = torch.exp(top - new_top), torch.exp(x - new_top)  # [n3, 1], [n3, rows]
+        mass = mass * shrink + e.sum(-1, keepdim=True)
+        gap = gap * shrink + torch.stack([(e * (x - y)).sum(-1), (e * (x - rest)).sum(-1)], -1)
+        lse_y = torch.logaddexp(lse_y, torch.stack([torch.logsumexp(y, -1), torch.logsumexp(rest, -1)], -1))
+        top, a = new_top, a + x.shape[1]
+    kl = gap / mass + lse_y - (top + mass.log())  # [n3, 2]
+    whole, rest = kl.mean(0).tolist()
+    return whole, rest
 
 
 @dataclass
@@ -844,9 +855,10 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
         baseline = None
         if emulate is not None and goal.fraction is not None:  # the fraction is of what round to nearest gives
             say("int4 by round to nearest, for the target's baseline")
-            rtn = {k: v for k, v in int4.items()
-                   if k not in ("importance", "algorithm", "symmetric", "scales", "store")}
-            quantize(full, where, **rtn)
+            # onnxruntime's symmetric RTN, as the builder quantizes (without "algorithm" the default, awq, searched
+            # every block again with no importance: 11 s of SmolLM2-135M's export, for a yardstick nobody ships)
+            rtn = {k: v for k, v in int4.items() if k not in ("importance", "scales", "store")}
+            quantize(full, where, **{**rtn, "algorithm": "rtn", "symmetric": True})
             release_freed_memory()
             baseline = onnx_kl(where, cfg, ids, p)
         result = choose(sens, goal.max_kl, build, fraction=goal.fraction, cost=cost, size_cap=goal.size_cap,

@@ -348,9 +348,10 @@ def test_the_head_is_read_in_chunks_without_changing_a_figure(monkeypatch):
     z = torch.randn(1, 24, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     whole = t._head_rows(ref)
     assert whole[1] >= cfg.vocab_size  # tiny's head is one chunk by default
-    one = (t._head_kl(ref, z, t.rtn_emulation(32)), t._probes(ref, z, 3))
+    r = 40  # the head's first 40 rows exact: the rest's KL, from the same pass
+    one = (t._head_kl(ref, z, t.rtn_emulation(32), r), t._probes(ref, z, 3))
     monkeypatch.setattr(t, "_head_rows", lambda r: (whole[0], 7))
-    many = (t._head_kl(ref, z, t.rtn_emulation(32)), t._probes(ref, z, 3))
+    many = (t._head_kl(ref, z, t.rtn_emulation(32), r), t._probes(ref, z, 3))
     assert one[1].shape == (3, 24, cfg.hidden_size) and one[1].dtype == torch.float32
     assert many[0] == pytest.approx(one[0], rel=1e-5)  # fp32 matmul shapes
     torch.testing.assert_close(many[1], one[1], rtol=1e-5, atol=1e-6)
@@ -358,7 +359,11 @@ def test_the_head_is_read_in_chunks_without_changing_a_figure(monkeypatch):
     w = ref.reader.rows(whole[0], [(0, cfg.vocab_size)]).float()
     lp = torch.log_softmax(softcap(h @ w.T, cfg.final_logit_softcap).double(), -1)
     lq = torch.log_softmax(softcap(h @ t.fake_quant(w, 4, 32).T, cfg.final_logit_softcap).double(), -1)
-    assert one[0] == pytest.approx(float((lp.exp() * (lp - lq)).sum(-1).mean()), rel=1e-9) and one[0] > 0
+    wq = t.fake_quant(w, 4, 32)
+    lr = torch.log_softmax(softcap(h @ torch.cat([w[:r], wq[r:]]).T, cfg.final_logit_softcap).double(), -1)
+    textbook = [float((lp.exp() * (lp - lx)).sum(-1).mean()) for lx in (lq, lr)]
+    assert one[0] == pytest.approx(textbook, rel=1e-9) and 0 < one[0][1] < one[0][0]
+    assert one[0][1] != pytest.approx(textbook[0], rel=1e-3)  # the rest's figure is not the whole head's
     # the probes' second moment is the Fisher on the TOP_K candidates: ½ Σ p (s - s̄)², s = δh · w_v
     monkeypatch.setattr(t, "TOP_K", cfg.vocab_size)  # every token a candidate: the textbook's full sum
     delta = 0.01 * torch.randn(24, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
