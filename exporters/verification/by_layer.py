@@ -18,8 +18,9 @@ A block's sub-graph is serialized without weights: its initializers keep their e
 offset, and onnxruntime reads them from the export's own .data file (the session option
 `session.model_external_initializers_file_folder_path`): no copy of the weights, nothing written to disk.
 Peak memory is one layer on each side (the graph's session; the reference's layer, whose float64 pass keeps
-the matrices in fp32 and widens one at a time) or the embedding / lm_head block, for a checkpoint source (a
-seeded source is built whole in memory first). Prefill only: the whole-graph check covers the decode steps.
+the matrices in fp32 and widens one at a time) or the embedding block, for a checkpoint source (a seeded source is
+built whole in memory first). The head runs a slab of lm_head's vocabulary rows at a time on both sides, its
+logits judged chunk by chunk (head_check): neither lm_head nor the logits are ever whole. Prefill only: the whole-graph check covers the decode steps.
 
 (Over 500 lines on purpose: the cut into blocks and the feeding of each share one reading of the graph's
 names and inputs; split, each half would lean on the other's private conventions.)
@@ -686,6 +687,15 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
 # position in fp32 (Gemma 3's 654 default positions: 0.7 GB a copy, four copies judged), and its lm_head 671 MB.
 HEAD_CHUNK_ELEMENTS = 1 << 21
 HEAD_MIN_COLUMNS = 1024  # a slab's columns at least: each slab is a session of its own
+HEAD_SLAB_BYTES = 8 * 2**20  # fp32 rows of lm_head at once, at most (the float64 pass widens them: twice that)
+
+
+def head_columns(cfg: Any, positions: int) -> int:
+    """Vocabulary rows a slab of the head: HEAD_CHUNK_ELEMENTS logits over the positions, HEAD_SLAB_BYTES of lm_head."""
+    if cfg.hidden_size == cfg.vocab_size:  # the slab of such a head could be cut on the wrong axis: it runs whole
+        return cfg.vocab_size
+    fit = min(HEAD_CHUNK_ELEMENTS // max(1, positions), HEAD_SLAB_BYTES // (4 * cfg.hidden_size))
+    return min(cfg.vocab_size, max(HEAD_MIN_COLUMNS, fit))
 
 
 def head_check(runner: BlockRunner, head: Block, z: Any, valid: np.ndarray, dtype: str, budget: Budget,
@@ -713,8 +723,7 @@ def head_check(runner: BlockRunner, head: Block, z: Any, valid: np.ndarray, dtyp
     z_in = zv.to(noise.dtype)  # the truth's input rounded to the graph's dtype: both sides get the same
     zbar = [timed(k, lambda s=s, x=x: s.final_norm(x)) for k, s, x in
             (("PyTorch float64", truth, zv), (keys[0], noise, z_in), (keys[1], alt, z_in))]
-    # The slab of a head whose n2 is the vocabulary's size could be cut on the wrong axis: it runs whole.
-    cols = vocab if cfg.hidden_size == vocab else min(vocab, max(HEAD_MIN_COLUMNS, HEAD_CHUNK_ELEMENTS // max(1, count)))
+    cols = head_columns(cfg, count)
     step = max(1, HEAD_CHUNK_ELEMENTS // cols)  # positions a chunk
     feed = z_in.to(torch.float32).numpy()[None]  # [1, P, n2]: the graph's input, the positions as one row
     ids, mask = np.zeros((1, count), np.int64), np.ones((1, count), np.int64)

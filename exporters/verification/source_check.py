@@ -35,7 +35,7 @@ from llama_tools.modeling import dtypes
 from llama_tools.outputs.progress import Progress, silent
 
 from .by_layer import EMBEDDING, HEAD, BlockResult, LayerReference, per_channel
-from .compare import BUDGET, Budget, BudgetCheck, judge
+from .compare import BUDGET, Budget, BudgetCheck, JudgeSums, judge
 from ..prompts import left_pad, positions
 
 F32 = dtypes.FLOAT32.name
@@ -367,18 +367,43 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
         embed.padding_idx = padding_idx
         for h in handles:
             h.remove()
-    logits = out.logits[:, -keep:]  # [b, keep, n1]
+    v = torch.from_numpy(valid[:, -keep:])
+    logits = out.logits[:, -keep:]  # [b, keep, n1]: transformers' own
     del out, stream
-    z = state["z"][:, -keep:]
-    valid = valid[:, -keep:]
-    t, r, a = truth.head(z), noise.head(z.to(torch.float32)), alt.head(z.to(torch.float32))
-    report.blocks.append(BlockResult(HEAD, None, [judged(f"logits (from Z^n8, last {keep} positions)", logits, t, r,
-                                                         a, False)]))
+    report.blocks.append(BlockResult(HEAD, None, [head_sums(f"logits (from Z^n8, last {keep} positions)", logits, v,
+                                                            state["z"][:, -keep:][v], (truth, noise, alt), budget)]))
     report.seconds = time.perf_counter() - start
     return report
 
 
-SLAB_BYTES = 64 * 2**20  # lm_head rows read at a time by the source check's head
+SLAB_BYTES = 16 * 2**20  # lm_head rows read at a time by the source check's head
+
+
+def head_sums(name: str, got: Any, valid: Any, z: Any, sides: tuple[Any, Any, Any], budget: Budget) -> BudgetCheck:
+    """transformers' logits got [b, n3, n1] at the valid [b, n3] positions against ours from float64's Z^n8 there
+    (z [P, n2]), ours made a slab of vocabulary rows at a time (each row read once for the three sides) and each
+    slab judged as it is made (compare.JudgeSums): a 262,144-piece vocabulary's float64 logits are never whole.
+    sides: (float64, fp32, fp32 reassociated)."""
+    import torch
+
+    from .by_layer import head_columns
+
+    truth, noise, alt = sides
+    cfg = truth.cfg
+    table = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    zbar = (truth.final_norm(z), noise.final_norm(z.to(torch.float32)), alt.final_norm(z.to(torch.float32)))
+    count = z.shape[0]
+    cols = head_columns(cfg, count)
+    sums = JudgeSums(count, 2, logits=True)
+    nonfinite = 0
+    for a in range(0, cfg.vocab_size, cols):
+        c = min(a + cols, cfg.vocab_size)
+        g = got[:, :, a:c][valid].detach().to(torch.float32).numpy()  # [P, c - a]
+        nonfinite += int(g.size - np.isfinite(g).sum())
+        w = truth.reader.rows(table, [(a, c)])  # [c - a, n2] fp32
+        t, r, r2 = (side.head_slab(zb, w) for side, zb in zip(sides, zbar))
+        sums.add(0, a, g, (r.to(torch.float32).numpy(), r2.to(torch.float32).numpy()), t.numpy())
+    return sums.check(name, F32, budget, nonfinite)
 
 
 def slab_head(rows: Callable[[int, int], Any], vocab: int) -> Any:
@@ -388,7 +413,10 @@ def slab_head(rows: Callable[[int, int], Any], vocab: int) -> Any:
     class SlabHead(torch.nn.Module):
         def forward(self, x: Any) -> Any:  # x: [b, n3, n2] -> [b, n3, n1]
             step = max(1, SLAB_BYTES // (4 * x.shape[-1]))
-            return torch.cat([x @ rows(a, min(a + step, vocab)).T for a in range(0, vocab, step)], dim=-1)
+            out = x.new_empty((*x.shape[:-1], vocab))  # filled in place: a list of slabs joined would be two copies
+            for a in range(0, vocab, step):
+                out[..., a:a + step] = x @ rows(a, min(a + step, vocab)).T
+            return out
 
     return SlabHead()
 

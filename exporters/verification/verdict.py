@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_tools.outputs import files
-from llama_tools.outputs.progress import Progress, silent
+from llama_tools.outputs.progress import Progress, release_freed_memory, silent
 
 from .by_layer import ByLayerReport, _by_layer
 from .parity_options import MODES, WHOLE_GRAPH_BYTES
@@ -118,6 +118,7 @@ def verify(target: ParityTarget, inputs: Inputs, *, mode: str = "auto", provider
                          f"measure it with `llama-tools verify int4 {target.onnx_path}` (top-1, KL, perplexity)")
     checked = (check_source(target.source, inputs.rows, seed=target.seed, progress=progress) if source_check else
                not_checked(target.source, "--no-source-check"))
+    release_freed_memory()  # transformers' blocks and the source check's logits: their pages back before the graph's
     verdict = _verify_graph(target, inputs, mode, provider, steps, dtype, rope_op, tf32, progress)
     verdict.source_check = checked
     return verdict
