@@ -2,8 +2,8 @@
 
     python benchmarks/bench_int4_time.py [--depths 8,16] [--no-real]
 
-Rows: SmolLM2-135M-Instruct (the real model, tests' cache) and seeded checkpoints of its width (576, 9 heads,
-vocabulary 49,152, its tokenizer) at two depths. Each export is a fresh process, one right after the other:
+Rows: SmolLM2-135M-Instruct and Qwen2.5-Coder-0.5B-Instruct (real models, tests' cache) and seeded checkpoints of
+SmolLM2's width (576, 9 heads, vocabulary 49,152, its tokenizer) at two depths. Each export is a fresh process, one right after the other:
 `llama-tools export onnx DIR -o OUT --quantize int4` (the default: awq blocks, KL target) and the builder's
 `-p int4 -e cpu`. The table gives wall seconds, the int4 step and its stages (importance, awq's scales, the
 sensitivity pass, the candidate graphs built and measured), the ratio to the builder (goal 3x), and from the two depths
@@ -30,12 +30,15 @@ from bench_faults import builder  # noqa: E402  (the builder run as the tests ru
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
-def smollm2() -> Path:
-    """The real SmolLM2-135M-Instruct in HF form (tests/realmodels.py: converted once from the registry's GGUF)."""
+def real_model(name: str) -> Path:
+    """A real model in HF form, by its tests/realmodels.py function (converted once from the registry's GGUF)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from realmodels import smollm2_hf
+    import realmodels
 
-    return smollm2_hf()
+    return getattr(realmodels, name)()
+
+
+REAL = (("SmolLM2-135M-Instruct", "smollm2_hf"), ("Qwen2.5-Coder-0.5B-Instruct", "qwen2_hf"))
 
 
 def seeded(real: Path, layers: int, out: Path) -> Path:
@@ -75,12 +78,12 @@ def theirs(ckpt: Path, work: Path) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--depths", default="8,16", help="two decoder-layer counts for the seeded checkpoints")
-    ap.add_argument("--no-real", action="store_true", help="leave out the real SmolLM2 row")
+    ap.add_argument("--no-real", action="store_true", help="leave out the real models' rows")
     args = ap.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     if len(depths) != 2 or not 0 < depths[0] < depths[1]:
         raise SystemExit("--depths: two layer counts, the smaller first, e.g. 8,16")
-    real = smollm2()
+    real = real_model("smollm2_hf")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; Python "
           f"{platform.python_version()}; each export a fresh process, ours then the builder's")
     print("| checkpoint | layers | ours s | int4 step s | importance | scales | sensitivity | graphs (built) | "
@@ -89,7 +92,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench_int4_time_"))
     rows = {}
     try:
-        cases = [] if args.no_real else [("SmolLM2-135M-Instruct", real)]
+        cases = [] if args.no_real else [(name, real_model(fn)) for name, fn in REAL]
         cases += [("seeded, SmolLM2 width", seeded(real, d, tmp / f"seeded-{d}")) for d in depths]
         for i, (name, ckpt) in enumerate(cases):
             wall, rep = ours(ckpt, tmp / f"ours-{i}" / "model.onnx")
