@@ -810,18 +810,28 @@ class QuickQuality:
         return f"mean KL {self.mean_kl:.3f} nats > {QUALITY_WARN_KL}, top-1 {self.top1:.1%}"
 
 
-PREFILL_CHUNK = 16  # positions per onnxruntime call: the logits held are [16, n1], not [n, n1] (Gemma 3: 17 MB)
+# Positions per onnxruntime call: the logits held are [c, n1] fp32 within PREFILL_BYTES (Gemma 3's 262,144 tokens:
+# 16 positions), not [n, n1]; at most PREFILL_CHUNK, where a longer call gains little (SmolLM2-135M's int4 graph,
+# 192 positions: 64 at a time took 0.8x the time of 16 at a time, 192 at once 0.72x).
+PREFILL_BYTES = 16 * 2**20
+PREFILL_CHUNK = 64
+
+
+def prefill_chunk(vocab_size: int) -> int:
+    """Positions per call for a vocabulary of vocab_size: within PREFILL_BYTES of fp32 logits, 1..PREFILL_CHUNK."""
+    return max(1, min(PREFILL_CHUNK, PREFILL_BYTES // (4 * vocab_size)))
 
 
 def onnx_chunks(path: str | Path, cfg: Any, ids: list[int]) -> Any:
-    """The graph's logits on ids, PREFILL_CHUNK positions at a time through its own KV cache: [<= chunk, n1] fp32."""
+    """The graph's logits on ids, prefill_chunk positions at a time through its own KV cache: [<= chunk, n1] fp32."""
     from .prompts import positions
     from .runtime import OnnxLM, create_session
 
     lm = OnnxLM(create_session(Path(path), "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
     cache = lm.empty_cache(1)
-    for a in range(0, len(ids), PREFILL_CHUNK):
-        part = np.array([ids[a:a + PREFILL_CHUNK]], np.int64)  # [1, c]
+    step = prefill_chunk(cfg.vocab_size)
+    for a in range(0, len(ids), step):
+        part = np.array([ids[a:a + step]], np.int64)  # [1, c]
         mask = np.ones((1, a + part.shape[1]), np.int64)  # [1, past + c]
         out = lm(part, mask, positions(mask, part.shape[1]), cache)
         cache = out.cache
@@ -834,7 +844,7 @@ def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str
 
     full: the full-precision graph's path, or the model itself (a `Llama`, or the streamed reference, which
     holds one decoder layer at a time: the export's own check needs no session over the whole fp32 graph).
-    The full side runs first; the int4 graph then runs PREFILL_CHUNK positions at a time, each chunk scored as
+    The full side runs first; the int4 graph then runs prefill_chunk positions at a time, each chunk scored as
     it comes. From the streamed reference only its final hidden state is kept, its logits made a chunk at a
     time: for Gemma's 262,144 tokens, 256 positions' logits would be 0.27 GB per side.
     """

@@ -44,7 +44,7 @@ def _logits(path, ids):
     return sess.run(["logits"], feeds)[0][0].astype(np.float64)  # [n, n1]
 
 
-def test_quick_quality_by_hand_and_a_bad_graph_warns(tmp_path):
+def test_quick_quality_by_hand_and_a_bad_graph_warns(tmp_path, monkeypatch):
     """KL and top-1 recomputed in numpy from the two graphs' logits; a graph with one weight scaled x3 warns."""
     from llama_tools.exporters.fused import export_fused
     from llama_tools.exporters.quantize import quantize_int4
@@ -59,9 +59,15 @@ def test_quick_quality_by_hand_and_a_bad_graph_warns(tmp_path):
     lp = p - np.log(np.exp(p - p.max(-1, keepdims=True)).sum(-1, keepdims=True)) - p.max(-1, keepdims=True)
     lr = r - np.log(np.exp(r - r.max(-1, keepdims=True)).sum(-1, keepdims=True)) - r.max(-1, keepdims=True)
     kl = (np.exp(lp) * (lp - lr)).sum(-1).mean()
-    # quick_quality runs the int4 graph 16 positions at a time through its KV cache: the same numbers up to fp32's
-    # order of summation, far below any KL that matters.
+    # quick_quality runs the int4 graph a few positions at a time through its KV cache (here 40 at once, then 7):
+    # the same numbers up to fp32's order of summation, far below any KL that matters.
     assert q.tokens == 40 and abs(q.mean_kl - kl) < 1e-6 and q.top1 == (p.argmax(-1) == r.argmax(-1)).mean()
+    import llama_tools.exporters.quantize as quantize
+
+    assert quantize.prefill_chunk(cfg.vocab_size) >= 40 and quantize.prefill_chunk(262144) == 16
+    monkeypatch.setattr(quantize, "PREFILL_CHUNK", 7)
+    q7 = quick_quality(full, int4, cfg, ids, "ids")
+    assert abs(q7.mean_kl - kl) < 1e-6 and q7.top1 == q.top1
     assert q.warning is None
     # Negative: a graph whose lm_head is scaled x3 (sharper and shifted distributions) is far past the line.
     m = onnx.load(str(full))
