@@ -65,7 +65,8 @@ def test_chunked_sums_are_the_whole_tensors_figures(rows, cols):
     sums = JudgeSums(len(t), len(rs), logits=True)
     for c in range(0, t.shape[1], cols)[::-1]:  # the columns in any order: a slab's place is its offset
         for p in range(0, len(t), rows):
-            sums.add(p, c, g[p:p + rows, c:c + cols], [r[p:p + rows, c:c + cols] for r in rs], t[p:p + rows, c:c + cols])
+            cut = (slice(p, p + rows), slice(c, c + cols))
+            sums.add(p, c, g[cut], [r[cut] for r in rs], t[cut])
     check = sums.check("logits", "float32", None, 0)
     assert_same(check, want)
     assert check.decisive_misses == 1 and not check.passed
