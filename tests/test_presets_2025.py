@@ -33,6 +33,14 @@ _QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size
               num_key_value_heads=8, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
               max_position_embeddings=40960, attention_bias=False, use_sliding_window=False, sliding_window=None,
               hidden_act="silu", bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16")
+# Qwen/Qwen3-30B-A3B's config.json (its MoE keys; max_window_layers, router_aux_loss_coef and the like change nothing)
+_QWEN3_MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, head_dim=128,
+                  num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
+                  max_position_embeddings=40960, attention_bias=False, use_sliding_window=False, sliding_window=None,
+                  max_window_layers=48, hidden_act="silu", bos_token_id=151643, eos_token_id=151645,
+                  tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+                  router_aux_loss_coef=0.001, torch_dtype="bfloat16")
 _GEMMA = dict(model_type="gemma", architectures=["GemmaForCausalLM"], vocab_size=256000, head_dim=256,
               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=8192, hidden_act="gelu",
               bos_token_id=2, eos_token_id=1, pad_token_id=0, torch_dtype="bfloat16")
@@ -100,6 +108,8 @@ PUBLISHED: dict[str, tuple[dict, float, float]] = {
     "qwen3-8b": ({**_QWEN3, **_sizes(4096, 12288, 36, 32, 8), "tie_word_embeddings": False}, 8.2e9, 5e7),
     "qwen3-14b": ({**_QWEN3, **_sizes(5120, 17408, 40, 40, 8), "tie_word_embeddings": False}, 14.8e9, 5e7),
     "qwen3-32b": ({**_QWEN3, **_sizes(5120, 25600, 64, 64, 8), "tie_word_embeddings": False}, 32.8e9, 5e7),
+    # Qwen3-30B-A3B's card: 30.5B in all, 3.3B activated
+    "qwen3-30b-a3b": ({**_QWEN3_MOE, **_sizes(2048, 6144, 48, 32, 4)}, 30.5e9, 5e7),
     "gemma-2b": ({**_GEMMA, **_sizes(2048, 16384, 18, 8, 1)}, 2.51e9, 5e6),
     "gemma-7b": ({**_GEMMA, **_sizes(3072, 24576, 28, 16, 16)}, 8.54e9, 5e6),
     "gemma-2-2b": ({**_GEMMA2, **_sizes(2304, 9216, 26, 8, 4)}, 2.61e9, 5e6),
@@ -203,6 +213,14 @@ def test_aliases_people_type():
     for alias, target in {"llama3.1-8b": "llama-3.1-8b", "Llama-3.2-1B": "llama-3.2-1b", "Qwen3-0.6B": "qwen3-0.6b",
                           "gemma-3-1b-pt": "gemma-3-1b", "gemma2-9b": "gemma-2-9b",
                           "SmolLM2-135M": "smollm2-135m", "granite-3.1-8b-instruct": "granite-3.1-8b",
-                          "SmolLM3-3B": "smollm3-3b"}.items():
+                          "SmolLM3-3B": "smollm3-3b", "qwen3-30b-a3b": "qwen3-30b-a3b",
+                          "Qwen3-30B-A3B": "qwen3-30b-a3b"}.items():
         assert get_preset(alias) is PRESETS[target]
     assert all(a == a.lower() and "/" not in a for a in ALIASES)  # a "/" reads as a path (looks_like_path)
+    assert PRESET_SOURCES["qwen3-30b-a3b"] == "Qwen/Qwen3-30B-A3B"  # the HF id, where the other Qwen3 ids are
+
+
+def test_qwen3_moe_active_parameters_are_the_cards():
+    """Qwen3-30B-A3B's card: 3.3B activated (8 of 128 experts a token); ours, embedding and lm_head included,
+    3.353B, so the card's figure is held to 0.1B (one expert more a token is 0.23B more)."""
+    assert abs(count_params(PRESETS["qwen3-30b-a3b"]).active_per_token - 3.3e9) <= 1e8

@@ -72,7 +72,8 @@ def _got(v: Any) -> str:
 _LIMIT_OF = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
              "n_kv_heads": "num_key_value_heads", "max_seq_len": "max_position_embeddings",
              "model_max_length": "max_position_embeddings", "_sliding_window_pattern": "sliding_window_pattern",
-             "bos_token_id": "token_id", "eos_token_id": "token_id", "pad_token_id": "token_id"}
+             "bos_token_id": "token_id", "eos_token_id": "token_id", "pad_token_id": "token_id",
+             "num_experts": "num_local_experts", "moe_intermediate_size": "intermediate_size"}
 
 
 def size_limit(field_name: str) -> int:
@@ -486,13 +487,20 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
     for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
         if key in keys:  # Granite's (transformers' defaults 1, attention_multiplier's too)
             kw[key] = _as_float(read(key), path, key)
-    experts = read("num_local_experts")
-    if experts is not None and _as_int(experts, path, "num_local_experts", 0):
-        kw["num_experts"] = _as_int(experts, path, "num_local_experts")
+    moe = fam.moe  # the family's names for its experts (Mixtral's num_local_experts, Qwen3-MoE's num_experts)
+    experts = read(moe.experts_key)
+    if experts is not None and _as_int(experts, path, moe.experts_key, 0):
+        kw["num_experts"] = _as_int(experts, path, moe.experts_key)
         kw["num_experts_per_tok"] = _as_int(read("num_experts_per_tok"), path, "num_experts_per_tok")
         if kw["num_experts_per_tok"] > kw["num_experts"]:
             raise ValueError(f"{path}: field 'num_experts_per_tok' ({kw['num_experts_per_tok']}) must be at most "
-                             f"num_local_experts ({kw['num_experts']})")
+                             f"{moe.experts_key} ({kw['num_experts']})")
+        if moe.width_key is not None:
+            kw["moe_intermediate_size"] = _as_int(read(moe.width_key), path, moe.width_key)
+        if "norm_topk_prob" in keys:
+            kw["norm_topk_prob"] = flag("norm_topk_prob")
+        if "decoder_sparse_step" in keys:
+            _every_layer_sparse(data, path, keys)
     elif family == "mixtral":
         raise ValueError(f"{path}: field 'num_local_experts' must be an integer >= 1 for a Mixtral, got {_got(experts)}")
     if hidden % heads and not head_dim:
@@ -500,6 +508,22 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
     if heads % kv:
         raise ValueError(f"{path}: num_attention_heads {heads} is not divisible by num_key_value_heads {kv}")
     return ModelConfig(**kw)
+
+
+def _every_layer_sparse(data: dict[str, Any], path: Path, keys: dict[str, Any]) -> None:
+    """Qwen3-MoE's decoder_sparse_step and mlp_only_layers: llama-tools models experts in every layer (step 1, no
+    dense layers listed); a config mixing dense and sparse layers is refused in one line naming the key."""
+    step = _as_int(_get(data, "decoder_sparse_step", keys["decoder_sparse_step"]), path, "decoder_sparse_step")
+    if step != 1:
+        raise ValueError(f"{path}: field 'decoder_sparse_step' is {step}; llama-tools models a mixture of experts "
+                         f"in every layer (decoder_sparse_step 1, mlp_only_layers []), not dense layers between")
+    dense = _get(data, "mlp_only_layers", keys["mlp_only_layers"])
+    if dense is not None and not isinstance(dense, list):
+        raise ValueError(f"{path}: field 'mlp_only_layers' must be a list of layer indices, got {_got(dense)}")
+    if dense:
+        raise ValueError(f"{path}: field 'mlp_only_layers' is {_got(dense)}; llama-tools models a mixture of "
+                         f"experts in every layer (decoder_sparse_step 1, mlp_only_layers []), not dense layers "
+                         f"among them")
 
 
 def _stored_dtype(data: dict[str, Any], path: Path) -> str:
@@ -632,9 +656,13 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["mlp_bias"] = cfg.mlp_bias
     if "sliding_window" in keys:  # null, not absent: an absent window is the family's default, not none
         d["sliding_window"] = cfg.sliding_window
-    if cfg.family == "mixtral":
-        d["num_local_experts"] = cfg.num_experts
+    if fam.moe.experts_key in keys:  # Mixtral's num_local_experts, Qwen3-MoE's num_experts (0: every layer dense)
+        d[fam.moe.experts_key] = cfg.num_experts
         d["num_experts_per_tok"] = cfg.num_experts_per_tok
+        if fam.moe.width_key is not None and cfg.is_moe:
+            d[fam.moe.width_key] = cfg.moe_intermediate_size
+    if "norm_topk_prob" in keys:
+        d["norm_topk_prob"] = cfg.norm_topk_prob
     if cfg.family == "baichuan":
         d["position_embedding"] = cfg.position_encoding.upper()
         d["norm_head"] = cfg.norm_head

@@ -34,7 +34,7 @@ SIZE_LIMITS: dict[str, int] = {
     "num_attention_heads": 2**16,  # 405B: 128
     "num_key_value_heads": 2**16,
     "num_hidden_layers": 2**30,  # 405B: 126 (decoders are counted, never listed: see LAYER_LIST_LIMIT)
-    "num_local_experts": 2**16,  # Qwen3-Next: 512
+    "num_local_experts": 2**16,  # Qwen3-Next: 512 (Qwen3-MoE's num_experts is bounded by this too)
     "num_experts_per_tok": 2**16,  # Qwen3-Next: 10
     "max_position_embeddings": 2**40,  # Llama 4 Scout: 10,485,760
     "original_max_position_embeddings": 2**40,
@@ -151,10 +151,11 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
-    # Mixture of experts (Mixtral, DeepSeek-MoE): 0 experts means a dense SwiGLU FFN.
+    # Mixture of experts (Mixtral, Qwen3-MoE): 0 experts means a dense SwiGLU FFN.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # width of one routed expert; 0 means n7
+    norm_topk_prob: bool = True  # the k chosen softmax weights renormalized to sum 1 (Mixtral always; Qwen3-MoE's flag)
     bos_token_id: int = 1
     eos_token_id: int = 2
     pad_token_id: int | None = None  # as the source says; None when it names none
@@ -201,7 +202,7 @@ class ModelConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{where}: field {f} must be a finite number > 0, got {v!r}")
-        for f in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "norm_head"):
+        for f in ("tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias", "norm_head", "norm_topk_prob"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{where}: field {f} must be true or false, got {getattr(self, f)!r}")
         for f in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "bos_token_id", "eos_token_id"):

@@ -16,6 +16,9 @@ fields; `convert` and the export name the family from here. No torch.
 | smollm3 |          | γ         | SiLU       | pre-norm            | / sqrt(n6)         | every 4th no RoPE |
 | olmo2   | whole q/k| γ         | SiLU       | post-norm only      | / sqrt(n6)         | alike             |
 | phi3    |          | γ         | SiLU       | pre-norm            | / sqrt(n6)         | alike; packed qkv |
+| qwen3_moe | per head | γ       | SiLU       | pre-norm            | / sqrt(n6)         | alike; top-k experts|
+
+Mixtures of experts (a router, top-k routed SwiGLU experts) are named in their files as `Family.moe` says.
 """
 
 from __future__ import annotations
@@ -24,6 +27,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types values
+
+
+@dataclass(frozen=True)
+class MoeNames:
+    """How a family's files name its mixture of experts: the config.json keys and the stored tensor names.
+
+    The model's own module is always `block_sparse_moe` (router `gate`, `experts.e.{gate,up,down}_proj`);
+    weights.py names each stored tensor from these, so a family's names live here and nowhere else.
+    """
+
+    experts_key: str  # config.json key of the routed expert count
+    width_key: str | None  # config.json key of one expert's width; None: intermediate_size
+    block: str  # the layer's sparse block in the file: "block_sparse_moe" (Mixtral), "mlp" (Qwen3-MoE)
+    projections: tuple[str, str, str]  # an expert's gate, up and down projection names in the file
+
+
+MIXTRAL_MOE = MoeNames("num_local_experts", None, "block_sparse_moe", ("w1", "w3", "w2"))
+QWEN3_MOE = MoeNames("num_experts", "moe_intermediate_size", "mlp", ("gate_proj", "up_proj", "down_proj"))
 
 
 @dataclass(frozen=True)
@@ -39,6 +60,7 @@ class Family:
     # MATH_KEYS missing here is one the family's code ignores, and so does the reader.
     hf_keys: dict[str, Any] = field(default_factory=dict)
     genai_type: str = "llama"  # onnxruntime-genai's model.type
+    moe: MoeNames = MIXTRAL_MOE  # the names of a mixture of experts (any family read with experts: Mixtral's)
 
     @property
     def window_flag(self) -> bool:
@@ -87,6 +109,16 @@ _OLMO2_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-5
 _PHI3_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-5, "hidden_act": "silu",
               "head_dim": None, "num_key_value_heads": None, "max_position_embeddings": 4096,
               "original_max_position_embeddings": 4096, "tie_word_embeddings": False, "sliding_window": None}
+# Qwen3-MoE: Qwen3's attention (q/k norm per head; n6 = n2 / n5 unless head_dim is given: its config class has no
+# head_dim of its own) with routed experts in every layer, softmax then top-k, renormalized when norm_topk_prob.
+# decoder_sparse_step and mlp_only_layers (dense layers among the sparse ones) are read and refused unless every
+# layer is sparse (config_files.py).
+_QWEN3_MOE_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+                   "head_dim": None, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+                   "tie_word_embeddings": False, "sliding_window": 4096, "use_sliding_window": False,
+                   "attention_bias": False, "num_experts": 128, "num_experts_per_tok": 8,
+                   "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                   "mlp_only_layers": None}
 # Baichuan and InternLM2 ship their own modeling code beside the weights (trust_remote_code).
 _BAICHUAN_KEYS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
                   "position_embedding": None, "norm_head": None}
@@ -103,6 +135,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), {"qkv_bias": True}, hf_keys=_QWEN_KEYS, genai_type="qwen2"),
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), {"qk_norm": True},
            hf_keys={**_QWEN_KEYS, "head_dim": 128, "attention_bias": False}, genai_type="qwen3"),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), {"qk_norm": True}, hf_keys=_QWEN3_MOE_KEYS,
+           moe=QWEN3_MOE),
     Family("gemma", ("GemmaForCausalLM",), ("gemma",), _GEMMA, hf_keys=_GEMMA_KEYS, genai_type="gemma"),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), {**_GEMMA, "sandwich_norms": True}, hf_keys=_GEMMA2_KEYS,
            genai_type="gemma2"),

@@ -3,7 +3,7 @@
 Symbols: n1 vocab, n2 width, n3 sequence length, n5 heads, n6 head width, n7 FFN width, n8 layers.
 Rows are tokens (the paper's row-major convention): Z^j is n3 x n2, and X W^T is a Linear layer.
 Parameter names equal HF's, so an HF state dict loads as is (see weights.py for the full table).
-Beyond the paper: grouped-query attention, a KV cache, ALiBi, Qwen2 biases, Mixtral experts, and the
+Beyond the paper: grouped-query attention, a KV cache, ALiBi, Qwen2 biases, Mixtral and Qwen3-MoE experts, and the
 families' overrides (families.py): Qwen3's and Gemma 3's q/k norms, Gemma's (1 + γ) norms, GELU gate, scaled
 embeddings, Gemma 2/3's norms after attention and FFN, logit soft-capping and local/global layers.
 """
@@ -337,20 +337,24 @@ class FeedForward(nn.Module):
 
 
 class MixtureOfExperts(nn.Module):
-    """Mixtral's sparse FFN: a router picks k experts per token, their outputs weighted by softmax."""
+    """Mixtral's and Qwen3-MoE's sparse FFN: a router picks k experts per token, their outputs weighted by the
+    softmax over all experts, the k weights renormalized to sum 1 (always in Mixtral; Qwen3-MoE's norm_topk_prob)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # router: experts x n2
-        self.experts = nn.ModuleList(FeedForward(cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = nn.ModuleList(FeedForward(cfg.hidden_size, cfg.moe_intermediate_size, act=cfg.hidden_act)
                                      for _ in range(cfg.num_experts))
 
     def forward(self, ybar: torch.Tensor) -> torch.Tensor:
         b, n3, n2 = ybar.shape
         x = ybar.reshape(-1, n2)  # [b n3, n2]
         weights, chosen = torch.topk(torch.softmax(self.gate(x).float(), dim=-1), self.k, dim=-1)  # [b n3, k]
-        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             w = (weights * (chosen == e)).sum(-1, keepdim=True)  # [b n3, 1], 0 where e was not chosen

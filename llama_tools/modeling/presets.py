@@ -47,6 +47,10 @@ def _pattern(layers: int, every: int) -> tuple[str, ...]:
 _QWEN3 = dict(**_family("qwen3"), vocab_size=151936, head_dim=128, num_key_value_heads=8, rms_norm_eps=1e-6,
               rope_theta=1e6, max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
               torch_dtype=BF16)
+# Qwen3-MoE: Qwen3's attention (4 KV heads) with 128 routed experts of width 768 in every layer, 8 a token, their
+# weights renormalized; n7 (6,144) is the width a dense layer would have, and no layer is dense.
+_QWEN3_MOE = dict(_QWEN3, **_family("qwen3_moe"), num_key_value_heads=4, num_experts=128, num_experts_per_tok=8,
+                  moe_intermediate_size=768, norm_topk_prob=True)
 # Gemma 1-3: tied embeddings, eps 1e-6, ids bos 2 / eos 1 / pad 0, n6 = 256 unless stated.
 _GEMMA_IDS = dict(head_dim=256, tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1,
                   pad_token_id=0)
@@ -143,6 +147,7 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
     _preset("qwen3-8b", _QWEN3, _sizes(4096, 12288, 36, 32)),
     _preset("qwen3-14b", _QWEN3, _sizes(5120, 17408, 40, 40)),
     _preset("qwen3-32b", _QWEN3, _sizes(5120, 25600, 64, 64)),
+    _preset("qwen3-30b-a3b", _QWEN3_MOE, _sizes(2048, 6144, 48, 32)),
     _preset("gemma-2b", _GEMMA, _sizes(2048, 16384, 18, 8, 1)),
     _preset("gemma-7b", _GEMMA, _sizes(3072, 24576, 28, 16, 16)),
     _preset("gemma-2-2b", _GEMMA2, _sizes(2304, 9216, 26, 8, 4)),
@@ -201,7 +206,7 @@ PRESET_SOURCES = {
     "baichuan2-13b": "baichuan-inc/Baichuan2-13B-Base",
     "llama-3.1-8b": "meta-llama/Llama-3.1-8B", "llama-3.1-70b": "meta-llama/Llama-3.1-70B",
     "llama-3.2-1b": "meta-llama/Llama-3.2-1B", "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
-    **{f"qwen3-{s}": f"Qwen/Qwen3-{s.upper()}" for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")},
+    **{f"qwen3-{s}": f"Qwen/Qwen3-{s.upper()}" for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b", "30b-a3b")},
     "gemma-2b": "google/gemma-2b", "gemma-7b": "google/gemma-7b", "gemma-2-2b": "google/gemma-2-2b",
     "gemma-2-9b": "google/gemma-2-9b", "gemma-2-27b": "google/gemma-2-27b", "gemma-3-270m": "google/gemma-3-270m",
     "gemma-3-1b": "google/gemma-3-1b-pt", "gemma-3-4b": "google/gemma-3-4b-pt (text_config)",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .config import ModelConfig
+from .families import FAMILIES, MIXTRAL_MOE
 
 # Components, in the order reports list them.
 COMPONENTS = (
@@ -23,7 +24,7 @@ COMPONENTS = (
 
 @dataclass(frozen=True)
 class WeightSpec:
-    name: str  # the module's parameter name (HF's, except Mixtral's expert w1/w3/w2, see hf_name)
+    name: str  # the module's parameter name (HF's, except a mixture of experts': see hf_name, families.MoeNames)
     meta_name: str | None  # Meta consolidated.*.pth name (None: Meta has no such tensor)
     symbol: str  # the paper's symbol, or a name of ours for what the paper leaves out
     shape: tuple[int, ...]
@@ -86,18 +87,21 @@ def _layer_specs(cfg: ModelConfig, j: int, experts: int | None = None) -> list[W
             out += [s(hf + f"mlp.{p}_proj.bias", None, f"b^{{{j}{i}}}", (size,), "mlp.bias", in_paper=False)
                     for p, i, size in (("gate", 5, n7), ("up", 7, n7), ("down", 6, n2))]
         return out
-    # Mixture of experts: a router, then per expert the same SwiGLU as the dense FFN; Mixtral's files
-    # call gate/up/down w1/w3/w2, so those names live here and nowhere else.
+    # Mixture of experts: a router, then per expert the same SwiGLU as the dense FFN. The module is always
+    # block_sparse_moe; the file's names are the family's (families.MoeNames: Mixtral's block_sparse_moe with
+    # gate/up/down as w1/w3/w2, Qwen3-MoE's mlp with gate_proj/up_proj/down_proj). Meta's names are Mixtral's.
     e7 = cfg.moe_intermediate_size
-    moe, mmoe = hf + "block_sparse_moe.", meta + "feed_forward."
+    names = FAMILIES[cfg.family].moe
+    moe, fmoe, mmoe = hf + "block_sparse_moe.", hf + names.block + ".", meta + "feed_forward."
     out.append(s(moe + "gate.weight", mmoe + "gate.weight", f"G^{{{j}}}", (cfg.num_experts, n2), "moe.router",
-                 in_paper=False))
+                 in_paper=False, hf_name=fmoe + "gate.weight"))
     for e in range(cfg.num_experts if experts is None else min(experts, cfg.num_experts)):
-        p, mp = f"{moe}experts.{e}.", f"{mmoe}experts.{e}."
+        p, fp, mp = f"{moe}experts.{e}.", f"{fmoe}experts.{e}.", f"{mmoe}experts.{e}."
         out += [s(p + f"{proj}.weight", mp + f"{w}.weight", f"W^{{{j}{i}}}_{{{e}}}", shape, "moe.experts",
-                  in_paper=False, hf_name=p + f"{w}.weight")
-                for proj, w, i, shape in (("gate_proj", "w1", 5, (e7, n2)), ("up_proj", "w3", 7, (e7, n2)),
-                                          ("down_proj", "w2", 6, (n2, e7)))]
+                  in_paper=False, hf_name=fp + f"{stored}.weight")
+                for proj, w, stored, i, shape in zip(
+                    ("gate_proj", "up_proj", "down_proj"), MIXTRAL_MOE.projections, names.projections, (5, 7, 6),
+                    ((e7, n2), (e7, n2), (n2, e7)))]
     return out
 
 
