@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from llama_tools.modeling import dtypes
-from llama_tools.outputs.progress import Progress, silent
+from llama_tools.outputs.progress import Progress, release_freed_memory, silent
 
 from .by_layer import EMBEDDING, HEAD, BlockResult, LayerReference, per_channel
 from .compare import BUDGET, Budget, BudgetCheck, JudgeSums, judge
@@ -370,6 +370,7 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
     v = torch.from_numpy(valid[:, -keep:])
     logits = out.logits[:, -keep:]  # [b, keep, n1]: transformers' own
     del out, stream
+    release_freed_memory()  # transformers' forward is over: its pages back before our heads'
     report.blocks.append(BlockResult(HEAD, None, [head_sums(f"logits (from Z^n8, last {keep} positions)", logits, v,
                                                             state["z"][:, -keep:][v], (truth, noise, alt), budget)]))
     report.seconds = time.perf_counter() - start
@@ -413,6 +414,7 @@ def slab_head(rows: Callable[[int, int], Any], vocab: int) -> Any:
     class SlabHead(torch.nn.Module):
         def forward(self, x: Any) -> Any:  # x: [b, n3, n2] -> [b, n3, n1]
             step = max(1, SLAB_BYTES // (4 * x.shape[-1]))
+            release_freed_memory()  # the last layer's weights and activations: their pages back before the logits
             out = x.new_empty((*x.shape[:-1], vocab))  # filled in place: a list of slabs joined would be two copies
             for a in range(0, vocab, step):
                 out[..., a:a + step] = x @ rows(a, min(a + step, vocab)).T
