@@ -157,3 +157,19 @@ def test_every_layer_sparse_is_read(tmp_path):
     """The published form (step 1, no dense layers, said explicitly) reads as the preset."""
     cfg = load_config(_config(tmp_path, decoder_sparse_step=1, mlp_only_layers=[]))
     assert cfg.replace(name="", source="") == load_config("qwen3-30b-a3b").replace(name="", source="")
+
+
+def test_export_and_verify_parity_against_transformers(case, tmp_path):
+    """`export onnx --optimize` writes the plain graph (the fused one has no experts), said in a note; `verify parity`
+    reads the checkpoint as transformers does (its source check) and the graph as PyTorch computes it: PASS."""
+    _, d, _, _ = case
+    out = tmp_path / "model.onnx"
+    r = CliRunner().invoke(cli, ["export", "onnx", str(d), "-o", str(out), "--optimize", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["graph"] == "plain" and any("mixture of experts" in n for n in rep["notes"])
+    r = CliRunner().invoke(cli, ["verify", "parity", str(out), "--source", str(d)])
+    assert r.exit_code == 0, r.output
+    source = next(line for line in r.output.splitlines() if line.startswith("source check:"))
+    assert "transformers" in source and "agrees in all" in source
+    assert r.output.strip().splitlines()[-1].startswith("PASS")
