@@ -150,13 +150,13 @@ def test_cli_max_kl(tmp_path):
         assert not (tmp_path / "b").exists()
 
 
-# --- The default target: 0.1 nats or half round-to-nearest int4's KL, the lower, under 1.1x the int4 bytes -----
+# --- The default target: 0.1 nats or half uncalibrated int4's KL, the lower, under 1.1x the int4 bytes --------
 
 def test_parse_max_kl():
     from llama_tools.exporters.quant_options import DEFAULT_TARGET, Int4Target, int4_target, parse_max_kl
 
     assert parse_max_kl("auto") == DEFAULT_TARGET == Int4Target(max_kl=0.1, fraction=0.5, size_cap=1.08)
-    assert DEFAULT_TARGET.describe().startswith("mean KL <= the lower of 0.1 nats and 0.5x round-to-nearest")
+    assert DEFAULT_TARGET.describe().startswith("mean KL <= the lower of 0.1 nats and 0.5x uncalibrated int4")
     assert parse_max_kl("none") is None and parse_max_kl(" None ") is None
     assert parse_max_kl("0.1") == Int4Target(max_kl=0.1) and parse_max_kl(0.25) == Int4Target(max_kl=0.25)
     assert parse_max_kl("0.4x") == Int4Target(fraction=0.4)
@@ -239,7 +239,7 @@ def _default_export(src, out, int4=None):
 
 
 def test_the_default_on_a_seeded_model(tmp_path):
-    """No --max-kl: 0.1 nats or half round-to-nearest int4's KL, the lower, within 1.08x the int4 bytes; where the cap
+    """No --max-kl: 0.1 nats or half uncalibrated int4's KL, the lower, within 1.08x the int4 bytes; where the cap
     binds (tiny: its error is spread thin), the closest graph within it, said not met. With room (1.3x) the target
     is met on the calibration text and on the held-out quality text; `none` is every matrix int4 (imatrix), the
     very graph the default started from."""
