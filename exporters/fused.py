@@ -84,6 +84,9 @@ def check_fusable(cfg: ModelConfig) -> None:
         why = f"{cfg.position_encoding} position encoding (GroupQueryAttention adds no per-head ALiBi bias)"
     elif cfg.is_moe:
         why = f"mixture of experts ({cfg.num_experts} experts)"
+    elif cfg.norm_kind != "rms" or not cfg.gated_mlp or cfg.parallel_residual:
+        why = (f"{cfg.family}'s block (LayerNorm with bias, a GELU MLP without a gate"
+               f"{', attention and MLP in parallel' if cfg.parallel_residual else ''}: the fused graph builds LLaMA's)")
     elif cfg.head_dim % GQA_HEAD_DIM_MULTIPLE:
         why = f"head_dim {cfg.head_dim} (GroupQueryAttention needs a multiple of {GQA_HEAD_DIM_MULTIPLE})"
     elif cfg.num_attention_heads % cfg.num_key_value_heads:

@@ -143,7 +143,9 @@ def weight_rows(cfg: ModelConfig, layers: str = "all") -> list[ShapeRow]:
 # --- activations ----------------------------------------------------------------------------------
 
 def _gain(cfg: ModelConfig) -> str:
-    """What a norm row adds to "rnorm(X)": Gemma's gain is 1 + γ."""
+    """What a norm row adds to "rnorm(X)": Gemma's gain is 1 + γ; GPT-NeoX's and Falcon's norm is a LayerNorm."""
+    if cfg.norm_kind == "layer":
+        return ", as LayerNorm: (X - mean) / sigma γ + β"
     return ", gain 1 + γ" if cfg.norm_plus_one else ""
 
 
@@ -289,6 +291,11 @@ def _layer_activations(cfg: ModelConfig, j: int, b: int, n3: int, past: int) -> 
             a("6.3", f"Y^{{{j}}}", "Z^j + rnorm(R^j)", p + "pre_feedforward_layernorm", "in", (b, n3, n2)),
             a("6.4", f"Ybar^{{{j}}}", f"rnorm(Y^j){gain}", p + "pre_feedforward_layernorm", "out", (b, n3, n2)),
         ]
+    elif cfg.parallel_residual:
+        # GPT-NeoX, Falcon: the FFN reads Z^j too (its own norm, or Falcon-7B's one input_layernorm).
+        ln = p + ("input_layernorm" if cfg.shared_norm else "post_attention_layernorm")
+        rows.append(a("6.4", f"Ybar^{{{j}}}", f"rnorm(Z^j){gain}: the FFN reads the layer's input, in parallel "
+                                               f"with attention", ln, "out", (b, n3, n2)))
     else:
         rows += [
             a("6.3", f"Y^{{{j}}}", f"Z^j + {times}R^j", p + "post_attention_layernorm", "in", (b, n3, n2)),
@@ -302,13 +309,13 @@ def _layer_activations(cfg: ModelConfig, j: int, b: int, n3: int, past: int) -> 
             a("6.4", f"Z^{{{j + 1}}}", "Y^j + rnorm(Yhat^j): decoder output", p.rstrip("."), "out", (b, n3, n2)),
         ]
     else:
-        rows.append(a("6.4", f"Z^{{{j + 1}}}", f"Y^j + {times}Yhat^j: decoder output", p.rstrip("."), "out",
-                      (b, n3, n2)))
+        out = "Z^j + (R^j + Yhat^j)" if cfg.parallel_residual else f"Y^j + {times}Yhat^j"
+        rows.append(a("6.4", f"Z^{{{j + 1}}}", f"{out}: decoder output", p.rstrip("."), "out", (b, n3, n2)))
     return rows
 
 
 # The FFN gate's activation (config.ACTIVATIONS): the row's op name and its words.
-_ACT_WORDS = {"silu": "silu", "gelu_tanh": "GELU (tanh approximation)"}
+_ACT_WORDS = {"silu": "silu", "gelu_tanh": "GELU (tanh approximation)", "gelu": "GELU (exact, erf)"}
 
 
 def _ffn_activations(cfg: ModelConfig, j: int, b: int, n3: int) -> list[ShapeRow]:
@@ -318,6 +325,14 @@ def _ffn_activations(cfg: ModelConfig, j: int, b: int, n3: int) -> list[ShapeRow
     gate, up = f"{y}^{{{j}}}W^{{{j}5T}}", f"{y}^{{{j}}}W^{{{j}7T}}"
     act = cfg.hidden_act
     a = lambda sym, desc, mod, port, shape: ShapeRow("activation", "6.4", j, sym, desc, mod, port, shape)  # noqa: E731
+    if not cfg.gated_mlp:  # GPT-NeoX, Falcon: no gate; up (dense_h_to_4h), GELU, down (dense_4h_to_h), with biases
+        bias = " + b^{j7}" if cfg.mlp_bias else ""
+        return [
+            a(up, f"up projection{bias}", p + ".up_proj", "out", (b, n3, n7)),
+            a(f"{act}({up})", f"after {_ACT_WORDS[act]}", p + ".down_proj", "in", (b, n3, n7)),
+            a(f"Yhat^{{{j}}}", f"(...) W^{{j6T}}{' + b^{j6}' if cfg.mlp_bias else ''}: FFN output", p + ".down_proj",
+              "out", (b, n3, n2)),
+        ]
     return [
         a(gate, "gate projection", p + ".gate_proj", "out", (b, n3, n7)),
         a(f"{act}({gate})", f"gate after {_ACT_WORDS[act]}", p, "inside", (b, n3, n7)),

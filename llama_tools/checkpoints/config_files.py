@@ -300,10 +300,13 @@ def _activation(data: dict[str, Any], path: Path, family: str) -> str:
     """The FFN gate's activation, from `hidden_activation` (Gemma) or `hidden_act`."""
     keys = FAMILIES[family].hf_keys
     key = "hidden_activation" if "hidden_activation" in keys and _get(
-        data, "hidden_activation", keys["hidden_activation"]) is not None else "hidden_act"
+        data, "hidden_activation", keys["hidden_activation"]) is not None else "activation" if "activation" in keys \
+        else "hidden_act"  # Falcon's key: activation
     name = _as_str(_get(data, key, keys.get(key, "silu")), path, key)
     if name == "gelu" and family.startswith("gemma"):
         return "gelu_tanh"
+    if name == "gelu" and FAMILIES[family].defaults.get("gated_mlp") is False:
+        return "gelu"  # GPT-NeoX, Falcon: exact GELU (transformers' GELUActivation) in a plain MLP
     if name not in _ACTIVATIONS:
         raise ValueError(f"{path}: field {key!r} is {name!r}; the model computes {', '.join(sorted(_ACTIVATIONS))}")
     return _ACTIVATIONS[name]
@@ -412,6 +415,8 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
     fam = FAMILIES[family]
     keys = fam.hf_keys
     _unmodelled(data, path, family)
+    if family == "gpt_neox":  # its config class sets rope_theta from rotary_emb_base, whatever the file says
+        data = {**data, "rope_theta": _get(data, "rotary_emb_base", keys["rotary_emb_base"])}
     integer = lambda key, minimum=1: _as_int(_require(data, path, key), path, key, minimum)  # noqa: E731
     flag = lambda key: _as_bool(_get(data, key, keys.get(key, False)), path, key)  # noqa: E731
     optional = lambda key: None if data.get(key) is None else _as_int(data[key], path, key)  # noqa: E731
@@ -420,6 +425,9 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
     kv = optional("num_key_value_heads") if "num_key_value_heads" in data else keys.get("num_key_value_heads")
     kv = kv or heads
     head_dim = (optional("head_dim") if "head_dim" in data else keys.get("head_dim")) or 0
+    block: dict[str, Any] = {}
+    if "layer_norm_eps" in keys or "layer_norm_epsilon" in keys:  # GPT-NeoX, Falcon: n6 = n2 / n5, always
+        kv, head_dim, block = _neox_block(data, path, family, heads)
     if not head_dim:
         _check_head_width(hidden, heads, path, ("hidden_size", "num_attention_heads"))
     # Baichuan-13B and Baichuan2-13B use ALiBi; their config.json has no flag for it, so the 13B width
@@ -451,16 +459,19 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
     kw: dict[str, Any] = dict(
         name=path.parent.name or path.stem, source=str(path), family=family,
         vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=integer("intermediate_size"), num_hidden_layers=layers,
+        intermediate_size=block.pop("intermediate_size") if "intermediate_size" in block
+        else integer("intermediate_size"), num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-        rms_norm_eps=_as_float(_get(data, "rms_norm_eps", keys.get("rms_norm_eps", 1e-6)), path, "rms_norm_eps"),
+        rms_norm_eps=block.pop("eps") if "eps" in block else
+        _as_float(_get(data, "rms_norm_eps", keys.get("rms_norm_eps", 1e-6)), path, "rms_norm_eps"),
         position_encoding="alibi" if alibi else "rope",
         rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings=flag("tie_word_embeddings"),
         qkv_bias=bool(fam.defaults.get("qkv_bias")) or qkv_bias,
         o_bias=o_bias,
-        mlp_bias=flag("mlp_bias") if "mlp_bias" in keys else False,
+        mlp_bias=flag("mlp_bias") if "mlp_bias" in keys else bool(fam.defaults.get("mlp_bias")) or (
+            family == "falcon" and qkv_bias),  # Falcon's `bias`: every Linear
         # Baichuan2 (vocab 125696) normalizes lm_head rows; our own `norm_head` key overrides.
         norm_head=_as_bool(_get(data, "norm_head", family == "baichuan" and vocab == 125696), path, "norm_head"),
         sliding_window=sliding,
@@ -476,11 +487,12 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
         attn_logit_softcap=softcap("attn_logit_softcapping"),
         final_logit_softcap=softcap("final_logit_softcapping"),
         rope_local_theta=local_theta,
-        bos_token_id=_token_id(data, path, "bos_token_id", 1),
-        eos_token_id=_token_id(data, path, "eos_token_id", 2),
+        bos_token_id=_token_id(data, path, "bos_token_id", keys.get("bos_token_id", 1)),
+        eos_token_id=_token_id(data, path, "eos_token_id", keys.get("eos_token_id", 2)),
         pad_token_id=None if data.get("pad_token_id") is None else _token_id(data, path, "pad_token_id", 0),
         torch_dtype=_stored_dtype(data, path),
     )
+    kw.update(block)
     if "no_rope_layers" in keys:
         rotates = _rope_layers(data, path, layers)
         kw["rope_layers"] = None if all(rotates) else rotates
@@ -508,6 +520,51 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
     if heads % kv:
         raise ValueError(f"{path}: num_attention_heads {heads} is not divisible by num_key_value_heads {kv}")
     return ModelConfig(**kw)
+
+
+def _neox_block(data: dict[str, Any], path: Path, family: str, heads: int) -> tuple[int, int, dict[str, Any]]:
+    """GPT-NeoX's and Falcon's block keys: (kv heads, n6 = 0 for n2 / n5, the ModelConfig fields they set).
+
+    GPT-NeoX: use_parallel_residual, layer_norm_eps, rotary_pct (whole heads only, for now). Falcon: new_decoder_architecture (grouped KV heads,
+    ln_attn and ln_mlp unless num_ln_in_parallel_attn is 1), multi_query (one KV head), parallel_attn,
+    layer_norm_epsilon, ffn_hidden_size (4 n2 unless said); its `bias` is read with the other biases.
+    """
+    fam = FAMILIES[family]
+    keys = fam.hf_keys
+    flag = lambda key: _as_bool(_get(data, key, keys[key]), path, key)  # noqa: E731
+    out: dict[str, Any] = {k: fam.defaults[k] for k in ("norm_kind", "gated_mlp")}
+    if family == "gpt_neox":
+        out["eps"] = _as_float(_get(data, "layer_norm_eps", keys["layer_norm_eps"]), path, "layer_norm_eps")
+        for key in ("rotary_pct", "partial_rotary_factor"):
+            pct = _as_float(_get(data, key, keys[key]), path, key)
+            if pct != 1.0:
+                raise ValueError(f"{path}: field {key!r} is {pct!r}; llama-tools rotates whole heads and does not "
+                                 f"compute a partial rotary for gpt_neox yet (rotary_pct 1.0 only)")
+        out["parallel_residual"] = flag("use_parallel_residual")
+        return heads, 0, out
+    hidden = _as_int(_require(data, path, "hidden_size"), path, "hidden_size")
+    out["eps"] = _as_float(_get(data, "layer_norm_epsilon", keys["layer_norm_epsilon"]), path, "layer_norm_epsilon")
+    n7 = data.get("ffn_hidden_size")
+    out["intermediate_size"] = 4 * hidden if n7 is None else _as_int(n7, path, "ffn_hidden_size")
+    new, parallel = flag("new_decoder_architecture"), flag("parallel_attn")
+    listed = None if data.get("num_kv_heads") is None else _as_int(data["num_kv_heads"], path, "num_kv_heads")
+    if new:
+        if not parallel:  # transformers 4.57's layer then reads ln_attn it never made
+            raise ValueError(f"{path}: fields 'new_decoder_architecture' true and 'parallel_attn' false: "
+                             f"transformers' Falcon cannot run this layout; llama-tools refuses it too")
+        norms = data.get("num_ln_in_parallel_attn")
+        norms = 2 if norms is None else _as_int(norms, path, "num_ln_in_parallel_attn")
+        if norms not in (1, 2):
+            raise ValueError(f"{path}: field 'num_ln_in_parallel_attn' must be 1 or 2, got {norms}")
+        kv, shared = listed or heads, norms == 1
+    else:
+        kv = 1 if flag("multi_query") else heads
+        if not flag("multi_query") and listed not in (None, heads):
+            raise ValueError(f"{path}: field 'num_kv_heads' is {listed}; without new_decoder_architecture or "
+                             f"multi_query Falcon's q/k/v are one per head ({heads}), so transformers cannot run it")
+        shared = parallel
+    out.update(parallel_residual=parallel, shared_norm=shared)
+    return kv, 0, out
 
 
 def _every_layer_sparse(data: dict[str, Any], path: Path, keys: dict[str, Any]) -> None:
@@ -638,7 +695,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
-        "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[cfg.hidden_act],
+        "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[cfg.hidden_act],
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "torch_dtype": cfg.torch_dtype,
     }
     if cfg.pad_token_id is not None:  # only the source's own: HF reads an absent pad as "none", not as eos
@@ -692,4 +749,37 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             d[key] = getattr(cfg, key)
     if "attention_multiplier" in keys:  # Granite's code multiplies by it, its default 1: never left out
         d["attention_multiplier"] = cfg.score_scale
+    if cfg.family in ("gpt_neox", "falcon"):
+        _neox_block_to_hf(cfg, d)
     return d
+
+
+def _neox_block_to_hf(cfg: ModelConfig, d: dict[str, Any]) -> None:
+    """GPT-NeoX's and Falcon's own keys for cfg's block (the inverse of _neox_block); a block neither can say is
+    refused in one line."""
+    for key in ("rms_norm_eps", "num_key_value_heads", "head_dim"):  # their code reads n6 = n2 / n5 and its own keys
+        d.pop(key, None)
+    kv, n5, parallel = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.parallel_residual
+    if cfg.head_dim * n5 != cfg.hidden_size:
+        raise ValueError(f"config {cfg.name!r}: {cfg.family} computes head_dim as hidden_size / num_attention_heads; "
+                         f"{cfg.head_dim} x {n5} != {cfg.hidden_size}")
+    if cfg.family == "gpt_neox":
+        if kv != n5 or not cfg.mlp_bias or cfg.shared_norm or cfg.qkv_bias != cfg.o_bias:
+            raise ValueError(f"config {cfg.name!r}: GPT-NeoX has one K/V head per query head, MLP biases, two norms "
+                             f"a layer and attention biases on all or none; this config cannot be written as gpt_neox")
+        d.update(layer_norm_eps=cfg.rms_norm_eps, rotary_emb_base=cfg.rope_theta,
+                 use_parallel_residual=parallel, rotary_pct=1.0, partial_rotary_factor=1.0)
+        return
+    if not cfg.qkv_bias == cfg.o_bias == cfg.mlp_bias:
+        raise ValueError(f"config {cfg.name!r}: Falcon's `bias` puts biases on every Linear or on none")
+    del d["intermediate_size"], d["hidden_act"]  # Falcon's are ffn_hidden_size and activation
+    d.update(ffn_hidden_size=cfg.intermediate_size, layer_norm_epsilon=cfg.rms_norm_eps, activation=cfg.hidden_act,
+             bias=cfg.qkv_bias, parallel_attn=parallel, alibi=False)
+    if kv in (1, n5) and (cfg.shared_norm or not parallel):  # the old layout: multi_query, or q, k, v per head
+        d.update(new_decoder_architecture=False, multi_query=kv == 1, num_kv_heads=n5)
+    elif parallel:  # new_decoder_architecture: grouped KV heads, one norm or two
+        d.update(new_decoder_architecture=True, multi_query=False, num_kv_heads=kv,
+                 num_ln_in_parallel_attn=1 if cfg.shared_norm else 2)
+    else:
+        raise ValueError(f"config {cfg.name!r}: Falcon runs {kv} KV heads of {n5} only in parallel "
+                         f"(new_decoder_architecture); this sequential config cannot be written as falcon")

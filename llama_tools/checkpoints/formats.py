@@ -10,6 +10,8 @@ conversion (convert.py) and the CLI's choices read them from here. No torch impo
 | baichuan  | hf, q/k/v as self_attn.W_pack   | half        | rows cat(q, k, v)                       |
 | phi3      | hf, qkv_proj and gate_up_proj   | half        | rows cat(q, k, v); gate, up cat(gate, up)|
 | internlm2 | attention.wqkv, feed_forward.w1 | half        | per KV head: its n_rep q heads, k, v    |
+| gpt_neox  | gpt_neox.layers.j.attention.*   | half        | per head: q, k, v (query_key_value)     |
+| falcon    | transformer.h.j.self_attention.*| half        | per KV head: its n_rep q heads, k, v    |
 | gguf      | blk.j.attn_q                    | interleaved | none; one .gguf file, mostly quantized  |
 """
 
@@ -55,6 +57,8 @@ class CheckpointFormat:
     # a layer's gate and up rows as one tensor, named by this rename of the gate's stored name (Phi-3's gate_up_proj,
     # llama.cpp's phi3 ffn_up)
     fused_gate_up: tuple[str, str] | None = None
+    # applied first when attention and the FFN read their own norms in parallel (Falcon's ln_attn and ln_mlp)
+    parallel_renames: tuple[tuple[str, str], ...] = ()
 
     def tensor_name(self, spec: WeightSpec, cfg: ModelConfig | None = None) -> str:
         """The stored name of an unfused weight (cfg: the model's, where its norms' names depend on it)."""
@@ -65,7 +69,8 @@ class CheckpointFormat:
             return spec.meta_name
         name = spec.hf_name
         after = cfg is not None and (cfg.sandwich_norms or cfg.post_norms)  # norms after attention and the FFN
-        for a, b in (self.sandwich_renames if after else ()) + self.renames:
+        two = cfg is not None and cfg.parallel_residual and not cfg.shared_norm  # two norms reading Z^j
+        for a, b in (self.sandwich_renames if after else ()) + (self.parallel_renames if two else ()) + self.renames:
             name = name.replace(a, b)
         return name
 
@@ -85,6 +90,21 @@ FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in [
                          ("mlp.gate_proj.", "feed_forward.w1."), ("mlp.up_proj.", "feed_forward.w3."),
                          ("mlp.down_proj.", "feed_forward.w2."), ("input_layernorm.", "attention_norm."),
                          ("post_attention_layernorm.", "ffn_norm."), ("lm_head.", "output."))),
+    # GPT-NeoX (Pythia): q/k/v rows per head [q_h, k_h, v_h] (its view(..., n5, 3 n6)), biases packed alike.
+    CheckpointFormat("gpt_neox", "GPT-NeoX: gpt_neox.layers, q/k/v packed per head as query_key_value", HALF, "grouped",
+                     "attention.query_key_value.weight", marker="attention.query_key_value.weight", renames=(
+                         ("model.embed_tokens.", "gpt_neox.embed_in."), ("model.layers.", "gpt_neox.layers."),
+                         ("self_attn.o_proj.", "attention.dense."), ("mlp.up_proj.", "mlp.dense_h_to_4h."),
+                         ("mlp.down_proj.", "mlp.dense_4h_to_h."), ("model.norm.", "gpt_neox.final_layer_norm."),
+                         ("lm_head.", "embed_out."))),
+    # Falcon: per KV head its n_rep q heads, k, v (multi_query: one KV head, so q heads then k then v; no GQA: per
+    # head q, k, v), as its _split_heads views the packed rows.
+    CheckpointFormat("falcon", "Falcon: transformer.h, q/k/v packed per KV head as query_key_value", HALF, "grouped",
+                     "self_attention.query_key_value.weight", marker="self_attention.query_key_value.weight", renames=(
+                         ("model.embed_tokens.", "transformer.word_embeddings."), ("model.layers.", "transformer.h."),
+                         ("self_attn.o_proj.", "self_attention.dense."), ("mlp.up_proj.", "mlp.dense_h_to_4h."),
+                         ("mlp.down_proj.", "mlp.dense_4h_to_h."), ("model.norm.", "transformer.ln_f.")),
+                     parallel_renames=(("input_layernorm.", "ln_attn."), ("post_attention_layernorm.", "ln_mlp."))),
     # llama.cpp's names (gguf.TensorNameMap, tested); its converter permutes HF's q/k rows to Meta's order.
     CheckpointFormat("gguf", "GGUF (llama.cpp): one .gguf file, config and vocabulary in its metadata", INTERLEAVED,
                      None, None, file_kind="gguf", renames=(
@@ -113,7 +133,8 @@ WRITABLE = ("hf", "meta", "gguf")
 BENIGN_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
                    "rope_freqs.weight")  # llama.cpp's per-dimension RoPE divisors (Llama 3.1's, from the config)
 # Family -> the format its published checkpoints use (default: hf).
-_FAMILY_FORMAT = {"baichuan": "baichuan", "internlm2": "internlm2", "phi3": "phi3"}
+_FAMILY_FORMAT = {"baichuan": "baichuan", "internlm2": "internlm2", "phi3": "phi3", "gpt_neox": "gpt_neox",
+                  "falcon": "falcon"}
 
 
 def get_format(name: str) -> CheckpointFormat:
@@ -153,9 +174,18 @@ def checkpoint_tensors(cfg: ModelConfig, fmt: CheckpointFormat | None = None) ->
     by_name = {s.name: s for s in specs}
     out: list[CheckpointTensor] = []
     for s in specs:
-        if (fmt.fused_qkv and s.component in ("attn.k", "attn.v")) or (fmt.fused_gate_up and s.component == "mlp.up"):
-            continue  # inside the fused tensor emitted with attn.q (mlp.gate)
-        if fmt.fused_qkv and s.component == "attn.q":
+        qkv_bias = s.component == "attn.bias" and ".self_attn.o_proj." not in s.name
+        if (fmt.fused_qkv and (s.component in ("attn.k", "attn.v") or (qkv_bias and ".q_proj." not in s.name))) \
+                or (fmt.fused_gate_up and s.component == "mlp.up"):
+            continue  # inside the fused tensor emitted with attn.q (its bias with q's bias; mlp.gate)
+        if fmt.fused_qkv and qkv_bias:  # q/k/v biases packed as their rows are (GPT-NeoX, Falcon)
+            prefix = s.name.rsplit("self_attn.q_proj", 1)[0]
+            parts = tuple(prefix + f"self_attn.{p}_proj.bias" for p in "qkv")
+            stored = _LAYER_PREFIX.match(fmt.tensor_name(s, cfg))
+            assert stored is not None and fmt.fused_name is not None, f"{fmt.name}: {s.name} has no fused name"
+            out.append(CheckpointTensor(stored.group(0) + fmt.fused_name.removesuffix(".weight") + ".bias",
+                                        (sum(by_name[p].shape[0] for p in parts),), parts))
+        elif fmt.fused_qkv and s.component == "attn.q":
             prefix = s.name.rsplit("self_attn.q_proj", 1)[0]  # "model.layers.j."
             parts = tuple(prefix + f"self_attn.{p}_proj.weight" for p in "qkv")
             rows = sum(by_name[p].shape[0] for p in parts)

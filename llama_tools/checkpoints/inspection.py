@@ -14,7 +14,7 @@ from .header_readers import TensorInfo
 from .weight_files import NO_WEIGHTS, CheckpointHeaders, checkpoint_config, find_weight_files, read_headers
 from ..modeling.weights import stack_specs, weight_specs
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")  # Falcon: transformer.h.j.
 
 
 @dataclass(frozen=True)

@@ -182,7 +182,8 @@ def count_params(cfg: ModelConfig, *, context: int | None = None, batch: int = 1
         Item("second n1 x n2 matrix", 0 if cfg.tie_word_embeddings else n1 * n2,
              "the formula counts one of embedding D and lm_head W^8" if not cfg.tie_word_embeddings
              else "tied: D and W^8 are one matrix"),
-        Item("RMSNorm gains", weights_of("norm", "final_norm", "attn.qk_norm"),
+        Item("RMSNorm gains" if cfg.norm_kind == "rms" else "LayerNorm gains and biases",
+             weights_of("norm", "final_norm", "attn.qk_norm"),
              f"{per_layer_norms} per decoder + the final one, n2 = {n2} each"
              + (f"; q and k norms of n6 = {cfg.head_dim}" if cfg.qk_norm else "")),
         Item("attention shapes", weights_of("attn.q", "attn.k", "attn.v", "attn.o") - 4 * n8 * n2 * n2,
@@ -192,6 +193,8 @@ def count_params(cfg: ModelConfig, *, context: int | None = None, batch: int = 1
         Item("FFN shape", weights_of("mlp.gate", "mlp.up", "mlp.down", "mlp.bias", "moe.router", "moe.experts")
              - 3 * n8 * n2 * n7,
              f"{cfg.num_experts} experts of {cfg.moe_intermediate_size} + router" if cfg.is_moe
+             else ("GELU MLP without a gate: 2 n2 n7 per decoder" + (", plus biases" if cfg.mlp_bias else ""))
+             if not cfg.gated_mlp
              else ("FFN biases" if cfg.mlp_bias else "3 n2 n7 per decoder, as the formula has it")),
     ]
     assert formula + sum(i.params for i in left_out) == total, (

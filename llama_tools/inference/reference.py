@@ -294,8 +294,9 @@ class CheckpointReader:
         return t.to(device=device, dtype=torch.float32, copy=copy)
 
     def rows(self, name: str, ranges: list[tuple[int, int]], device: Any = "cpu") -> torch.Tensor:
-        """Row ranges [start, stop) of a module-named 2-D weight (embedding, lm_head), joined, in fp32."""
-        w = self.where[name]
+        """Row ranges [start, stop) of a module-named 2-D weight (embedding, lm_head), joined, in fp32; `name` may
+        be the stored name of an unfused one too (GPT-NeoX's gpt_neox.embed_in, as transformers names it)."""
+        w = self.where[name] if name in self.where or name not in self.info else _Stored(name, None, 1)
         with self._open([w.stored]) as handles:
             parts = [self._slice(handles, w.stored, slice(a, b)) for a, b in ranges]
             return self._owned(torch.cat(parts) if len(parts) > 1 else parts[0], device,
@@ -356,7 +357,7 @@ class StreamedReference:
         self.progress = progress
         self.times = StreamTimes()
         self._rope: RopeTables | None = None  # made for the positions a pass reaches (tables())
-        self._final_norm: RMSNorm | None = None
+        self._final_norm: torch.nn.Module | None = None  # RMSNorm or LayerNorm
 
     def tables(self, positions: int) -> RopeTables | None:
         """RoPE tables for positions 0..positions-1 at least, in fp32 as the model keeps them (float64 for a float64
@@ -385,7 +386,9 @@ class StreamedReference:
         """Decoder j with one half's weights (the attention's, or the feed-forward's) read, the other half left
         on the meta device: built there first, so nothing random is allocated either."""
         prefix = f"model.layers.{j}."
-        names = [s.name for s in weight_specs(self.cfg) if s.layer == j and _attention_half(s.name, self.cfg) == attention]
+        names = [s.name for s in weight_specs(self.cfg) if s.layer == j and (
+            _attention_half(s.name, self.cfg) == attention
+            or (not attention and self.cfg.shared_norm and ".input_layernorm." in s.name))]  # Falcon's one norm
         state = {n: t.to(self.dtype) for n, t in self.reader.read(names, self.device).items()}
         with torch.device("meta"):
             layer = DecoderLayer(self.cfg, j)
@@ -446,6 +449,7 @@ class StreamedReference:
             cfg, n3, past, attention_mask, torch.float32 if z.dtype == torch.float64 else z.dtype, z.device).items()}
         presents = []
         for j in range(cfg.num_hidden_layers):
+            z_in = z  # Z^j: the parallel form's FFN reads it too
             for attention in (True, False):  # one half's weights resident at a time: read, run, free
                 t0 = time.perf_counter()
                 half = self._half(j, attention)
@@ -453,9 +457,9 @@ class StreamedReference:
                 if attention:
                     z, present = half.attend(z, masks[half.sliding], position_ids,
                                              layer_tables(tables, half.sliding),
-                                             past_key_values[j] if past_key_values else None)  # Y^j
+                                             past_key_values[j] if past_key_values else None)  # Y^j (or R^j)
                 else:
-                    z = half.feed_forward(z)  # Z^{j+1}
+                    z = half.feed_forward(z, z_in)  # Z^{j+1}
                 del half
                 self.times.read += t1 - t0
                 self.times.compute += time.perf_counter() - t1
@@ -465,8 +469,9 @@ class StreamedReference:
         if self._final_norm is None:
             with torch.device("meta"):
                 self._final_norm = norm(cfg)
-            self._final_norm.load_state_dict({"weight": self.reader.read(["model.norm.weight"], dev)[
-                "model.norm.weight"].to(self.dtype)}, assign=True)
+            names = [s.name for s in weight_specs(cfg) if s.component == "final_norm"]  # γ (and LayerNorm's β)
+            self._final_norm.load_state_dict({n.removeprefix("model.norm."): t.to(self.dtype) for n, t in
+                                              self.reader.read(names, dev).items()}, assign=True)
         logits = self._final_norm(z) if hidden else self._head(self._final_norm(z))  # Zbar [b, n3, n2] / H [b, n3, n1]
         self.times.passes += 1
         self.times.per_pass.append(time.perf_counter() - start)

@@ -50,7 +50,8 @@ ROPE_FACTOR_LIMIT = 2.0**16
 
 # The families (families.py); `family` picks the tensor names and what `convert` writes.
 FAMILIES = FAMILY_NAMES
-ACTIVATIONS = ("silu", "gelu_tanh")  # the FFN gate's: SwiGLU's SiLU, or GeGLU's tanh-approximated GELU
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")  # the FFN's: SwiGLU's SiLU, GeGLU's tanh-approximated GELU, exact GELU
+NORM_KINDS = ("rms", "layer")  # RMSNorm with a gain; LayerNorm with a gain and a bias (GPT-NeoX, Falcon)
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,10 @@ class ModelConfig:
     norm_plus_one: bool = False  # Gemma: every norm scales by (1 + γ), so a stored γ of 0 is the identity
     embed_scale: bool = False  # Gemma: Z^0 = rows of D times sqrt(n2)
     hidden_act: str = "silu"  # the FFN gate's activation (ACTIVATIONS)
+    norm_kind: str = "rms"  # NORM_KINDS; "layer": (X - mean) / sigma times γ plus β, eps rms_norm_eps
+    gated_mlp: bool = True  # False: Yhat = act(Ybar W^{j7 T} + b) W^{j6 T} + b, no gate (GPT-NeoX, Falcon)
+    parallel_residual: bool = False  # Z^{j+1} = Z^j + (R^j + Yhat^j), attention and FFN both reading Z^j
+    shared_norm: bool = False  # the parallel form with one norm feeding both (Falcon-7B's input_layernorm)
     sandwich_norms: bool = False  # Gemma 2/3: a norm after attention and after the FFN too, before each residual
     post_norms: bool = False  # OLMo 2: norms after attention and after the FFN only (none before them)
     qk_norm_whole: bool = False  # OLMo 2: the q/k norm over the whole projection (n5 n6, kv n6), not per head
@@ -224,7 +229,12 @@ class ModelConfig:
                                      f"numbers, got {len(v)}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"{where}: hidden_act must be one of {', '.join(ACTIVATIONS)}, got {self.hidden_act!r}")
-        for f in ("qk_norm", "norm_plus_one", "embed_scale", "sandwich_norms", "post_norms", "qk_norm_whole"):
+        if self.norm_kind not in NORM_KINDS:
+            raise ValueError(f"{where}: norm_kind must be one of {', '.join(NORM_KINDS)}, got {self.norm_kind!r}")
+        if self.shared_norm and not self.parallel_residual:
+            raise ValueError(f"{where}: shared_norm needs parallel_residual (one norm feeding attention and FFN)")
+        for f in ("qk_norm", "norm_plus_one", "embed_scale", "sandwich_norms", "post_norms", "qk_norm_whole",
+                  "gated_mlp", "parallel_residual", "shared_norm"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{where}: field {f} must be true or false, got {getattr(self, f)!r}")
         for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "rope_local_theta",

@@ -17,6 +17,7 @@ fields; `convert` and the export name the family from here. No torch.
 | olmo2   | whole q/k| γ         | SiLU       | post-norm only      | / sqrt(n6)         | alike             |
 | phi3    |          | γ         | SiLU       | pre-norm            | / sqrt(n6)         | alike; packed qkv |
 | qwen3_moe | per head | γ       | SiLU       | pre-norm            | / sqrt(n6)         | alike; top-k experts|
+| falcon  |          | LayerNorm γ, β | GELU, no gate | parallel, 1 or 2 norms   | / sqrt(n6)  | alike; packed qkv, MQA/GQA|
 
 Mixtures of experts (a router, top-k routed SwiGLU experts) are named in their files as `Family.moe` says.
 """
@@ -61,6 +62,8 @@ class Family:
     hf_keys: dict[str, Any] = field(default_factory=dict)
     genai_type: str = "llama"  # onnxruntime-genai's model.type
     moe: MoeNames = MIXTRAL_MOE  # the names of a mixture of experts (any family read with experts: Mixtral's)
+    # transformers' module names: its decoder (model.<base>), the decoder's layer list and its final norm
+    hf_modules: tuple[str, str, str] = ("model", "layers", "norm")
 
     @property
     def window_flag(self) -> bool:
@@ -119,6 +122,18 @@ _QWEN3_MOE_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 
                    "attention_bias": False, "num_experts": 128, "num_experts_per_tok": 8,
                    "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
                    "mlp_only_layers": None}
+# Falcon: LayerNorms with biases, query_key_value packed (multi_query: n5 q heads, one k, one v; otherwise grouped per
+# KV head), `bias` on every Linear, a plain GELU MLP of ffn_hidden_size (4 n2 unless said); attention and MLP in
+# parallel from one input_layernorm (7B/40B's old layout) or from ln_attn and ln_mlp (new_decoder_architecture), or
+# in sequence when parallel_attn is false. alibi is not read, so alibi: true is refused (UNMODELLED_KEYS).
+# tie_word_embeddings: PretrainedConfig's default, true.
+_FALCON_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "layer_norm_epsilon": 1e-5, "activation": "gelu",
+                "max_position_embeddings": 2048, "tie_word_embeddings": True, "num_kv_heads": None,
+                "new_decoder_architecture": False, "multi_query": True, "parallel_attn": True, "bias": False,
+                "num_ln_in_parallel_attn": None, "ffn_hidden_size": None, "bos_token_id": 11,
+                "eos_token_id": 11}
+_NEOX_BLOCK = dict(norm_kind="layer", gated_mlp=False, hidden_act="gelu")  # what both set beyond the LLaMA block
+
 # Baichuan and InternLM2 ship their own modeling code beside the weights (trust_remote_code).
 _BAICHUAN_KEYS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
                   "position_embedding": None, "norm_head": None}
@@ -147,6 +162,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("olmo2", ("Olmo2ForCausalLM",), ("olmo2",), {"qk_norm": True, "qk_norm_whole": True, "post_norms": True},
            hf_keys=_OLMO2_KEYS, genai_type="olmo"),
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), hf_keys=_PHI3_KEYS, genai_type="phi3"),
+    Family("falcon", ("FalconForCausalLM",), ("falcon",), _NEOX_BLOCK, hf_keys=_FALCON_KEYS,
+           hf_modules=("transformer", "h", "ln_f")),
     Family("baichuan", ("BaichuanForCausalLM", "BaiChuanForCausalLM"), ("baichuan",), hf_keys=_BAICHUAN_KEYS),
     Family("internlm2", ("InternLM2ForCausalLM",), ("internlm2",), hf_keys=_INTERNLM2_KEYS),
 ]}

@@ -5,7 +5,8 @@ Rows are tokens (the paper's row-major convention): Z^j is n3 x n2, and X W^T is
 Parameter names equal HF's, so an HF state dict loads as is (see weights.py for the full table).
 Beyond the paper: grouped-query attention, a KV cache, ALiBi, Qwen2 biases, Mixtral and Qwen3-MoE experts, and the
 families' overrides (families.py): Qwen3's and Gemma 3's q/k norms, Gemma's (1 + γ) norms, GELU gate, scaled
-embeddings, Gemma 2/3's norms after attention and FFN, logit soft-capping and local/global layers.
+embeddings, Gemma 2/3's norms after attention and FFN, logit soft-capping and local/global layers; GPT-NeoX's and
+Falcon's LayerNorms with biases, plain GELU MLP and parallel attention + FFN.
 """
 
 from __future__ import annotations
@@ -62,8 +63,11 @@ class RMSNorm(nn.Module):
         return self.weight * (x32 / sigma).to(x.dtype)
 
 
-def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:
-    """The family's RMSNorm over n2 (or `dim`); OLMo 2, as Gemma, applies its gain in fp32 before the cast."""
+def norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    """The family's norm over n2 (or `dim`): RMSNorm (OLMo 2, as Gemma, applies its gain in fp32 before the cast),
+    or GPT-NeoX's and Falcon's LayerNorm, (X - mean) / sqrt(var + eps) γ + β, in the input's dtype as theirs."""
+    if cfg.norm_kind == "layer":
+        return nn.LayerNorm(cfg.hidden_size if dim is None else dim, eps=cfg.rms_norm_eps)
     return RMSNorm(cfg.hidden_size if dim is None else dim, cfg.rms_norm_eps, cfg.norm_plus_one,
                    wide_gain=cfg.post_norms)
 
@@ -88,7 +92,7 @@ def final_logits(cfg: ModelConfig, h: torch.Tensor) -> torch.Tensor:
     return softcap(h, cfg.final_logit_softcap)
 
 
-ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}  # config.ACTIVATIONS
+ACTIVATION = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}  # ACTIVATIONS
 
 
 def rope_cache(cfg: ModelConfig, device: torch.device | str | None = None,
@@ -323,16 +327,22 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU (6.4): Yhat = (silu(Ybar W^{j5 T}) ⊗ (Ybar W^{j7 T})) W^{j6 T}; Gemma's GeGLU puts GELU for silu."""
+    """SwiGLU (6.4): Yhat = (silu(Ybar W^{j5 T}) ⊗ (Ybar W^{j7 T})) W^{j6 T}; Gemma's GeGLU puts GELU for silu.
 
-    def __init__(self, n2: int, n7: int, bias: bool = False, act: str = "silu"):
+    gated=False (GPT-NeoX, Falcon): no gate, Yhat = gelu(Ybar W^{j7 T} + b^{j7}) W^{j6 T} + b^{j6}.
+    """
+
+    def __init__(self, n2: int, n7: int, bias: bool = False, act: str = "silu", gated: bool = True):
         super().__init__()
         self.act = ACTIVATION[act]
-        self.gate_proj = nn.Linear(n2, n7, bias=bias)  # W^{j5}: n7 x n2
-        self.up_proj = nn.Linear(n2, n7, bias=bias)  # W^{j7}: n7 x n2
-        self.down_proj = nn.Linear(n7, n2, bias=bias)  # W^{j6}: n2 x n7
+        if gated:
+            self.gate_proj = nn.Linear(n2, n7, bias=bias)  # W^{j5}: n7 x n2
+        self.up_proj = nn.Linear(n2, n7, bias=bias)  # W^{j7}: n7 x n2 (GPT-NeoX's and Falcon's dense_h_to_4h)
+        self.down_proj = nn.Linear(n7, n2, bias=bias)  # W^{j6}: n2 x n7 (dense_4h_to_h)
 
     def forward(self, ybar: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "gate_proj"):
+            return self.down_proj(self.act(self.up_proj(ybar)))  # [b, n3, n7] -> [b, n3, n2]
         return self.down_proj(self.act(self.gate_proj(ybar)) * self.up_proj(ybar))  # [b, n3, n7] -> [b, n3, n2]
 
 
@@ -368,6 +378,8 @@ class DecoderLayer(nn.Module):
     Gemma 2/3 ("sandwich" norms) also normalize what attention and the FFN add, before each residual; there
     HF's post_attention_layernorm is that norm after attention, and pre_feedforward_layernorm is 6.3's. OLMo 2
     ("post" norms) keeps only those two norms after: attention and the FFN read the residual stream itself.
+    GPT-NeoX and Falcon ("parallel"): attention and the FFN both read Z^j, Z^{j+1} = Z^j + (R^j + Yhat^j); the FFN's
+    norm is post_attention_layernorm (Falcon's ln_mlp), or input_layernorm itself when one norm feeds both.
     """
 
     def __init__(self, cfg: ModelConfig, j: int = 0):
@@ -375,10 +387,12 @@ class DecoderLayer(nn.Module):
         self.sliding = cfg.slides(j)  # this layer's mask and RoPE tables are the local ones
         self.residual_multiplier = cfg.residual_multiplier  # Granite: R and Yhat scaled before each residual
         self.post_norms = cfg.post_norms
+        self.parallel, self.shared_norm = cfg.parallel_residual, cfg.shared_norm
         if not cfg.post_norms:
             self.input_layernorm = norm(cfg)
         self.self_attn = Attention(cfg, j)
-        self.post_attention_layernorm = norm(cfg)
+        if not cfg.shared_norm:
+            self.post_attention_layernorm = norm(cfg)
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(cfg), norm(cfg)
         elif cfg.post_norms:
@@ -386,29 +400,38 @@ class DecoderLayer(nn.Module):
         if cfg.is_moe:
             self.block_sparse_moe = MixtureOfExperts(cfg)
         else:
-            self.mlp = FeedForward(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, act=cfg.hidden_act)
+            self.mlp = FeedForward(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, act=cfg.hidden_act,
+                                   gated=cfg.gated_mlp)
 
     def forward(self, z: torch.Tensor, bias: torch.Tensor, position_ids: torch.Tensor,
                 rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
                 past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        y, present = self.attend(z, bias, position_ids, rope_tables, past)
-        return self.feed_forward(y), present
+        y, present = self.attend(z, bias, position_ids, rope_tables, past)  # Y^j (parallel: R^j)
+        return self.feed_forward(y, z), present
 
     # The two halves apart, so a streamed reference can hold one half's weights at a time.
     def attend(self, z: torch.Tensor, bias: torch.Tensor, position_ids: torch.Tensor,
                rope_tables: tuple[torch.Tensor, torch.Tensor] | None,
                past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """6.1-6.2: Z^j -> Y^j and the layer's K/V."""
+        """6.1-6.2: Z^j -> Y^j and the layer's K/V; in the parallel form R^j alone (feed_forward adds it)."""
         zbar = z if self.post_norms else self.input_layernorm(z)  # Zbar^j = rnorm(Z^j): [b, n3, n2]
         r, present = self.self_attn(zbar, bias, position_ids, rope_tables, past)
+        if self.parallel:
+            return r, present  # R^j: [b, n3, n2]
         if hasattr(self, "post_feedforward_layernorm"):
             r = self.post_attention_layernorm(r)  # Gemma 2/3, OLMo 2: R^j normalized before the residual
         if self.residual_multiplier != 1.0:
             r = r * self.residual_multiplier
         return z + r, present  # Y^j = Z^j + R^j
 
-    def feed_forward(self, y: torch.Tensor) -> torch.Tensor:
-        """6.3-6.4: Y^j -> Z^{j+1}."""
+    def feed_forward(self, y: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        """6.3-6.4: Y^j -> Z^{j+1}; in the parallel form y is R^j and z the layer's input Z^j."""
+        if self.parallel:
+            if z is None:
+                raise ValueError("the parallel block's FFN reads the layer's input Z^j: pass it as z")
+            ln = self.input_layernorm if self.shared_norm else self.post_attention_layernorm
+            yhat = self.mlp(ln(z))  # Yhat^j = FFN(norm(Z^j)): [b, n3, n2]
+            return z + (y + yhat)  # Z^{j+1} = Z^j + (R^j + Yhat^j), summed in transformers' order
         if self.post_norms:  # OLMo 2: the FFN reads Y^j itself
             ybar = y
         elif hasattr(self, "pre_feedforward_layernorm"):  # Gemma 2/3
@@ -532,6 +555,8 @@ def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu", dtype: 
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(0.0 if cfg.norm_plus_one else 1.0)  # the identity gain
+            elif name.endswith("norm.bias"):
+                p.zero_()  # LayerNorm's β
             else:
                 p.normal_(0.0, init_std, generator=gen)
     return model.to(device=device, dtype=dtype).eval()

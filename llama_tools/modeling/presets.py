@@ -104,6 +104,12 @@ def _preset(name: str, *bases: dict[str, Any], **kw: Any) -> ModelConfig:
         fields["rope_layers"] = tuple((j + 1) % every != 0 for j in range(fields["num_hidden_layers"]))
     return ModelConfig(name=name, source=name, **fields)
 
+# Falcon-7B: one input_layernorm feeding attention and MLP in parallel, multi-query (one KV head), no biases, a GELU
+# MLP of 4 n2, tied, 65,024 rows, bos = eos = 11.
+_FALCON_7B = dict(**_family("falcon"), vocab_size=65024, num_key_value_heads=1, rms_norm_eps=1e-5,
+                  parallel_residual=True, shared_norm=True, tie_word_embeddings=True, max_position_embeddings=2048,
+                  bos_token_id=11, eos_token_id=11, torch_dtype=BF16)
+
 
 PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
     # The paper's four.
@@ -170,6 +176,7 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
     _preset("phi-3-mini-4k", _PHI3, _sizes(3072, 8192, 32, 32)),
     _preset("phi-3-medium-4k", _PHI3, _sizes(5120, 17920, 40, 40, 10)),
     _preset("smollm3-3b", _SMOLLM3, _sizes(2048, 11008, 36, 16, 4)),
+    _preset("falcon-7b", _FALCON_7B, _sizes(4544, 18176, 32, 71)),
     # Small enough to build in a test: GQA (4 query heads over 2 KV heads), two layers.
     _preset("tiny", _sizes(64, 176, 2, 4, 2), vocab_size=512, max_position_embeddings=256, torch_dtype=FP32),
 ]}
@@ -216,6 +223,7 @@ PRESET_SOURCES = {
     "granite-3.1-8b": "ibm-granite/granite-3.1-8b-instruct", "smollm3-3b": "HuggingFaceTB/SmolLM3-3B",
     "olmo-2-7b": "allenai/OLMo-2-1124-7B", "olmo-2-13b": "allenai/OLMo-2-1124-13B",
     "phi-3-mini-4k": "microsoft/Phi-3-mini-4k-instruct", "phi-3-medium-4k": "microsoft/Phi-3-medium-4k-instruct",
+    "falcon-7b": "tiiuae/falcon-7b",
     "tiny": "built in: seeded weights and a tokenizer, for tests and the README",
 }
 

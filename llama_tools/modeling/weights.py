@@ -55,6 +55,8 @@ def _layer_specs(cfg: ModelConfig, j: int, experts: int | None = None) -> list[W
     out = [] if cfg.post_norms else [  # OLMo 2 has no norm before attention
         s(hf + "input_layernorm.weight", meta + "attention_norm.weight", f"γ^{{{j},1}}", (n2,), "norm",
           in_paper=False)]
+    if cfg.norm_kind == "layer":  # GPT-NeoX, Falcon: LayerNorm's β beside each γ
+        out.append(s(hf + "input_layernorm.bias", None, f"β^{{{j},1}}", (n2,), "norm", in_paper=False))
     # W^{j1}, W^{j2}, W^{j3}: n2 x n2 in the paper; with GQA, K and V shrink to kv_heads * n6 rows.
     out += [paper(f"self_attn.{p}_proj.weight", f"attention.w{p}.weight", i, rows, f"attn.{p}", 0)
             for p, i, rows in (("q", 1, (q, n2)), ("k", 2, (kv, n2)), ("v", 3, (kv, n2)))]
@@ -75,17 +77,20 @@ def _layer_specs(cfg: ModelConfig, j: int, experts: int | None = None) -> list[W
     elif cfg.post_norms:  # OLMo 2: after attention and after the FFN only
         out += [s(hf + "post_attention_layernorm.weight", None, f"γ^{{{j},o}}", (n2,), "norm", in_paper=False),
                 s(hf + "post_feedforward_layernorm.weight", None, f"γ^{{{j},f}}", (n2,), "norm", in_paper=False)]
-    else:
+    elif not cfg.shared_norm:  # (Falcon-7B's one norm feeds attention and the FFN alike)
         out.append(s(hf + "post_attention_layernorm.weight", meta + "ffn_norm.weight", f"γ^{{{j},2}}", (n2,), "norm",
                      in_paper=False))
+        if cfg.norm_kind == "layer":
+            out.append(s(hf + "post_attention_layernorm.bias", None, f"β^{{{j},2}}", (n2,), "norm", in_paper=False))
     if not cfg.is_moe:
         # W^{j5} gate: n7 x n2, W^{j7} up: n7 x n2, W^{j6} down: n2 x n7 (HF order: gate, up, down).
+        # A plain (ungated) FFN has no W^{j5} (GPT-NeoX, Falcon).
+        gate = (("gate", "w1", 5, (n7, n2), 0),) if cfg.gated_mlp else ()
         out += [paper(f"mlp.{p}_proj.weight", f"feed_forward.{w}.weight", i, shape, f"mlp.{p}", shard)
-                for p, w, i, shape, shard in (("gate", "w1", 5, (n7, n2), 0), ("up", "w3", 7, (n7, n2), 0),
-                                              ("down", "w2", 6, (n2, n7), 1))]
+                for p, w, i, shape, shard in gate + (("up", "w3", 7, (n7, n2), 0), ("down", "w2", 6, (n2, n7), 1))]
         if cfg.mlp_bias:
             out += [s(hf + f"mlp.{p}_proj.bias", None, f"b^{{{j}{i}}}", (size,), "mlp.bias", in_paper=False)
-                    for p, i, size in (("gate", 5, n7), ("up", 7, n7), ("down", 6, n2))]
+                    for p, i, size in (("gate", 5, n7), ("up", 7, n7), ("down", 6, n2)) if p != "gate" or cfg.gated_mlp]
         return out
     # Mixture of experts: a router, then per expert the same SwiGLU as the dense FFN. The module is always
     # block_sparse_moe; the file's names are the family's (families.MoeNames: Mixtral's block_sparse_moe with
@@ -112,6 +117,9 @@ def _outside_specs(cfg: ModelConfig) -> tuple[list[WeightSpec], list[WeightSpec]
                          in_paper=not cfg.tie_word_embeddings, meta_shard_dim=1)]
     after = [WeightSpec("model.norm.weight", "norm.weight", f"γ^{{{cfg.num_hidden_layers}}}", (n2,),
                         "final_norm", None, in_paper=False)]
+    if cfg.norm_kind == "layer":
+        after.append(WeightSpec("model.norm.bias", None, f"β^{{{cfg.num_hidden_layers}}}", (n2,), "final_norm", None,
+                                in_paper=False))
     if not cfg.tie_word_embeddings:
         # \bar{W}^8: n1 x n2, the paper's lm_head (it counts this one matrix of the two n1 x n2 ones).
         after.append(WeightSpec("lm_head.weight", "output.weight", "W^8", (n1, n2), "lm_head", None,
