@@ -64,6 +64,25 @@ class Inputs:
 
     rows: list[list[int]]
     what: str
+    # The rows' indices as padded batches of their own (default: one batch). A row far longer than the rest runs
+    # apart: padded to it, every short row would cost its length in every layer.
+    groups: tuple[tuple[int, ...], ...] = ()
+
+    def batches(self) -> list[list[list[int]]]:
+        """The rows, one list per padded batch."""
+        return [[self.rows[i] for i in g] for g in (self.groups or (tuple(range(len(self.rows))),))]
+
+    def whole_graph(self, vocab_size: int) -> tuple[list[list[int]], str | None]:
+        """The rows the whole-graph check runs as one padded batch (it holds the float64 logits whole), and why a
+        batch of its own is left out (None: none is)."""
+        length = max(len(r) for r in self.rows)
+        need = len(self.rows) * length * vocab_size * 8
+        if len(self.batches()) == 1 or need <= WINDOW_ROW_BYTES:
+            return self.rows, None
+        first = self.batches()[0]
+        return first, (f"the {len(self.rows) - len(first)} row(s) run apart are left out of the whole-graph check "
+                       f"(padded with the rest, the float64 logits would take {need / 2**30:.1f} GiB); the "
+                       f"layer-local and source checks run them")
 
 
 def random_rows(vocab_size: int, count: int, seed: int) -> list[list[int]]:
@@ -167,22 +186,13 @@ def default_inputs(source: Any, vocab_size: int, context: int, *, random_ids: in
     window = getattr(getattr(source, "cfg", None), "sliding_window", None)
     longest = max(len(r) for r in inputs.rows)
     if window is not None and longest <= window < context:
-        length = min(window + WINDOW_EXTRA, context)
-        # Every row is left-padded to the longest, and the float64 truth's logits alone take 8 bytes a cell.
-        need = (len(inputs.rows) + 1) * length * vocab_size * 8
-        if need <= WINDOW_ROW_BYTES:
-            inputs = past_the_window(inputs, tok, vocab_size, length, seed)
-        else:
-            inputs = Inputs(inputs.rows, inputs.what + f"; no row past the sliding window of {window} (its padded "
-                                                       f"batch's logits would take {need / 2**30:.1f} GiB a copy)")
+        inputs = past_the_window(inputs, tok, vocab_size, min(window + WINDOW_EXTRA, context), seed)
     return inputs
 
 
 WINDOW_EXTRA = 8  # tokens the longest default row runs past a sliding window, so that the window masks keys
-# The padded batch's float64 logits, at most, for the row past the window. The whole-graph check holds them whole.
-# The layer-local and source checks judge logits a slab at a time, yet the row stays out for them too: Gemma 3 270M's
-# 520-token row (6 rows padded to 520) peaked at 1.62 GB (1.5x its fp32 weights, against 0.66x without it) and ran
-# 138 s of checks on 2 cores, measured: every layer's float64 and fp32 passes over 6 x 520 positions, mostly padding.
+# The whole-graph check's padded batch's float64 logits, at most, with the row past the window in it (it holds them
+# whole); past this the row runs in the layer-local and source checks only, which judge logits a slab at a time.
 WINDOW_ROW_BYTES = 1 << 30
 
 
@@ -196,7 +206,11 @@ def past_the_window(inputs: Inputs, tok: Any, vocab_size: int, length: int, seed
         row = ids[:length]
     else:
         row = np.random.default_rng(seed + 1).integers(3, vocab_size, size=length).tolist()
-    return Inputs(inputs.rows + [row], inputs.what + f", and a row of {length} tokens past the sliding window")
+    # A batch of its own: Gemma 3 270M's 520-token row padded with the 5 others peaked at 1.62 GB (1.5x its fp32
+    # weights) and ran 138 s of checks on 2 cores, every layer's passes over 6 x 520 positions, mostly padding.
+    n = len(inputs.rows)
+    return Inputs(inputs.rows + [row], inputs.what + f", and a row of {length} tokens past the sliding window (a "
+                                                     f"batch of its own)", (tuple(range(n)), (n,)))
 
 
 # What `export --quantize int4` scores on the spot and `verify int4` by default (real English and code, ~250 tokens

@@ -173,3 +173,31 @@ def test_export_and_verify_parity_against_transformers(case, tmp_path):
     source = next(line for line in r.output.splitlines() if line.startswith("source check:"))
     assert "transformers" in source and "agrees in all" in source
     assert r.output.strip().splitlines()[-1].startswith("PASS")
+
+
+def test_generate_and_onnxruntime_genai_give_transformers_greedy_tokens(case, tmp_path):
+    """`generate` on the checkpoint, and onnxruntime-genai on its export (the plain graph and the client files
+    `export onnx` writes beside it), decode transformers' own greedy tokens."""
+    _, d, hf, _ = case
+    want = hf.generate(IDS, max_new_tokens=6, do_sample=False,
+                       attention_mask=torch.ones_like(IDS))[0, IDS.shape[1]:].tolist()
+    assert len(want) == 6
+    r = CliRunner().invoke(cli, ["generate", str(d), "--ids", " ".join(map(str, IDS[0].tolist())),
+                                 "--max-new-tokens", "6", "-q", "--format", "json"])
+    assert r.exit_code == 0, r.output[-800:]
+    assert json.loads(r.output)["new_ids"] == want
+    og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai not installed (pip install '.[genai]')")
+    import numpy as np
+
+    out = tmp_path / "model.onnx"
+    r = CliRunner().invoke(cli, ["export", "onnx", str(d), "-o", str(out), "-q"])
+    assert r.exit_code == 0, r.output[-800:]
+    params = og.GeneratorParams(model := og.Model(str(tmp_path)))
+    params.set_search_options(max_length=IDS.shape[1] + 6, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.array(IDS[0].tolist(), dtype=np.int32))
+    got = []
+    while not gen.is_done():
+        gen.generate_next_token()
+        got.append(int(gen.get_next_tokens()[0]))
+    assert got == want

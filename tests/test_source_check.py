@@ -229,3 +229,31 @@ def test_a_gguf_llama_cpp_cannot_load_is_said_not_judged(gemma3, tmp_path):
     assert r.exit_code == 0, r.output[-1500:]
     rep = check_source(resolve(str(path)), _rows())
     assert not rep.checked and rep.reason.startswith(f"llama.cpp cannot load {path}")
+
+
+def test_llama_cpp_dying_is_a_line_not_the_end_of_the_run(tmp_path, monkeypatch):
+    """llama.cpp runs in a child process: one killed by SIGILL (a build using instructions this CPU does not run)
+    is 'not checked', naming the signal and the rebuild, with nothing of ours left in the temp directory; the parent
+    lives on, and `verify source` says it in one line."""
+    pytest.importorskip("llama_cpp")
+    import tempfile
+
+    from llama_tools.exporters.verification import llamacpp_child
+
+    path = tmp_path / "m.gguf"
+    r = CliRunner().invoke(cli, ["convert", "tiny", str(path), "--to", "gguf"])
+    assert r.exit_code == 0, r.output[-1500:]
+    dies = tmp_path / "dies.sh"  # stands in for the child's interpreter: it kills itself as llama_decode did
+    dies.write_text("#!/bin/sh\nkill -ILL $$\n")
+    dies.chmod(0o755)
+    before = set(Path(tempfile.gettempdir()).glob("*gguf-check*"))
+    monkeypatch.setattr(llamacpp_child.sys, "executable", str(dies))
+    rep = check_source(resolve(str(path)), [list(range(3, 40))])
+    assert not rep.checked and rep.reason.startswith(f"llama.cpp died with SIGILL running {path}"), rep.reason
+    assert "CMAKE_ARGS=-DGGML_NATIVE=OFF" in rep.reason
+    assert set(Path(tempfile.gettempdir()).glob("*gguf-check*")) == before
+    r = CliRunner().invoke(cli, ["verify", "source", str(path)])
+    assert r.exit_code == 1 and "died with SIGILL" in r.output and "Traceback" not in r.output, r.output
+    monkeypatch.undo()
+    ok = check_source(resolve(str(path)), [list(range(3, 40))])  # the real child: llama.cpp runs and agrees
+    assert ok.checked and ok.passed, ok.reason

@@ -40,7 +40,7 @@ import numpy as np
 
 from llama_tools.modeling import dtypes
 from llama_tools.outputs import files
-from llama_tools.outputs.progress import Progress, release_freed_memory, silent
+from llama_tools.outputs.progress import Progress, bound_heap, release_freed_memory, silent
 
 from .compare import DTYPE_LABEL, FP16_PER_FP32, Budget, BudgetCheck, JudgeSums, judge
 from ..graph_io import INPUT_IDS, LOGITS, present_name
@@ -290,9 +290,11 @@ class BlockRunner:
             raise ValueError(f"{self.blocks.path}: onnxruntime could not load {b.name} cut from it: "
                              f"{first[:300]}") from None
 
-    def run(self, b: Block, z: np.ndarray | None, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
-        """Outputs of block `b` fed hidden state z [batch, seq, n2] (None for the embedding), prefill of `ids`."""
-        sess = self.session(b)
+    def run(self, b: Block, z: np.ndarray | None, ids: np.ndarray, mask: np.ndarray,
+            sess: Any = None) -> dict[str, np.ndarray]:
+        """Outputs of block `b` fed hidden state z [batch, seq, n2] (None for the embedding), prefill of `ids`;
+        in `sess` when given (one session for several batches)."""
+        sess = sess or self.session(b)
         if not self.row_by_row:
             return self._run(sess, b, z, ids, mask)
         # A graph whose attention takes no left padding: each row alone, then put back left-padded.
@@ -389,6 +391,10 @@ class LayerReference:
 
     def layer(self, j: int, z: Any, mask: np.ndarray) -> tuple[Any, Any, Any]:
         """Decoder j on z: (Z^{j+1}, K, V); the fp32 weights read one tensor at a time, each cast, then freed."""
+        return self.layer_batches(j, [(z, mask)])[0]
+
+    def layer_batches(self, j: int, batches: list[tuple[Any, np.ndarray]]) -> list[tuple[Any, Any, Any]]:
+        """Decoder j on each (z, mask) of `batches`, its weights read once: [(Z^{j+1}, K, V), ...]."""
         import torch
 
         from llama_tools.modeling.model import DecoderLayer, attention_bias, layer_tables
@@ -415,14 +421,17 @@ class LayerReference:
                 if isinstance(m, torch.nn.Linear):
                     m.register_forward_pre_hook(_widen(self.dtype))
                     m.register_forward_hook(_narrow)
-        m = torch.from_numpy(mask)
-        bias = attention_bias(self.cfg, mask.shape[1], 0, m, torch.float32 if self.dtype == torch.float64
-                              else self.dtype, z.device, sliding=layer.sliding).to(self.dtype)
-        pos = torch.from_numpy(positions(mask, mask.shape[1]))  # [b, n3]
-        with torch.no_grad():
-            out, (k, v) = layer.eval()(z, bias, pos, layer_tables(self.tables(int(pos.max()) + 1), layer.sliding),
-                                       None)
-        return out, k, v
+        outs = []
+        for z, mask in batches:
+            m = torch.from_numpy(mask)
+            bias = attention_bias(self.cfg, mask.shape[1], 0, m, torch.float32 if self.dtype == torch.float64
+                                  else self.dtype, z.device, sliding=layer.sliding).to(self.dtype)
+            pos = torch.from_numpy(positions(mask, mask.shape[1]))  # [b, n3]
+            with torch.no_grad():
+                out, (k, v) = layer.eval()(z, bias, pos, layer_tables(self.tables(int(pos.max()) + 1),
+                                                                      layer.sliding), None)
+            outs.append((out, k, v))
+        return outs
 
     def final_norm(self, z: Any) -> Any:
         """Zbar: the final norm of Z^n8, [..., n2] -> [..., n2]."""
@@ -566,7 +575,9 @@ def verify_by_layer(target: Any, *, prompts: list[list[int]] | None = None, prov
 
 
 def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, provider: str, tf32: bool,
-              budget: Budget | None, progress: Progress) -> ByLayerReport:
+              budget: Budget | None, progress: Progress,
+              batches: list[list[list[int]]] | None = None) -> ByLayerReport:
+    """The layer-local check of `prompts`, run as `batches` (each a padded batch of its own; default: one)."""
     import torch
 
     from llama_tools.inference.reference import reference_model
@@ -575,18 +586,24 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
 
     start = time.perf_counter()
     meta = target.meta
+    bound_heap()  # its many-MB temporaries' pages go back as they are freed (progress.py)
     cfg = meta.config
     io = target.foreign
     blocks = GraphBlocks(onnx_path, cfg.num_hidden_layers, io.present_name if io is not None else present_name)
-    prompts = prompts or default_prompts(cfg.vocab_size, meta.seed)
-    ids, mask = left_pad(prompts)
-    valid = mask.astype(bool)  # [batch, seq]
+    batches = batches or [prompts or default_prompts(cfg.vocab_size, meta.seed)]
+    prompts = [list(p) for rows in batches for p in rows]
+    padded = [left_pad(rows) for rows in batches]  # [(ids [b, n3], mask [b, n3]), ...]
+    masks = [mask.astype(bool) for _, mask in padded]  # each batch's valid positions
+    # Each check is judged over every batch's valid positions at once, as one row: [1, P, ...] (judge's order).
+    count = sum(int(v.sum()) for v in masks)
+    valid = np.ones((1, count), bool)
     # auto: CUDA when a session really runs there (a one-node probe), as the whole-graph check decides
     run_on = provider if provider != "auto" else ("cuda" if cuda_unusable() is None else "cpu")
     runner = BlockRunner(blocks, cfg.num_key_value_heads, cfg.head_dim, run_on, tf32,
                          row_by_row=io is not None and io.row_by_row)
     largest = max(blocks.weight_bytes(b) for b in blocks.blocks)
-    ref = reference_model(target.source, seed=target.seed, progress=progress, batch=len(prompts), seq=ids.shape[1],
+    widest = max(padded, key=lambda p: p[0].size)[0].shape  # the batch with the most padded positions
+    ref = reference_model(target.source, seed=target.seed, progress=progress, batch=widest[0], seq=widest[1],
                           extra_bytes=largest if run_on == "cpu" else 0,
                           dtype=getattr(torch, dtypes.get(meta.dtype).torch), float64_pass=True)
     chosen, tf32_note = budget_for(meta.dtype, run_on, {"use_tf32": "1" if tf32 else "0"})
@@ -594,7 +611,7 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
     truth_side, noise_side = LayerReference(ref.reader, torch.float64), LayerReference(ref.reader, ref.dtype)
     alt_side = LayerReference(ref.reader, ref.dtype, reassociated=True)  # a second correct implementation
     k_order = _channel_order(meta.rope_layout, ref.cfg.rope_layout, cfg.head_dim)
-    by_position = keys_by_position(meta, mask)  # keys rotated by slot turned back by their padding
+    by_position = [keys_by_position(meta, mask) for _, mask in padded]  # keys rotated by slot turned back
     f64 = lambda t: t.to(torch.float64).numpy()  # noqa: E731
     graph_in = lambda t: t.to(torch.float32).numpy()  # noqa: E731  the graph's dtype rounding happens in the cast below
     laps: dict[str, float] = {"onnxruntime": 0.0, f"PyTorch {meta.dtype}": 0.0,
@@ -618,6 +635,10 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
         memo: list[Any] = []
         return lambda: memo[0] if memo else memo.append(fn()) or memo[0]
 
+    def joined(parts: list[np.ndarray]) -> np.ndarray:
+        """Each batch's [b, n3, ...] at its valid positions, joined: [1, P, ...]."""
+        return np.concatenate([x[v] for x, v in zip(parts, masks)])[None]
+
     results: list[BlockResult] = []
     n8 = cfg.num_hidden_layers
 
@@ -626,37 +647,48 @@ def _by_layer(onnx_path: Path, target: Any, prompts: list[list[int]] | None, pro
 
     # Embedding: Z^0 from the ids.
     emb = blocks.blocks[0]
-    got = timed("onnxruntime", lambda: runner.run(emb, None, ids, mask))
-    z = timed("PyTorch float64", lambda: truth_side.embed(ids))  # Z^0 in float64: [b, n3, n2]
-    ref_z = timed(f"PyTorch {meta.dtype}", lambda: noise_side.embed(ids))
-    results.append(BlockResult(EMBEDDING, None, [judge("embedding Z^0", hidden(got, emb), f64(ref_z), f64(z), valid,
-                                                       meta.dtype, budget)]))
-    prompts = [list(p) for p in prompts]
+    got = [hidden(timed("onnxruntime", lambda: runner.run(emb, None, ids, mask)), emb) for ids, mask in padded]
+    zs = [timed("PyTorch float64", lambda: truth_side.embed(ids)) for ids, _ in padded]  # Z^0 f64: [b, n3, n2]
+    ref_z = [f64(timed(f"PyTorch {meta.dtype}", lambda: noise_side.embed(ids))) for ids, _ in padded]
+    results.append(BlockResult(EMBEDDING, None, [judge("embedding Z^0", joined(got), joined(ref_z),
+                                                       joined([f64(z) for z in zs]), valid, meta.dtype, budget)]))
     for j in range(n8):
         b = blocks.blocks[1 + j]
-        z_in = z.to(ref.dtype)  # the truth's input, rounded to the graph's dtype: both sides get the same
-        got = timed("onnxruntime", lambda: runner.run(b, graph_in(z_in), ids, mask))
-        r_z, r_k, r_v = timed(f"PyTorch {meta.dtype}", lambda: noise_side.layer(j, z_in, mask))
-        a_z, a_k, a_v = timed(alt_key, lambda: alt_side.layer(j, z_in, mask))
-        t_z, t_k, t_v = timed("PyTorch float64", lambda: truth_side.layer(j, z, mask))
+        z_in = [z.to(ref.dtype) for z in zs]  # the truth's input, rounded to the graph's dtype: both sides get it
+        sess = timed("onnxruntime", lambda: runner.session(b))
+        got = [timed("onnxruntime", lambda: runner.run(b, graph_in(z), ids, mask, sess))
+               for z, (ids, mask) in zip(z_in, padded)]
+        del sess
+        fed = [(z, m) for z, (_, m) in zip(z_in, padded)]
+        rs = timed(f"PyTorch {meta.dtype}", lambda: noise_side.layer_batches(j, fed))
+        als = timed(alt_key, lambda: alt_side.layer_batches(j, fed))
+        ts = timed("PyTorch float64", lambda: truth_side.layer_batches(j, [(z, m) for z, (_, m) in zip(zs, padded)]))
         assert b.presents is not None, "a layer block outputs its K and V"
-        gk, gv = by_position(j, got[b.presents[0]])[..., k_order], got[b.presents[1]]
-        t_z64_raw = f64(t_z)
-        g_z, r_z64, a_z64, t_z64 = per_channel(hidden(got, b), t_z64_raw, valid, f64(r_z), f64(a_z))
-        wide = once(lambda: [timed(wide_key, lambda: w.layer(j, z.to(torch.float32), mask)) for w in wide_sides])
-        fb = (lambda: [per_channel(f64(w[0]), t_z64_raw, valid)[0] for w in wide()]) if wide_sides else None
+        # [batch, kv_heads, seq, n6] -> [batch, seq, kv_heads, n6]: positions on axis 1 for the mask
+        kv = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+        t_z64_raw = joined([f64(t[0]) for t in ts])
+        g_z, r_z64, a_z64, t_z64 = per_channel(joined([hidden(g, b) for g in got]), t_z64_raw, valid,
+                                               joined([f64(r[0]) for r in rs]), joined([f64(a[0]) for a in als]))
+        wide = once(lambda: [timed(wide_key, lambda: w.layer_batches(j, [(z.to(torch.float32), m) for z, (_, m)
+                                                                          in zip(zs, padded)])) for w in wide_sides])
+        fb = ((lambda: [per_channel(joined([f64(o[0]) for o in w]), t_z64_raw, valid)[0] for w in wide()])
+              if wide_sides else None)
         checks = [judge(f"layer {j} hidden Z^{j + 1}", g_z, (r_z64, a_z64), t_z64, valid, meta.dtype, budget,
-                        fallback=fb, peak=float(np.abs(t_z64_raw[valid]).max()) if valid.any() else 0.0)]
-        for i, (what, g, r, a, t) in enumerate((("key", gk, r_k, a_k, t_k), ("value", gv, r_v, a_v, t_v)), 1):
-            # [batch, kv_heads, seq, n6] -> [batch, seq, kv_heads, n6]: positions on axis 1 for the mask
-            kv = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
-            fb = (lambda i=i: [kv(f64(w[i])) for w in wide()]) if wide_sides else None
-            checks.append(judge(f"present.{j}.{what}", kv(g), (kv(f64(r)), kv(f64(a))), kv(f64(t)), valid,
-                                meta.dtype, budget, fallback=fb))
+                        fallback=fb, peak=float(np.abs(t_z64_raw).max()) if count else 0.0)]
+        for i, what in enumerate(("key", "value"), 1):
+            name = b.presents[i - 1]
+            g = joined([kv(by_position[n](j, o[name])[..., k_order] if i == 1 else o[name])
+                        for n, o in enumerate(got)])
+            fb = (lambda i=i: [joined([kv(f64(o[i])) for o in w]) for w in wide()]) if wide_sides else None
+            checks.append(judge(f"present.{j}.{what}", g, (joined([kv(f64(r[i])) for r in rs]),
+                                                            joined([kv(f64(a[i])) for a in als])),
+                                joined([kv(f64(t[i])) for t in ts]), valid, meta.dtype, budget, fallback=fb))
         results.append(BlockResult(b.name, j, checks))
-        z = t_z
+        zs = [t[0] for t in ts]
+        del got, rs, als, ts
         progress(j + 1, n8, "layer by layer")
     release_freed_memory()  # the layers' sessions and tensors are gone: their pages go back before the head's
+    z = torch.from_numpy(joined([f64(z) for z in zs]))  # Z^n8 [1, P, n2]: the head is position-wise
     results.append(BlockResult(HEAD, None, [head_check(runner, blocks.blocks[-1], z, valid, meta.dtype, budget,
                                                        (truth_side, noise_side, alt_side), wide_sides, timed,
                                                        (f"PyTorch {meta.dtype}", alt_key, wide_key))]))

@@ -290,6 +290,9 @@ def judge(name: str, got: np.ndarray, ref: np.ndarray | Sequence[np.ndarray], tr
     return sums.check(name, dtype, budget, int(np.size(got) - np.isfinite(got).sum()), wide_sums, peak)
 
 
+ADD_ELEMENTS = 1 << 18  # elements JudgeSums widens to float64 at once
+
+
 class JudgeSums:
     """What `judge` reads from a tensor, summed a chunk at a time: chunks of positions, and of the last axis too.
 
@@ -311,6 +314,13 @@ class JudgeSums:
     def add(self, first: int, column: int, got: np.ndarray, refs: Sequence[np.ndarray], truth: np.ndarray) -> None:
         """A chunk [p, ...] of positions first..first+p-1 (of the valid ones, in order); logits: [p, columns] from
         vocabulary column `column` on."""
+        # A few positions at a time: each widened copy and difference below is one more float64 copy of the rows
+        # (a 654 x 3206 logits chunk: 17 MB each, 0.1 GB of them at once).
+        step = max(1, ADD_ELEMENTS // max(1, truth[:1].size))
+        for p in range(0, truth.shape[0], step):
+            self._add(first + p, column, got[p:p + step], [r[p:p + step] for r in refs], truth[p:p + step])
+
+    def _add(self, first: int, column: int, got: np.ndarray, refs: Sequence[np.ndarray], truth: np.ndarray) -> None:
         g, t = got.astype(np.float64), truth.astype(np.float64)  # [chunk, ...]
         self.count += t.size
         self.sq_t += float(np.square(t).sum())

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from llama_tools.modeling import dtypes
-from llama_tools.outputs.progress import Progress, release_freed_memory, silent
+from llama_tools.outputs.progress import Progress, bound_heap, release_freed_memory, silent
 
 from .by_layer import EMBEDDING, HEAD, BlockResult, LayerReference, per_channel
 from .compare import BUDGET, Budget, BudgetCheck, JudgeSums, judge
@@ -237,8 +237,9 @@ def _tensor_reader(ref: Any) -> tuple[Callable[[str], Any], set[str], set[str]]:
 # --- The check -----------------------------------------------------------------------------------------------
 
 def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress: Progress = silent,
-                 budget: Budget | None = None) -> SourceReport:
-    """Our float64 reference against transformers on the same rows, block by block (see the module's sketch)."""
+                 budget: Budget | None = None, batches: list[list[list[int]]] | None = None) -> SourceReport:
+    """Our float64 reference against transformers on the same rows, block by block (see the module's sketch);
+    `batches`: the rows as padded batches of their own (default: one), each block judged over all of them."""
     import torch
 
     from llama_tools.inference.reference import reference_model
@@ -250,11 +251,13 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
         return not_checked(source, got)
     transformers, hf_cfg, how = got
     start = time.perf_counter()
+    bound_heap()  # its many-MB temporaries' pages go back as they are freed (progress.py)
     budget = budget or BUDGET[F32]
     library = f"transformers {transformers.__version__}"
-    ids, mask = left_pad(rows)
-    valid = mask.astype(bool)
-    ref = reference_model(source, seed=seed, batch=len(rows), seq=ids.shape[1], float64_pass=True)
+    # The smallest batches first: their blocks' valid positions wait for the last batch's (judged as it runs).
+    padded = sorted((left_pad(b) for b in (batches or [rows])), key=lambda p: p[0].size)
+    widest = padded[-1][0].shape
+    ref = reference_model(source, seed=seed, batch=widest[0], seq=widest[1], float64_pass=True)
     tensor, held, ours = _tensor_reader(ref)
     stream = _Stream(transformers, hf_cfg, tensor)
     report = SourceReport(str(getattr(source, "spec", source)), library, "", budget,
@@ -283,33 +286,46 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
                          LayerReference(ref.reader, torch.float32, reassociated=True))
     f64 = lambda t: t.detach().to(torch.float64).numpy()  # noqa: E731
     n8 = ref.cfg.num_hidden_layers
-    state: dict[str, Any] = {"z": truth.embed(ids)}  # our float64 Z^j, advanced one layer per transformers' layer
+    # The batch running now: ids, mask, valid positions, our float64 Z^j (advanced one layer per transformers'),
+    # and each block's valid positions from the batches before (name -> [(transformers, float64, fp32, fp32 alt)]).
+    state: dict[str, Any] = {}
+    earlier: dict[str, list[tuple[np.ndarray, ...]]] = {}
 
-    def judged(name: str, got_t: Any, t: Any, r: Any, a: Any, hidden: bool) -> BudgetCheck:
-        v = valid[:, -got_t.shape[1]:]
-        f32 = lambda x: x.detach().to(torch.float32).numpy()  # noqa: E731  (judge widens a chunk at a time)
-        g = np.where(v[..., None], f32(got_t), np.float32(0))  # padded positions are not compared (nor their NaN)
-        tt, rr, aa = f64(t), f32(r), f32(a)
+    def judged(name: str, got_t: Any, t: Any, r: Any, a: Any, hidden: bool) -> BudgetCheck | None:
+        """The block's check over every batch's valid positions, once the last batch has run (before: None)."""
+        v = torch.from_numpy(state["valid"][:, -got_t.shape[1]:])
+        f32 = lambda x: x.detach().to(torch.float32)[v].numpy()  # noqa: E731  [P, n2]: the valid positions only
+        parts = earlier.setdefault(name, [])
+        parts.append((f32(got_t), t.detach().to(torch.float64)[:, -got_t.shape[1]:][v].numpy(),
+                      f32(r[:, -got_t.shape[1]:]), f32(a[:, -got_t.shape[1]:])))
+        if not state["last"]:
+            return None
+        g, tt, rr, aa = (np.concatenate([x[i] for x in parts])[None] for i in range(4))  # [1, P, n2]
+        del earlier[name]
+        ones = np.ones(g.shape[:2], bool)
         if hidden:
-            g, rr, aa, tt = per_channel(g.astype(np.float64), tt, v, rr.astype(np.float64), aa.astype(np.float64))
-        return judge(name, g, (rr, aa), tt, v, F32, budget, logits=not hidden)
+            g, rr, aa, tt = per_channel(g.astype(np.float64), tt, ones, rr.astype(np.float64), aa.astype(np.float64))
+        return judge(name, g, (rr, aa), tt, ones, F32, budget, logits=not hidden)
+
+    def judged_block(block: str, j: int | None, *args: Any) -> None:
+        check = judged(*args)
+        if check is not None:
+            report.blocks.append(BlockResult(block, j, [check]))
 
     model = stream.model
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     embed, layers, final_norm = model.get_input_embeddings(), inner.layers, inner.norm
-    uniq, inverse = np.unique(ids, return_inverse=True)
-    inverse = inverse.reshape(ids.shape)
 
     def embed_pre(m: Any, args: tuple) -> tuple:
-        return (torch.from_numpy(inverse),) + tuple(args[1:])  # the rows the batch uses, gathered once
+        return (torch.from_numpy(state["inverse"]),) + tuple(args[1:])  # the rows the batch uses, gathered once
 
     def layer_pre(j: int) -> Callable[..., Any]:
         def hook(m: Any, args: tuple, kwargs: dict) -> tuple:
             if j == 0:  # transformers' own Z^0: what its embedding and any scale of the family's made of the ids
                 z = state["z"]
                 z0 = args[0] if args else kwargs["hidden_states"]
-                r = noise.embed(ids)  # ours in fp32 (Gemma's sqrt(n2) rounded as the pass's dtype rounds it)
-                report.blocks.append(BlockResult(EMBEDDING, None, [judged("embedding Z^0", z0, z, r, r, True)]))
+                r = noise.embed(state["ids"])  # ours in fp32 (Gemma's sqrt(n2) rounded as the dtype rounds it)
+                judged_block(EMBEDDING, None, "embedding Z^0", z0, z, r, r, True)
             stack = contextlib.ExitStack()
             stack.enter_context(stream.loaded(m))
             m._source_stack = stack
@@ -326,21 +342,20 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
             m._source_stack.close()
             del m._source_stack
             hf = out[0] if isinstance(out, tuple) else out
-            z = state["z"]
+            z, mask = state["z"], state["mask"]
             t, _, _ = truth.layer(j, z, mask)
             r, _, _ = noise.layer(j, z.to(torch.float32), mask)
             a, _, _ = alt.layer(j, z.to(torch.float32), mask)
-            report.blocks.append(BlockResult(f"layer {j}", j, [judged(f"layer {j} hidden Z^{j + 1}", hf, t, r, a,
-                                                                      True)]))
+            judged_block(f"layer {j}", j, f"layer {j} hidden Z^{j + 1}", hf, t, r, a, True)
             state["z"] = t
-            progress(j + 1, n8, "source check")
+            progress(state["done"] + j + 1, n8 * len(padded), "source check")
         return hook
 
     def norm_pre(m: Any, args: tuple) -> tuple:
         return (state["z"].to(torch.float32),) + tuple(args[1:])
 
     rows_of = lambda name, ranges: ref.reader.rows(name, ranges)  # noqa: E731  (row ranges from the files)
-    embed_rows = lambda name: rows_of(embed_name, [(int(i), int(i) + 1) for i in uniq])  # noqa: E731
+    embed_rows = lambda name: rows_of(embed_name, [(int(i), int(i) + 1) for i in state["uniq"]])  # noqa: E731
     handles = [embed.register_forward_pre_hook(embed_pre), final_norm.register_forward_pre_hook(norm_pre)]
     assert type(head) is torch.nn.Linear and head.bias is None, f"{type(model).__name__}'s head is a plain Linear"
     model.set_output_embeddings(slab_head(lambda a, b: rows_of(head_name, [(a, b)]), head.out_features))
@@ -350,15 +365,29 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
         handles.append(layer.register_forward_hook(layer_post(j), with_kwargs=True))
     # The head is the same function at every position: each row's last HEAD_POSITIONS (padding left out) show
     # any misread of it, at a fraction of the vocabulary-wide logits' memory.
-    keep = min(HEAD_POSITIONS, ids.shape[1])
+    keeps = [min(HEAD_POSITIONS, ids.shape[1]) for ids, _ in padded]
     forward = inspect.signature(model.forward).parameters
-    keep_arg = {("logits_to_keep" if "logits_to_keep" in forward else "num_logits_to_keep"): keep}
+    keep_key = "logits_to_keep" if "logits_to_keep" in forward else "num_logits_to_keep"
+    heads = JudgeSums(sum(int(mask[:, -k:].sum()) for (_, mask), k in zip(padded, keeps)), 2, logits=True)
+    first = nonfinite = 0
     padding_idx = getattr(embed, "padding_idx", None)
     embed.padding_idx = None  # only gradients read it, and the gathered table has fewer rows than its index
     try:
-        with torch.no_grad(), stream.loaded(embed, read=embed_rows), stream.loaded(final_norm):
-            out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                        position_ids=torch.from_numpy(positions(mask, ids.shape[1])), use_cache=False, **keep_arg)
+        for n, ((ids, mask), keep) in enumerate(zip(padded, keeps)):
+            uniq, inverse = np.unique(ids, return_inverse=True)
+            state.update(ids=ids, mask=mask, valid=mask.astype(bool), uniq=uniq, inverse=inverse.reshape(ids.shape),
+                         z=truth.embed(ids), last=n == len(padded) - 1, done=n * n8)
+            with torch.no_grad(), stream.loaded(embed, read=embed_rows), stream.loaded(final_norm):
+                out = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                            position_ids=torch.from_numpy(positions(mask, ids.shape[1])), use_cache=False,
+                            **{keep_key: keep})
+            v = torch.from_numpy(state["valid"][:, -keep:])
+            logits = out.logits[:, -keep:]  # [b, keep, n1]: transformers' own
+            del out
+            release_freed_memory()  # transformers' forward is over: its pages back before our heads'
+            nonfinite += head_sums(heads, first, logits, v, state["z"][:, -keep:][v], (truth, noise, alt))
+            first += int(v.sum())
+            del logits
     except (RuntimeError, ValueError, TypeError, AssertionError, IndexError, KeyError, AttributeError) as e:
         # transformers' own code failing on this checkpoint says nothing of our reading: not checked, and why
         return not_checked(source, f"{library} failed to run it: {type(e).__name__}: "
@@ -367,12 +396,10 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
         embed.padding_idx = padding_idx
         for h in handles:
             h.remove()
-    v = torch.from_numpy(valid[:, -keep:])
-    logits = out.logits[:, -keep:]  # [b, keep, n1]: transformers' own
-    del out, stream
-    release_freed_memory()  # transformers' forward is over: its pages back before our heads'
-    report.blocks.append(BlockResult(HEAD, None, [head_sums(f"logits (from Z^n8, last {keep} positions)", logits, v,
-                                                            state["z"][:, -keep:][v], (truth, noise, alt), budget)]))
+    del stream
+    assert first == heads.positions, f"the head judged {first} positions of {heads.positions}"
+    report.blocks.append(BlockResult(HEAD, None, [heads.check(f"logits (from Z^n8, last {max(keeps)} positions)",
+                                                              F32, budget, nonfinite)]))
     report.seconds = time.perf_counter() - start
     return report
 
@@ -380,11 +407,11 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
 SLAB_BYTES = 16 * 2**20  # lm_head rows read at a time by the source check's head
 
 
-def head_sums(name: str, got: Any, valid: Any, z: Any, sides: tuple[Any, Any, Any], budget: Budget) -> BudgetCheck:
+def head_sums(sums: JudgeSums, first: int, got: Any, valid: Any, z: Any, sides: tuple[Any, Any, Any]) -> int:
     """transformers' logits got [b, n3, n1] at the valid [b, n3] positions against ours from float64's Z^n8 there
-    (z [P, n2]), ours made a slab of vocabulary rows at a time (each row read once for the three sides) and each
-    slab judged as it is made (compare.JudgeSums): a 262,144-piece vocabulary's float64 logits are never whole.
-    sides: (float64, fp32, fp32 reassociated)."""
+    (z [P, n2]), added to `sums` as positions first.. on; ours made a slab of vocabulary rows at a time (each row
+    read once for the three sides) and each slab added as it is made: a 262,144-piece vocabulary's float64 logits
+    are never whole. sides: (float64, fp32, fp32 reassociated). Returns the NaN/Inf count of got."""
     import torch
 
     from .by_layer import head_columns
@@ -393,9 +420,7 @@ def head_sums(name: str, got: Any, valid: Any, z: Any, sides: tuple[Any, Any, An
     cfg = truth.cfg
     table = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     zbar = (truth.final_norm(z), noise.final_norm(z.to(torch.float32)), alt.final_norm(z.to(torch.float32)))
-    count = z.shape[0]
-    cols = head_columns(cfg, count)
-    sums = JudgeSums(count, 2, logits=True)
+    cols = head_columns(cfg, z.shape[0])
     nonfinite = 0
     for a in range(0, cfg.vocab_size, cols):
         c = min(a + cols, cfg.vocab_size)
@@ -403,8 +428,8 @@ def head_sums(name: str, got: Any, valid: Any, z: Any, sides: tuple[Any, Any, An
         nonfinite += int(g.size - np.isfinite(g).sum())
         w = truth.reader.rows(table, [(a, c)])  # [c - a, n2] fp32
         t, r, r2 = (side.head_slab(zb, w) for side, zb in zip(sides, zbar))
-        sums.add(0, a, g, (r.to(torch.float32).numpy(), r2.to(torch.float32).numpy()), t.numpy())
-    return sums.check(name, F32, budget, nonfinite)
+        sums.add(first, a, g, (r.to(torch.float32).numpy(), r2.to(torch.float32).numpy()), t.numpy())
+    return nonfinite
 
 
 def slab_head(rows: Callable[[int, int], Any], vocab: int) -> Any:
@@ -473,45 +498,49 @@ def gguf_kind(path: Any) -> str:
 
 def check_gguf(source: Any, rows: list[list[int]], *, progress: Progress = silent) -> SourceReport:
     """A GGUF judged by its own library: llama.cpp's logits on each row against our float64 reference's."""
+    import importlib.metadata
+    import importlib.util
+
     import torch
 
     from llama_tools.inference.reference import reference_model
 
-    try:
-        import llama_cpp
-    except ImportError:
+    if importlib.util.find_spec("llama_cpp") is None:  # not imported here: llama.cpp runs in a child process
         return not_checked(source, "a GGUF's library is llama.cpp, which is not installed here (pip install "
                                    "llama-cpp-python); transformers' GGUF loader is no judge of one (it ignores "
                                    "Gemma's caps, layer pattern and local base)")
+    from llama_tools.outputs import files
+
+    from .llamacpp_child import llamacpp_logits
+
     start = time.perf_counter()
     kind = gguf_kind(source.path)
     longest = max(len(r) for r in rows)
-    ref = reference_model(source, dtype=torch.float64, batch=1, seq=longest, float64_pass=True)
-    try:
-        llm = llama_cpp.Llama(model_path=str(source.path), n_ctx=longest + 1, logits_all=True, verbose=False,
-                              n_threads=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-    except (ValueError, RuntimeError) as e:  # llama.cpp refusing the file is said, not judged (no vocabulary, ...)
-        return not_checked(source, f"llama.cpp cannot load {source.path}: {(str(e).splitlines() or [''])[0][:200]}")
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     sq_e = sq_t = dot = sq_g = 0.0
     max_error, agree, n, nonfinite = 0.0, 0, 0, 0
-    for i, row in enumerate(rows):
-        llm.reset()
-        llm.eval(row)
-        got = np.asarray(llm.scores[:len(row)], dtype=np.float64)  # [n3, n1]
-        with torch.no_grad():
-            truth = ref(torch.tensor([row])).logits[0].numpy()  # [n3, n1] float64
-        nonfinite += int(got.size - np.isfinite(got).sum())
-        d = got - truth
-        sq_e, sq_t = sq_e + float(np.square(d).sum()), sq_t + float(np.square(truth).sum())
-        dot, sq_g = dot + float((got * truth).sum()), sq_g + float(np.square(got).sum())
-        max_error = max(max_error, float(np.abs(d).max()))
-        agree, n = agree + int((got.argmax(-1) == truth.argmax(-1)).sum()), n + len(row)
-        progress(i + 1, len(rows), "source check (llama.cpp)")
-    del llm
+    with files.temp_dir("gguf-check") as scratch:
+        # llama.cpp in a child process, before our reference is built: its crash is a line, its memory not ours
+        got_rows = llamacpp_logits(source.path, rows, threads, scratch)
+        if isinstance(got_rows, str):
+            return not_checked(source, got_rows)
+        ref = reference_model(source, dtype=torch.float64, batch=1, seq=longest, float64_pass=True)
+        for i, (row, got_path) in enumerate(zip(rows, got_rows)):
+            got = np.load(got_path).astype(np.float64)  # [n3, n1]
+            assert got.shape == (len(row), ref.cfg.vocab_size), f"llama.cpp gave {got.shape} logits for row {i}"
+            with torch.no_grad():
+                truth = ref(torch.tensor([row])).logits[0].numpy()  # [n3, n1] float64
+            nonfinite += int(got.size - np.isfinite(got).sum())
+            d = got - truth
+            sq_e, sq_t = sq_e + float(np.square(d).sum()), sq_t + float(np.square(truth).sum())
+            dot, sq_g = dot + float((got * truth).sum()), sq_g + float(np.square(got).sum())
+            max_error = max(max_error, float(np.abs(d).max()))
+            agree, n = agree + int((got.argmax(-1) == truth.argmax(-1)).sum()), n + len(row)
+            progress(i + 1, len(rows), "source check (llama.cpp)")
     error = math.sqrt(sq_e / sq_t) if sq_t else 0.0
     check = ToleranceCheck(f"logits ({n} positions)", error, LLAMACPP_TOLERANCE[kind], kind, max_error,
                            dot / math.sqrt(sq_g * sq_t) if sq_g and sq_t else 1.0, agree / max(n, 1), nonfinite)
-    version = getattr(llama_cpp, "__version__", "?")
+    version = importlib.metadata.version("llama-cpp-python")
     report = SourceReport(str(getattr(source, "spec", source)), f"llama.cpp (llama-cpp-python {version})", "",
                           BUDGET[F32], [BlockResult("whole model", None, [check])],  # type: ignore[list-item]
                           notes=[f"llama.cpp read {source.path} itself and ran each row whole; error = RMS "

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_tools.outputs import files
-from llama_tools.outputs.progress import Progress, release_freed_memory, silent
+from llama_tools.outputs.progress import Progress, bound_heap, release_freed_memory, silent
 
 from .by_layer import ByLayerReport, _by_layer
 from .parity_options import MODES, WHOLE_GRAPH_BYTES
@@ -113,10 +113,12 @@ def verify(target: ParityTarget, inputs: Inputs, *, mode: str = "auto", provider
     """Our reading of the source against its own library; export on the fly when the target is a MODEL; then the
     layer-local check and, as MODE says, the whole graph."""
     assert mode in MODES, f"mode {mode!r} is one of {MODES}"
+    bound_heap()  # many-MB temporaries come and go in every check: their pages go back as they are freed
     if target.onnx_path is not None and is_int4(target.onnx_path):
         raise ValueError(f"{target.onnx_path}: weight-only int4 (MatMulNBits): fp32 tolerances do not apply to it; "
                          f"measure it with `llama-tools verify int4 {target.onnx_path}` (top-1, KL, perplexity)")
-    checked = (check_source(target.source, inputs.rows, seed=target.seed, progress=progress) if source_check else
+    checked = (check_source(target.source, inputs.rows, seed=target.seed, progress=progress,
+                            batches=inputs.batches()) if source_check else
                not_checked(target.source, "--no-source-check"))
     release_freed_memory()  # transformers' blocks and the source check's logits: their pages back before the graph's
     verdict = _verify_graph(target, inputs, mode, provider, steps, dtype, rope_op, tf32, progress)
@@ -166,6 +168,9 @@ def _run(onnx_path: Path, target: ParityTarget, inputs: Inputs, mode: str, provi
                      f"`--checks both` runs it too")
     by_layer = None
     if mode != "whole":
-        by_layer = _by_layer(onnx_path, target, inputs.rows, provider, tf32, None, progress)
-    rep = _verify(onnx_path, target, inputs.rows, provider, steps, tf32, None, progress) if whole else None
+        by_layer = _by_layer(onnx_path, target, inputs.rows, provider, tf32, None, progress, inputs.batches())
+    rows, left_out = inputs.whole_graph(target.meta.config.vocab_size)
+    if whole and left_out:
+        notes.append(left_out)
+    rep = _verify(onnx_path, target, rows, provider, steps, tf32, None, progress) if whole else None
     return Verdict(inputs.what, [len(p) for p in inputs.rows], by_layer, rep, time.perf_counter() - start, notes)

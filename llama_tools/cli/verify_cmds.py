@@ -250,7 +250,7 @@ def verify_source(model: Any, prompts: tuple[str, ...], ids: tuple[list[int], ..
     inputs = (Inputs(batch, f"{len(batch)} row(s) given") if batch else
               default_inputs(model, model.cfg.vocab_size, model.cfg.max_position_embeddings, random_ids=random_ids,
                              seed=seed))
-    rep = check_source(model, inputs.rows, progress=terminal("source", quiet=quiet))
+    rep = check_source(model, inputs.rows, progress=terminal("source", quiet=quiet), batches=inputs.batches())
     if not rep.checked:
         raise click.ClickException(f"{model.spec}: the source check cannot run: {rep.reason}")
     if fmt == "json":

@@ -52,7 +52,7 @@ def reassociated_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = None
     for a in reversed(range(0, k, REASSOCIATE_CHUNK)):
         part = x[..., a:a + REASSOCIATE_CHUNK] @ w[:, a:a + REASSOCIATE_CHUNK].T
-        y = part if y is None else y + part
+        y = part if y is None else y.add_(part)  # in place: y is the first chunk's own product
     assert y is not None, "a matrix product over at least one term"
     return y
 
