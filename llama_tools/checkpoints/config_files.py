@@ -537,9 +537,10 @@ def _neox_block(data: dict[str, Any], path: Path, family: str, heads: int) -> tu
         out["eps"] = _as_float(_get(data, "layer_norm_eps", keys["layer_norm_eps"]), path, "layer_norm_eps")
         for key in ("rotary_pct", "partial_rotary_factor"):
             pct = _as_float(_get(data, key, keys[key]), path, key)
-            if pct != 1.0:
-                raise ValueError(f"{path}: field {key!r} is {pct!r}; llama-tools rotates whole heads and does not "
-                                 f"compute a partial rotary for gpt_neox yet (rotary_pct 1.0 only)")
+            if pct != 1.0:  # counted from transformers' module tree (UnknownArchitecture), refused elsewhere
+                raise UnknownArchitecture(f"{path}: field {key!r} is {pct!r}; llama-tools rotates whole heads and "
+                                          f"does not compute a partial rotary for gpt_neox yet (rotary_pct 1.0 "
+                                          f"only)", data, path)
         out["parallel_residual"] = flag("use_parallel_residual")
         return heads, 0, out
     hidden = _as_int(_require(data, path, "hidden_size"), path, "hidden_size")

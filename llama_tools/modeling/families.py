@@ -17,6 +17,7 @@ fields; `convert` and the export name the family from here. No torch.
 | olmo2   | whole q/k| γ         | SiLU       | post-norm only      | / sqrt(n6)         | alike             |
 | phi3    |          | γ         | SiLU       | pre-norm            | / sqrt(n6)         | alike; packed qkv |
 | qwen3_moe | per head | γ       | SiLU       | pre-norm            | / sqrt(n6)         | alike; top-k experts|
+| gpt_neox|          | LayerNorm γ, β | GELU, no gate | parallel (or sequential) | / sqrt(n6)  | alike; packed qkv, biases|
 | falcon  |          | LayerNorm γ, β | GELU, no gate | parallel, 1 or 2 norms   | / sqrt(n6)  | alike; packed qkv, MQA/GQA|
 
 Mixtures of experts (a router, top-k routed SwiGLU experts) are named in their files as `Family.moe` says.
@@ -122,6 +123,13 @@ _QWEN3_MOE_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 
                    "attention_bias": False, "num_experts": 128, "num_experts_per_tok": 8,
                    "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
                    "mlp_only_layers": None}
+# GPT-NeoX (Pythia): LayerNorms with biases, q/k/v packed per head (query_key_value), biases on every Linear (qkv and
+# dense: attention_bias), a plain GELU MLP, attention and MLP in parallel unless use_parallel_residual is false, RoPE on
+# the first rotary_pct of each head (the base is rotary_emb_base: the config class overwrites rope_theta with it).
+_GPT_NEOX_KEYS = {"rotary_pct": 0.25, "partial_rotary_factor": 0.25, "rotary_emb_base": 10000, "rope_scaling": None,
+                  "layer_norm_eps": 1e-5, "hidden_act": "gelu", "max_position_embeddings": 2048,
+                  "tie_word_embeddings": False, "use_parallel_residual": True, "attention_bias": True,
+                  "bos_token_id": 0, "eos_token_id": 2}
 # Falcon: LayerNorms with biases, query_key_value packed (multi_query: n5 q heads, one k, one v; otherwise grouped per
 # KV head), `bias` on every Linear, a plain GELU MLP of ffn_hidden_size (4 n2 unless said); attention and MLP in
 # parallel from one input_layernorm (7B/40B's old layout) or from ln_attn and ln_mlp (new_decoder_architecture), or
@@ -162,6 +170,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("olmo2", ("Olmo2ForCausalLM",), ("olmo2",), {"qk_norm": True, "qk_norm_whole": True, "post_norms": True},
            hf_keys=_OLMO2_KEYS, genai_type="olmo"),
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), hf_keys=_PHI3_KEYS, genai_type="phi3"),
+    Family("gpt_neox", ("GPTNeoXForCausalLM",), ("gpt_neox",), {**_NEOX_BLOCK, "mlp_bias": True},
+           hf_keys=_GPT_NEOX_KEYS, hf_modules=("gpt_neox", "layers", "final_layer_norm")),
     Family("falcon", ("FalconForCausalLM",), ("falcon",), _NEOX_BLOCK, hf_keys=_FALCON_KEYS,
            hf_modules=("transformer", "h", "ln_f")),
     Family("baichuan", ("BaichuanForCausalLM", "BaiChuanForCausalLM"), ("baichuan",), hf_keys=_BAICHUAN_KEYS),
