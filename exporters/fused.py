@@ -358,6 +358,9 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
     interleaved = int(cfg.rope_layout == INTERLEAVED)
     rotates = cfg.rotates(j)  # SmolLM3: some layers attend without RoPE (no node, GQA's do_rotary 0)
     in_attention = rotates and rope_op == rope_ops.IN_ATTENTION.name
+    # Partial rotary: our node is told the head's width (the tables are rotary_dim / 2 wide); onnxruntime's ops
+    # take rotary_embedding_dim, GQA's own rotary the tables' width.
+    partial = {rope_ops.ATTR_HEAD_DIM: cfg.head_dim} if cfg.partial_rotary else {}
     if cfg.qk_norm:
         # Qwen3, Gemma 3: q and k apart, each head normalized over its n6 before RoPE, then rotated as 3-D heads.
         split = g.const(f"{attn}/qkv_split", [cfg.q_size, cfg.kv_size, cfg.kv_size], i64)
@@ -379,19 +382,20 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
             if in_attention or not rotates:  # GQA rotates it, or nothing does
                 qkv_in.append(x)
             elif rope_op == rope_ops.OURS.name:
-                attrs = {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads}
+                attrs = {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads, **partial}
                 qkv_in.append(g.op(attn, rope_ops.OP_TYPE, [x, position_ids, cos_cache, sin_cache], attrs,
                                    domain=rope_ops.DOMAIN, name=f"rope_{which}"))
             else:
                 qkv_in.append(g.op(attn, rope_ops.OP_TYPE, [x, position_ids, cos_cache, sin_cache],
                                    {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads,
-                                    "rotary_embedding_dim": cfg.head_dim}, domain=MS_DOMAIN, name=f"rope_{which}"))
+                                    "rotary_embedding_dim": cfg.rotary_dim}, domain=MS_DOMAIN, name=f"rope_{which}"))
         qkv_in.append(v)
     elif in_attention or not rotates:  # GQA rotates the q and k heads of the packed QKV itself, or nothing does
         qkv_in = [qkv, None, None]
     elif rope_op == rope_ops.OURS.name:
         # One node rotates the q and k heads of the packed projection and passes v through; GQA takes it packed.
-        attrs = {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": nq + 2 * nkv, rope_ops.ATTR_ROTARY_HEADS: nq + nkv}
+        attrs = {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": nq + 2 * nkv, rope_ops.ATTR_ROTARY_HEADS: nq + nkv,
+                 **partial}
         packed = g.op(attn, rope_ops.OP_TYPE, [qkv, position_ids, cos_cache, sin_cache], attrs, domain=rope_ops.DOMAIN,
                       name="rope_qk")  # [b, s, q + 2 kv]
         qkv_in = [packed, None, None]
@@ -399,7 +403,7 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
         split = g.const(f"{attn}/qkv_split", [cfg.q_size, cfg.kv_size, cfg.kv_size], i64)
         q, k, v = g.op(attn, "Split", [qkv, split], {"axis": -1}, outputs=3)  # [b, s, q], [b, s, kv], [b, s, kv]
         qkv_in = [g.op(attn, rope_ops.OP_TYPE, [x, position_ids, cos_cache, sin_cache],
-                       {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads, "rotary_embedding_dim": cfg.head_dim},
+                       {rope_ops.ATTR_INTERLEAVED: interleaved, "num_heads": heads, "rotary_embedding_dim": cfg.rotary_dim},
                        domain=MS_DOMAIN, name=f"rope_{which}") for which, x, heads in (("q", q, nq), ("k", k, nkv))]
         qkv_in.append(v)
     gqa = {"num_heads": nq, "kv_num_heads": nkv, "do_rotary": int(in_attention)}
@@ -482,7 +486,8 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
 def default_rope_op(cfg: ModelConfig) -> str:
     """The fused graph's RoPE: GQA's own rotary where its head size allows (no node of ours: SmolLM2-135M's int4
     decoded at 11.6 ms a token against 14.5 with our node, onnxruntime-genai, one thread), else our node."""
-    return rope_ops.IN_ATTENTION.name if not cfg.head_dim % rope_ops.IN_ATTENTION_HEAD_DIM_MULTIPLE else rope_ops.OURS.name
+    return rope_ops.IN_ATTENTION.name if rope_ops.in_attention_refusal(cfg.head_dim, cfg.rotary_dim) is None \
+        else rope_ops.OURS.name
 
 
 def check_rope_op(cfg: ModelConfig | None, rope_op: str) -> None:
@@ -490,9 +495,10 @@ def check_rope_op(cfg: ModelConfig | None, rope_op: str) -> None:
     if rope_op not in FUSED_ROPE_OPS:
         raise ValueError(f"rope_op {rope_op!r} is not available in the fused graph; choose one of "
                          f"{', '.join(FUSED_ROPE_OPS)}")
-    if cfg is not None and rope_op == rope_ops.IN_ATTENTION.name and cfg.head_dim % rope_ops.IN_ATTENTION_HEAD_DIM_MULTIPLE:
-        raise ValueError(f"{cfg.name}: head_dim {cfg.head_dim}: GroupQueryAttention's own rotary needs a multiple of "
-                         f"{rope_ops.IN_ATTENTION_HEAD_DIM_MULTIPLE}; use --rope-op {rope_ops.OURS.name}")
+    why = None if cfg is None or rope_op != rope_ops.IN_ATTENTION.name else \
+        rope_ops.in_attention_refusal(cfg.head_dim, cfg.rotary_dim)
+    if why:
+        raise ValueError(f"{cfg.name}: {why}; use --rope-op {rope_ops.OURS.name}")  # type: ignore[union-attr]
 
 
 def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rope_op: str | None = None,

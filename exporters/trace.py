@@ -83,7 +83,7 @@ def _fake_model(cfg: ModelConfig, dtype: torch.dtype, rope_op: str, fake: FakeTe
         state = {name: torch.empty(shape, dtype=dt) for name, (shape, dt) in shapes.items()}
         tables = ()
         if cfg.position_encoding == "rope":
-            shape, dt = (cfg.max_position_embeddings, cfg.head_dim // 2), table_dtype(dtype, rope_op)
+            shape, dt = (cfg.max_position_embeddings, cfg.rotary_dim // 2), table_dtype(dtype, rope_op)
             tables = tuple(torch.empty(shape, dtype=dt) for _ in range(4 if cfg.rope_local_theta is not None else 2))
     with torch.device("meta"):
         model = ExportModel(cfg, None)
@@ -113,7 +113,7 @@ def _trace(cfg: ModelConfig, dtype: torch.dtype, rope_op: str, opset: int) -> to
         program = torch.onnx.export(
             model, args, dynamo=True, dynamic_shapes=dynamic_shapes, input_names=input_names,
             output_names=output_names, opset_version=opset, verbose=False,
-            custom_translation_table=rope_ops.translation_table(rope_op, cfg.head_dim),
+            custom_translation_table=rope_ops.translation_table(rope_op, cfg.head_dim, cfg.rotary_dim),
             optimize=False)  # we optimize ourselves: the stock pass would read the fake weights
     return program
 

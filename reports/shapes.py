@@ -178,6 +178,14 @@ def _rope_base(cfg: ModelConfig, sliding: bool) -> str:
     return f", base {cfg.rope_theta:g}" + (f" ({sc.type} scaling x{sc.factor:g})" if sc else "")
 
 
+def _rotary_width(cfg: ModelConfig) -> str:
+    """The channels RoPE turns, when fewer than a head's (partial rotary); else ""."""
+    if not cfg.partial_rotary:
+        return ""
+    return (f", rotating channels 0..{cfg.rotary_dim - 1} of n6 = {cfg.head_dim} (partial rotary; the other "
+            f"{cfg.head_dim - cfg.rotary_dim} pass through)")
+
+
 def _layer_activations(cfg: ModelConfig, j: int, b: int, n3: int, past: int) -> list[ShapeRow]:
     """Decoder j, 6.1 to 6.4: Z^j -> Z^{j+1}, with the family's extra steps."""
     n2, n5, kv, n6 = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -224,7 +232,7 @@ def _layer_activations(cfg: ModelConfig, j: int, b: int, n3: int, past: int) -> 
         ]
     if rope:
         q_in, k_in = ("rnorm(Q^{j,i})", "rnorm(K^{j,i})") if cfg.qk_norm else ("Q^{j,i}", "K^{j,i}")
-        base = _rope_base(cfg, sliding)
+        base = _rope_base(cfg, sliding) + _rotary_width(cfg)
         rows += [
             a("6.2", f"Qbar^{{{j},i}}", f"rope({q_in}){base}", p + "self_attn.rope", "out", (b, n3, n6), n5),
             a("6.2", f"Kbar^{{{j},i}}", f"rope({k_in}){base}", p + "self_attn.rope", "out", (b, n3, n6), kv),

@@ -169,13 +169,6 @@ def test_the_export_passes_verify_parity_whole_and_a_fault_fails_it(case, graph)
     assert not _planted(graph, d, "whole").passed
 
 
-PENDING = pytest.mark.xfail(strict=True, reason=(
-    "exporters/verification (the lead's): by_layer.LayerReference.final_norm loads the final norm's γ only (a "
-    "LayerNorm has β too) and source_check reads transformers' model.layers / model.norm (Falcon: transformer.h, "
-    "ln_f); the change is in the report"))
-
-
-@PENDING
 @pytest.mark.parametrize("by_layer", [False, True], ids=["default", "by_layer"])
 def test_the_export_passes_verify_parity_with_the_source_check_and_a_fault_is_named(case, graph, by_layer):
     _, d, _, _ = case
@@ -188,7 +181,6 @@ def test_the_export_passes_verify_parity_with_the_source_check_and_a_fault_is_na
     assert not v.passed and v.first_bad == "layer 1", v.first_bad
 
 
-@PENDING
 def test_verify_source_agrees_with_transformers(case):
     _, d, _, _ = case
     r = run("verify", "source", str(d), "--random-ids", "2", "--format", "json")

@@ -2,10 +2,8 @@
 
 Two layouts, each a 2-layer model (n2 64, 4 heads of 16) whose LayerNorm gains and biases and every Linear bias
 are off their initial values (tests/neox_block.py), written by `save_pretrained`:
-  - parallel: use_parallel_residual true (Pythia's);
-  - sequential: use_parallel_residual false, attention_bias false (the MLP keeps its biases).
-Both rotate whole heads (rotary_pct 1.0): a partial rotary (Pythia's 0.25) is not computed yet, so such a config is
-counted from transformers' module tree and refused by every other command, in one line naming the key.
+  - parallel: use_parallel_residual true (Pythia's), RoPE on the first quarter of each head (rotary_pct 0.25);
+  - sequential: use_parallel_residual false, rotary_pct 0.5, attention_bias false (the MLP keeps its biases).
 Our fp32 logits equal transformers' eager fp32 logits, greedy tokens equal, count-params equals its count, the
 plain export passes verify parity and a planted fault fails it; negative cases show the comparison sees a sequential
 block read as parallel (and the reverse) and a LayerNorm without its β. GGUF is refused in one line.
@@ -24,10 +22,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from llama_tools import load_model  # noqa: E402
-from llama_tools.checkpoints.config_files import load_config  # noqa: E402
+from llama_tools.checkpoints.config_files import config_from_hf, load_config  # noqa: E402
 from llama_tools.checkpoints.formats import checkpoint_tensors  # noqa: E402
+from llama_tools.counting.accounting import count_params  # noqa: E402
 from llama_tools.inference.reference import StreamedReference  # noqa: E402
 from llama_tools.modeling.model import model_from_state  # noqa: E402
+from llama_tools.modeling.presets import get_preset  # noqa: E402
 from neox_block import (IDS, SIZES, assert_logits_equal, build, far, greedy_ids, hf_greedy, one_line_error,  # noqa: E402
                         run)
 
@@ -37,9 +37,9 @@ bf = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("bench_faults", bf)
 _spec.loader.exec_module(bf)
 
-CASES = {  # name: (GPTNeoXConfig keywords, parallel)
-    "parallel": (dict(use_parallel_residual=True, rotary_pct=1.0), True),
-    "sequential": (dict(use_parallel_residual=False, rotary_pct=1.0, attention_bias=False), False),
+CASES = {  # name: (GPTNeoXConfig keywords, our rotary width, parallel)
+    "parallel": (dict(use_parallel_residual=True, rotary_pct=0.25), 4, True),
+    "sequential": (dict(use_parallel_residual=False, rotary_pct=0.5, attention_bias=False), 8, False),
 }
 
 
@@ -57,9 +57,9 @@ def case(request, tmp_path_factory):
 def test_the_config_is_read_as_gpt_neox_lays_it_out(case):
     name, d, hf, _ = case
     cfg = load_config(d)
-    _, parallel = CASES[name]
+    _, rotary, parallel = CASES[name]
     assert cfg.family == "gpt_neox" and cfg.norm_kind == "layer" and not cfg.gated_mlp and cfg.hidden_act == "gelu"
-    assert (cfg.parallel_residual, cfg.shared_norm) == (parallel, False)
+    assert (cfg.rotary_dim, cfg.parallel_residual, cfg.shared_norm) == (rotary, parallel, False)
     assert cfg.num_key_value_heads == 4 and cfg.head_dim == 16 and not cfg.tie_word_embeddings
     assert cfg.qkv_bias == cfg.o_bias == hf.config.attention_bias and cfg.mlp_bias
 
@@ -159,13 +159,6 @@ def test_the_export_passes_verify_parity_whole_and_a_fault_fails_it(case, graph)
     assert not _planted(graph, d, "whole").passed
 
 
-PENDING = pytest.mark.xfail(strict=True, reason=(
-    "exporters/verification (the lead's): by_layer.LayerReference.final_norm loads the final norm's γ only (a "
-    "LayerNorm has β too) and source_check reads transformers' model.layers / model.norm (GPT-NeoX: gpt_neox.layers, "
-    "final_layer_norm); the change is in the report"))
-
-
-@PENDING
 @pytest.mark.parametrize("by_layer", [False, True], ids=["default", "by_layer"])
 def test_the_export_passes_verify_parity_with_the_source_check_and_a_fault_is_named(case, graph, by_layer):
     _, d, _, _ = case
@@ -178,7 +171,6 @@ def test_the_export_passes_verify_parity_with_the_source_check_and_a_fault_is_na
     assert not v.passed and v.first_bad == "layer 1", v.first_bad
 
 
-@PENDING
 def test_verify_source_agrees_with_transformers(case):
     _, d, _, _ = case
     r = run("verify", "source", str(d), "--random-ids", "2", "--format", "json")
@@ -211,7 +203,7 @@ def test_int4_round_to_nearest_works_and_the_measured_passes_are_refused(case, t
     r = run("export", "onnx", str(d), "-o", str(tmp_path / "rtn" / "model.onnx"), "-q", "--quantize", "int4",
             "--max-kl", "none", "--int4-algorithm", "rtn")
     assert r.exit_code == 0, r.output[-1500:]
-    if CASES[name][1]:  # parallel
+    if CASES[name][2]:  # parallel
         text = one_line_error(run("export", "onnx", str(d), "-o", str(tmp_path / "t" / "model.onnx"), "-q",
                                   "--quantize", "int4"))
         assert "--max-kl" in text and "parallel block" in text and "--int4-algorithm rtn" in text
@@ -225,21 +217,21 @@ def test_gguf_is_refused_naming_the_family(case, tmp_path):
     assert "'gpt_neox'" in text and "no GGUF architecture" in text
 
 
-def test_pythia_s_partial_rotary_is_counted_and_refused_in_one_line(tmp_path):
-    """Pythia-160m's published config (rotary_pct 0.25): count-params counts it as transformers does, from its module
-    tree; a command that runs the model refuses it in one line naming rotary_pct."""
-    published = dict(vocab_size=50304, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                     num_attention_heads=12, rotary_pct=0.25, rotary_emb_base=10000, use_parallel_residual=True,
+@pytest.mark.parametrize("preset, sizes, truth", [
+    ("pythia-160m", dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+     162_322_944),
+    ("pythia-1b", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=8),
+     1_011_781_632),
+])
+def test_the_pythia_presets_count_as_transformers_does(preset, sizes, truth):
+    """Each preset against transformers' own count of EleutherAI's published config on the meta device."""
+    published = dict(vocab_size=50304, rotary_pct=0.25, rotary_emb_base=10000, use_parallel_residual=True,
                      layer_norm_eps=1e-5, max_position_embeddings=2048, bos_token_id=0, eos_token_id=0,
-                     tie_word_embeddings=False)
+                     tie_word_embeddings=False, **sizes)
     with torch.device("meta"):
         hf = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**published))
-    truth = sum(p.numel() for p in hf.parameters())
-    assert truth == 162_322_944  # the model card's figure
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps({**published, "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"}))
-    r = run("count-params", str(path), "--format", "json")
-    assert r.exit_code == 0, r.output[-800:]
-    assert json.loads(r.output)[0]["total"] == truth
-    text = one_line_error(run("generate", str(path), "--ids", "1 2 3", "--max-new-tokens", "1"))
-    assert "'rotary_pct'" in text and "0.25" in text
+    assert sum(p.numel() for p in hf.parameters()) == truth  # the model card's figure
+    assert count_params(get_preset(preset)).total == truth
+    read = config_from_hf({**published, "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox",
+                           "torch_dtype": "float16"})
+    assert read.replace(name=preset, source=preset) == get_preset(preset)

@@ -84,6 +84,22 @@ _PHI3 = dict(model_type="phi3", architectures=["Phi3ForCausalLM"], vocab_size=32
              rope_theta=10000.0, rope_scaling=None, max_position_embeddings=4096,
              original_max_position_embeddings=4096, sliding_window=2047, tie_word_embeddings=False,
              hidden_act="silu", bos_token_id=1, eos_token_id=32000, pad_token_id=32000, torch_dtype="bfloat16")
+# microsoft/Phi-4-mini-instruct's config.json (its longrope lists: 48 factors each, one per rotated channel pair of
+# the 96 that partial_rotary_factor 0.75 turns of each 128-wide head; lm_head_bias, interpolate_factor and
+# full_attn_mod are keys its modeling code reads none of)
+_PHI4_MINI_LONG = [1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649,
+                   2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845,
+                   5.351743533, 5.984965424, 6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158,
+                   11.70738129, 13.09260651, 14.64173252, 16.37415215, 18.31155283, 20.47818807, 22.90118105,
+                   25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66, 32.7, 32.71,
+                   32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77]
+_PHI4_MINI = dict(model_type="phi3", architectures=["Phi3ForCausalLM"], vocab_size=200064, hidden_size=3072,
+                  intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
+                  attention_bias=False, hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
+                  partial_rotary_factor=0.75, max_position_embeddings=131072, original_max_position_embeddings=4096,
+                  rope_scaling={"type": "longrope", "short_factor": [1.0] * 48, "long_factor": _PHI4_MINI_LONG},
+                  sliding_window=262144, tie_word_embeddings=True, bos_token_id=199999, eos_token_id=200020,
+                  pad_token_id=199999, torch_dtype="bfloat16")
 
 
 def _sizes(hidden: int, ffn: int, layers: int, heads: int, kv: int, **kw) -> dict:
@@ -136,6 +152,8 @@ PUBLISHED: dict[str, tuple[dict, float, float]] = {
     # Phi-3's cards: mini 3.8B, medium 14B
     "phi-3-mini-4k": ({**_PHI3, **_sizes(3072, 8192, 32, 32, 32)}, 3.8e9, 5e7),
     "phi-3-medium-4k": ({**_PHI3, **_sizes(5120, 17920, 40, 40, 10)}, 14.0e9, 5e7),
+    # Phi-4-mini's card: 3.8B (3,836,021,760: the figure commonly quoted, and transformers' own count below)
+    "phi-4-mini": (_PHI4_MINI, 3836021760, 0),
     # OLMo 2's cards: 7B (7.30B) and 13B (13.7B)
     "olmo-2-7b": ({**_OLMO2, **_sizes(4096, 11008, 32, 32, 32)}, 7.3e9, 5e7),
     "olmo-2-13b": ({**_OLMO2, **_sizes(5120, 13824, 40, 40, 40)}, 13.7e9, 5e7),
@@ -214,10 +232,21 @@ def test_aliases_people_type():
                           "gemma-3-1b-pt": "gemma-3-1b", "gemma2-9b": "gemma-2-9b",
                           "SmolLM2-135M": "smollm2-135m", "granite-3.1-8b-instruct": "granite-3.1-8b",
                           "SmolLM3-3B": "smollm3-3b", "qwen3-30b-a3b": "qwen3-30b-a3b",
-                          "Qwen3-30B-A3B": "qwen3-30b-a3b"}.items():
+                          "Qwen3-30B-A3B": "qwen3-30b-a3b", "Phi-4-mini-instruct": "phi-4-mini",
+                          "phi4-mini": "phi-4-mini"}.items():
         assert get_preset(alias) is PRESETS[target]
     assert all(a == a.lower() and "/" not in a for a in ALIASES)  # a "/" reads as a path (looks_like_path)
     assert PRESET_SOURCES["qwen3-30b-a3b"] == "Qwen/Qwen3-30B-A3B"  # the HF id, where the other Qwen3 ids are
+
+
+def test_phi4_mini_rotates_96_of_128_channels_with_48_factors():
+    """Partial rotary: int(128 x 0.75) = 96 channels turn, so longrope's lists hold 48 factors; the parameters are
+    those of whole heads (RoPE has none), 3,836,021,760 in all, the embedding counted once (tied)."""
+    cfg = PRESETS["phi-4-mini"]
+    assert (cfg.head_dim, cfg.rotary_dim, cfg.partial_rotary) == (128, 96, True)
+    assert len(cfg.rope_scaling.short_factor) == len(cfg.rope_scaling.long_factor) == 48
+    assert config_to_hf(cfg)["partial_rotary_factor"] == 0.75
+    assert count_params(cfg).total == 3836021760 == count_params(cfg.replace(rotary_dim=0, rope_scaling=None)).total
 
 
 def test_qwen3_moe_active_parameters_are_the_cards():

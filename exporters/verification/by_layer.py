@@ -438,11 +438,13 @@ class LayerReference:
         import torch
 
         from llama_tools.modeling.model import norm as family_norm
+        from llama_tools.modeling.weights import weight_specs
 
         with torch.device("meta"):
             norm = family_norm(self.cfg)
-        norm.load_state_dict({"weight": self.reader.read(["model.norm.weight"])["model.norm.weight"].to(self.dtype)},
-                             assign=True)
+        names = [s.name for s in weight_specs(self.cfg) if s.component == "final_norm"]  # γ (and LayerNorm's β)
+        norm.load_state_dict({n.removeprefix("model.norm."): t.to(self.dtype) for n, t in
+                              self.reader.read(names).items()}, assign=True)
         with torch.no_grad():
             return norm(z)
 

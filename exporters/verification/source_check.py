@@ -32,6 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from llama_tools.modeling import dtypes
+from llama_tools.modeling.families import FAMILIES
 from llama_tools.outputs.progress import Progress, bound_heap, release_freed_memory, silent
 
 from .by_layer import EMBEDDING, HEAD, BlockResult, LayerReference, per_channel
@@ -134,7 +135,6 @@ def _library(source: Any) -> tuple[Any, Any, str] | str:
     except ImportError:
         return "accelerate is not installed (transformers needs it to build a model without its weights)"
     from llama_tools.checkpoints.config_files import config_to_hf
-    from llama_tools.modeling.families import FAMILIES
 
     cfg = source.cfg
     if getattr(source, "kind", None) == "checkpoint" and source.path is not None:
@@ -313,8 +313,9 @@ def check_source(source: Any, rows: list[list[int]], *, seed: int = 0, progress:
             report.blocks.append(BlockResult(block, j, [check]))
 
     model = stream.model
-    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    embed, layers, final_norm = model.get_input_embeddings(), inner.layers, inner.norm
+    base, stack, last = FAMILIES[ref.cfg.family].hf_modules  # model.layers, gpt_neox.layers, transformer.h, ...
+    inner = getattr(model, base)
+    embed, layers, final_norm = model.get_input_embeddings(), getattr(inner, stack), getattr(inner, last)
 
     def embed_pre(m: Any, args: tuple) -> tuple:
         return (torch.from_numpy(state["inverse"]),) + tuple(args[1:])  # the rows the batch uses, gathered once

@@ -16,7 +16,8 @@ from typing import Any
 from ..modeling import dtypes
 from ..modeling.config import INT64_MAX, LAYER_LIST_LIMIT, ROPE_FACTOR_LIMIT, SIZE_LIMITS, ModelConfig, RopeScaling
 from ..modeling.families import FAMILIES, FULL, HF_NAMES, ROPE_KEYS, ROPE_TYPE_KEYS, SLIDING, UNMODELLED_KEYS
-from ..modeling.rope import SUPPORTED_SCALING, longrope_attention_factor, yarn_attention_factor
+from ..modeling.rope import (PARTIAL_ROTARY_KEYS, SUPPORTED_SCALING, check_partial_rotary, longrope_attention_factor,
+                             partial_rotary_factor, yarn_attention_factor)
 from .formats import FORMATS
 from .header_readers import MAX_HEADER_BYTES, json_object, open_regular, real_path
 from ..modeling.presets import get_preset
@@ -253,6 +254,8 @@ def _rope(data: dict[str, Any], path: Path, family: str,
         return theta, scaling, local
     if not isinstance(params, dict):
         raise ValueError(f"{path}: field 'rope_parameters' must be an object, got {_got(params)}")
+    if _partial_rotary_key(family):  # 5.x keeps partial_rotary_factor here: read by _rotary_dim, not a scaling's
+        params = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
     if params and set(params) <= {FULL, SLIDING}:  # one entry per layer type
         if "layer_types" not in keys:
             raise ValueError(f"{path}: field 'rope_parameters' gives RoPE per layer type, and a {family} model's "
@@ -365,6 +368,29 @@ def _rope_layers(data: dict[str, Any], path: Path, layers: int) -> tuple[bool, .
         raise ValueError(f"{path}: field 'no_rope_layers' must list 1 (RoPE) or 0 (none) for each of the {layers:,} "
                          f"layers, got {got}")
     return tuple(bool(x) for x in raw)
+
+
+def _partial_rotary_key(family: str) -> str | None:
+    """The config.json key that says the rotary width, when the family's transformers code reads one (Phi-3's
+    partial_rotary_factor); None: whole heads rotate, and a factor below 1 is refused (UNMODELLED_KEYS)."""
+    return next((k for k in PARTIAL_ROTARY_KEYS if k in FAMILIES[family].hf_keys), None)
+
+
+def _rotary_dim(data: dict[str, Any], path: Path, family: str, head_dim: int) -> int:
+    """The rotary width int(n6 x factor) of a family that reads partial rotary (0 for the others: all of n6), the
+    factor from its top-level key (4.x) or rope_parameters.partial_rotary_factor (5.x); they must agree."""
+    key = _partial_rotary_key(family)
+    if key is None:
+        return 0
+    factor = data[key] if key in data else FAMILIES[family].hf_keys[key]
+    params = data.get("rope_parameters")
+    inner = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    if inner is not None:
+        if data.get(key) is not None and data[key] != inner:
+            raise ValueError(f"{path}: fields {key!r} ({_got(data[key])}) and 'rope_parameters.partial_rotary_factor' "
+                             f"({_got(inner)}) disagree; keep the one the model was trained with")
+        factor, key = inner, "rope_parameters.partial_rotary_factor"
+    return check_partial_rotary(factor, head_dim, str(path), key)
 
 
 def _check_head_width(hidden: int, heads: int, path: Path, keys: tuple[str, str]) -> None:
@@ -492,6 +518,8 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
         pad_token_id=None if data.get("pad_token_id") is None else _token_id(data, path, "pad_token_id", 0),
         torch_dtype=_stored_dtype(data, path),
     )
+    if not alibi:
+        kw["rotary_dim"] = _rotary_dim(data, path, family, head_dim or hidden // heads)
     kw.update(block)
     if "no_rope_layers" in keys:
         rotates = _rope_layers(data, path, layers)
@@ -525,7 +553,7 @@ def config_from_hf(data: dict[str, Any], path: Path | str = "config.json") -> Mo
 def _neox_block(data: dict[str, Any], path: Path, family: str, heads: int) -> tuple[int, int, dict[str, Any]]:
     """GPT-NeoX's and Falcon's block keys: (kv heads, n6 = 0 for n2 / n5, the ModelConfig fields they set).
 
-    GPT-NeoX: use_parallel_residual, layer_norm_eps, rotary_pct (whole heads only, for now). Falcon: new_decoder_architecture (grouped KV heads,
+    GPT-NeoX: use_parallel_residual, layer_norm_eps (rotary_pct is read as every partial rotary is). Falcon: new_decoder_architecture (grouped KV heads,
     ln_attn and ln_mlp unless num_ln_in_parallel_attn is 1), multi_query (one KV head), parallel_attn,
     layer_norm_epsilon, ffn_hidden_size (4 n2 unless said); its `bias` is read with the other biases.
     """
@@ -535,12 +563,6 @@ def _neox_block(data: dict[str, Any], path: Path, family: str, heads: int) -> tu
     out: dict[str, Any] = {k: fam.defaults[k] for k in ("norm_kind", "gated_mlp")}
     if family == "gpt_neox":
         out["eps"] = _as_float(_get(data, "layer_norm_eps", keys["layer_norm_eps"]), path, "layer_norm_eps")
-        for key in ("rotary_pct", "partial_rotary_factor"):
-            pct = _as_float(_get(data, key, keys[key]), path, key)
-            if pct != 1.0:  # counted from transformers' module tree (UnknownArchitecture), refused elsewhere
-                raise UnknownArchitecture(f"{path}: field {key!r} is {pct!r}; llama-tools rotates whole heads and "
-                                          f"does not compute a partial rotary for gpt_neox yet (rotary_pct 1.0 "
-                                          f"only)", data, path)
         out["parallel_residual"] = flag("use_parallel_residual")
         return heads, 0, out
     hidden = _as_int(_require(data, path, "hidden_size"), path, "hidden_size")
@@ -750,6 +772,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             d[key] = getattr(cfg, key)
     if "attention_multiplier" in keys:  # Granite's code multiplies by it, its default 1: never left out
         d["attention_multiplier"] = cfg.score_scale
+    for key in PARTIAL_ROTARY_KEYS:  # written even at 1: a family's default may be another (GPT-NeoX's 0.25)
+        if key in keys and cfg.position_encoding == "rope":
+            d[key] = partial_rotary_factor(cfg)
     if cfg.family in ("gpt_neox", "falcon"):
         _neox_block_to_hf(cfg, d)
     return d
@@ -769,7 +794,7 @@ def _neox_block_to_hf(cfg: ModelConfig, d: dict[str, Any]) -> None:
             raise ValueError(f"config {cfg.name!r}: GPT-NeoX has one K/V head per query head, MLP biases, two norms "
                              f"a layer and attention biases on all or none; this config cannot be written as gpt_neox")
         d.update(layer_norm_eps=cfg.rms_norm_eps, rotary_emb_base=cfg.rope_theta,
-                 use_parallel_residual=parallel, rotary_pct=1.0, partial_rotary_factor=1.0)
+                 use_parallel_residual=parallel)
         return
     if not cfg.qkv_bias == cfg.o_bias == cfg.mlp_bias:
         raise ValueError(f"config {cfg.name!r}: Falcon's `bias` puts biases on every Linear or on none")

@@ -66,6 +66,7 @@ def meta_params(cfg: ModelConfig) -> dict[str, Any]:
         ("ALiBi", cfg.position_encoding != "rope"), ("mixture of experts", cfg.is_moe),
         ("a sliding window", cfg.sliding_window is not None),
         ("head_dim != hidden_size / num_attention_heads", cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size),
+        (f"partial rotary (RoPE on {cfg.rotary_dim} of {cfg.head_dim} channels)", cfg.partial_rotary),
         ("rope_scaling other than llama3 x8", cfg.rope_scaling is not None and (
             cfg.rope_scaling.type != "llama3" or cfg.rope_scaling.factor != 8.0)),
     ) if bad]

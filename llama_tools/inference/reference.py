@@ -131,12 +131,12 @@ def reference_memory(cfg: ModelConfig, batch: int, seq: int, steps: int = 0, str
     layer_act = batch * seq * (8 * n2 + 3 * n7 + 3 * cfg.num_attention_heads * total)
     activations = (layer_act + batch * seq * n1) * f32
     kv = 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * total * cfg.head_dim * f32
-    # RoPE cos and sin [length, n6/2], twice with a local base (Gemma 3): the plain model's cover max_position_embeddings,
+    # RoPE cos and sin [length, rotary_dim/2], twice with a local base (Gemma 3): the plain model's cover max_position_embeddings,
     # the streamed reference's grow by doubling from 256 as far as asked (StreamedReference.tables).
     length = cfg.max_position_embeddings if not streamed else \
         max(min(cfg.max_position_embeddings, max(256, 2 * total)), total)
     pairs = 0 if cfg.position_encoding != "rope" else 2 if cfg.rope_local_theta is not None else 1
-    tables = pairs * 2 * length * (cfg.head_dim // 2) * f32
+    tables = pairs * 2 * length * (cfg.rotary_dim // 2) * f32
     return ReferenceMemory(weights, head, activations, kv, tables, streamed)
 
 

@@ -125,6 +125,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     rope_layout: RopeLayout = HALF  # the q/k row order of the weights (rope.py)
+    # Partial rotary (Phi-4-mini, GPT-NeoX): RoPE turns the first rotary_dim channels of each q/k head, the rest pass
+    # through; 0 means n6 (every channel). transformers: int(n6 * partial_rotary_factor) (rope.rotary_dim_of).
+    rotary_dim: int = 0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: q/k/v projections carry biases
@@ -174,10 +177,13 @@ class ModelConfig:
         self.validate()
 
     def _derivations(self) -> dict[str, int]:
-        """Sizes a config may leave at 0, and what they are then: kv heads = n5, n6 = n2 / n5, expert width = n7."""
+        """Sizes a config may leave at 0, and what they are then: kv heads = n5, n6 = n2 / n5, expert width = n7,
+        the rotary width n6 (whole heads rotate)."""
+        head_dim = self.head_dim or self.hidden_size // max(self.num_attention_heads, 1)
         return {"num_key_value_heads": self.num_attention_heads,
                 "head_dim": self.hidden_size // max(self.num_attention_heads, 1),
-                "moe_intermediate_size": self.intermediate_size if self.num_experts else 0}
+                "moe_intermediate_size": self.intermediate_size if self.num_experts else 0,
+                "rotary_dim": head_dim if isinstance(head_dim, int) else 0}
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that makes no sense."""
@@ -199,6 +205,11 @@ class ModelConfig:
             raise ValueError(f"{where}: position_encoding must be 'rope' or 'alibi', got {self.position_encoding!r}")
         if self.position_encoding == "rope" and self.head_dim % 2:
             raise ValueError(f"{where}: head_dim {self.head_dim} must be even for RoPE")
+        r = self.rotary_dim
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 < r <= self.head_dim or (
+                r % 2 and self.position_encoding == "rope"):
+            raise ValueError(f"{where}: field rotary_dim (partial_rotary_factor x head_dim) must be an even integer "
+                             f"in 2..head_dim ({self.head_dim}), got {r!r}")
         if self.rope_layout not in ROPE_LAYOUTS:
             raise ValueError(f"{where}: rope_layout must be one of {ROPE_LAYOUTS}, got {self.rope_layout!r}")
         if self.family not in FAMILIES:
@@ -224,9 +235,9 @@ class ModelConfig:
             self.rope_scaling.validate(where)
             for f in ("short_factor", "long_factor"):
                 v = getattr(self.rope_scaling, f)
-                if v is not None and len(v) != self.head_dim // 2:
-                    raise ValueError(f"{where}: field rope_scaling.{f} must hold head_dim / 2 = {self.head_dim // 2} "
-                                     f"numbers, got {len(v)}")
+                if v is not None and len(v) != self.rotary_dim // 2:
+                    raise ValueError(f"{where}: field rope_scaling.{f} must hold rotary_dim / 2 = "
+                                     f"{self.rotary_dim // 2} numbers (one per rotated channel pair), got {len(v)}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"{where}: hidden_act must be one of {', '.join(ACTIVATIONS)}, got {self.hidden_act!r}")
         if self.norm_kind not in NORM_KINDS:
@@ -270,6 +281,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def partial_rotary(self) -> bool:
+        """Whether RoPE turns only the first rotary_dim channels of each q/k head (the rest pass through)."""
+        return self.rotary_dim < self.head_dim
 
     def slides(self, j: int) -> bool:
         """Whether layer j attends through the sliding window (every layer when layer_types is None)."""

@@ -109,10 +109,12 @@ _OLMO2_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-5
                "head_dim": None, "num_key_value_heads": None, "max_position_embeddings": 2048,
                "tie_word_embeddings": False, "attention_bias": False}
 # Phi-3 (and 3.5): Llama's block stored packed (qkv_proj, gate_up_proj: formats.py), a window where the config says,
-# longrope's short and long factors past original_max_position_embeddings; partial rotary (Phi-4-mini) is refused.
+# longrope's short and long factors past original_max_position_embeddings, partial rotary (Phi-4-mini: RoPE on the
+# first int(n6 x partial_rotary_factor) channels of each head, rope.py).
 _PHI3_KEYS = {"rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-5, "hidden_act": "silu",
               "head_dim": None, "num_key_value_heads": None, "max_position_embeddings": 4096,
-              "original_max_position_embeddings": 4096, "tie_word_embeddings": False, "sliding_window": None}
+              "original_max_position_embeddings": 4096, "tie_word_embeddings": False, "sliding_window": None,
+              "partial_rotary_factor": 1.0}
 # Qwen3-MoE: Qwen3's attention (q/k norm per head; n6 = n2 / n5 unless head_dim is given: its config class has no
 # head_dim of its own) with routed experts in every layer, softmax then top-k, renormalized when norm_topk_prob.
 # decoder_sparse_step and mlp_only_layers (dense layers among the sparse ones) are read and refused unless every

@@ -43,10 +43,10 @@ class MemoryNeed:
 
 
 def rope_table_bytes(cfg: ModelConfig) -> int:
-    """Building model.rope_cache: float64 angles, cos and sin of [max_pos, n6/2], kept as fp32 (32 B a cell)."""
+    """Building model.rope_cache: float64 angles, cos and sin of [max_pos, rotary_dim/2], kept as fp32 (32 B a cell)."""
     if cfg.position_encoding != "rope":
         return 0
-    return 32 * cfg.max_position_embeddings * (cfg.head_dim // 2)
+    return 32 * cfg.max_position_embeddings * (cfg.rotary_dim // 2)
 
 
 def kv_cache_bytes(cfg: ModelConfig, tokens: int, batch: int, dtype: str) -> int:

@@ -99,8 +99,9 @@ def rope_cache(cfg: ModelConfig, device: torch.device | str | None = None,
                dtype: torch.dtype = torch.float32, local: bool = False,
                length: int | None = None, seq_len: int | None = None,
                rotation_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos(i θ̄_t), sin(i θ̄_t) for every position i < max_position_embeddings (or `length`): [max_pos, n6/2], fp32
-    (or `dtype`); times yarn's or longrope's attention factor, as transformers scales them.
+    """cos(i θ̄_t), sin(i θ̄_t) for every position i < max_position_embeddings (or `length`): [max_pos, r/2] with r
+    the rotary width (n6, or rotary_dim under partial rotary), fp32 (or `dtype`); times yarn's or longrope's
+    attention factor, as transformers scales them.
 
     local: the sliding layers' tables (Gemma 3: base rope_local_theta, no scaling).
     seq_len: the pass's length, for the scalings whose tables depend on it (dynamic, longrope: rope.py).
@@ -110,7 +111,7 @@ def rope_cache(cfg: ModelConfig, device: torch.device | str | None = None,
         cfg = cfg.replace(rope_theta=cfg.rope_local_theta, rope_scaling=None)
     inv_freq = torch.tensor(rope_inv_freq(cfg, seq_len), dtype=torch.float64, device=device)  # θ̄_t, t = 0, 2, ...
     pos = torch.arange(cfg.max_position_embeddings if length is None else length, dtype=torch.float64, device=device)
-    angles = torch.outer(pos, inv_freq)  # [max_pos, n6/2]: i θ̄_t
+    angles = torch.outer(pos, inv_freq)  # [max_pos, rotary_dim/2]: i θ̄_t
     scale = 1.0 if rotation_only else rope_attention_factor(cfg)
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
@@ -151,20 +152,26 @@ def rope(x: torch.Tensor, position_ids: torch.Tensor, cos_cache: torch.Tensor, s
     partner, negated first: x' = (-x1, x0, -x3, x2, ...) when interleaved (the paper, Meta), or
     (-x_{n6/2..}, x_{..n6/2}) in HF's half-split layout. Per pair (x0, x1) that is
     (x0 cos - x1 sin, x1 cos + x0 sin), written once below; the layout only picks the pairs.
-    x: [batch, heads, n3, n6]; position_ids: [batch, n3]; caches: [max_pos, n6/2] in fp32.
+    Partial rotary: the tables are r/2 wide for a rotary width r < n6 (rotary_dim); the first r channels of each
+    head rotate as above (pairs within them), the other n6 - r pass through unchanged (transformers' q[..., :r]).
+    x: [batch, heads, n3, n6]; position_ids: [batch, n3]; caches: [max_pos, r/2] in fp32.
     """
-    cos = cos_cache[position_ids].unsqueeze(1)  # ξ1's distinct values: [batch, 1, n3, n6/2]
-    sin = sin_cache[position_ids].unsqueeze(1)  # ξ2's: [batch, 1, n3, n6/2]
+    cos = cos_cache[position_ids].unsqueeze(1)  # ξ1's distinct values: [batch, 1, n3, r/2]
+    sin = sin_cache[position_ids].unsqueeze(1)  # ξ2's: [batch, 1, n3, r/2]
+    r = 2 * cos_cache.shape[-1]  # the rotary width: n6, or the first r channels of a partial rotary
     xf = wide(x)
+    xr, passed = (xf, None) if r == x.shape[-1] else (xf[..., :r], xf[..., r:])
     if interleaved:
-        x0, x1 = xf[..., 0::2], xf[..., 1::2]  # [batch, heads, n3, n6/2] each
+        x0, x1 = xr[..., 0::2], xr[..., 1::2]  # [batch, heads, n3, r/2] each
     else:
-        x0, x1 = xf.chunk(2, dim=-1)  # [batch, heads, n3, n6/2] each
+        x0, x1 = xr.chunk(2, dim=-1)  # [batch, heads, n3, r/2] each
     y0, y1 = x0 * cos - x1 * sin, x1 * cos + x0 * sin
     if interleaved:
-        out = torch.stack((y0, y1), dim=-1).flatten(-2)  # [..., n6/2, 2] -> [batch, heads, n3, n6]
+        out = torch.stack((y0, y1), dim=-1).flatten(-2)  # [..., r/2, 2] -> [batch, heads, n3, r]
     else:
-        out = torch.cat((y0, y1), dim=-1)  # [batch, heads, n3, n6]
+        out = torch.cat((y0, y1), dim=-1)  # [batch, heads, n3, r]
+    if passed is not None:
+        out = torch.cat((out, passed), dim=-1)  # [batch, heads, n3, n6]: the channels past r as they were
     return out.to(x.dtype)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from . import dtypes
 from .config import ModelConfig, RopeScaling
 from .families import FAMILIES, FULL, SLIDING
+from .rope import longrope_attention_factor
 
 FP16, BF16, FP32 = dtypes.FLOAT16.name, dtypes.BFLOAT16.name, dtypes.FLOAT32.name
 _LLAMA3_SCALING = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -88,6 +89,22 @@ _OLMO2 = dict(**_family("olmo2"), vocab_size=100352, rms_norm_eps=1e-6, rope_the
 _PHI3 = dict(**_family("phi3"), vocab_size=32064, max_position_embeddings=4096, sliding_window=2047,
              bos_token_id=1, eos_token_id=32000, pad_token_id=32000, torch_dtype=BF16)
 
+# Phi-4-mini: Phi-3's block (packed, SwiGLU) with 200,064 tied rows, GQA (24 query heads over 8), RoPE on the first
+# 96 of each head's 128 channels (partial_rotary_factor 0.75), longrope from 4,096 to 131,072 positions (48 short and
+# 48 long factors, one per rotated pair), and a window (262,144) past the context, so it never masks a key.
+_PHI4_MINI_LONG = (1, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817, 2.187582649,
+                   2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023, 4.785517845,
+                   5.351743533, 5.984965424, 6.693110555, 7.485043894, 8.370679318, 9.36110372, 10.4687158,
+                   11.70738129, 13.09260651, 14.64173252, 16.37415215, 18.31155283, 20.47818807, 22.90118105,
+                   25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66, 32.7, 32.71,
+                   32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77)
+_PHI4_MINI = dict(**_family("phi3"), vocab_size=200064, num_key_value_heads=8, rotary_dim=96,
+                  max_position_embeddings=131072, sliding_window=262144, tie_word_embeddings=True,
+                  rope_scaling=RopeScaling("longrope", factor=32.0, original_max_position_embeddings=4096,
+                                           attention_factor=longrope_attention_factor(32.0, 4096),
+                                           short_factor=(1.0,) * 48, long_factor=tuple(map(float, _PHI4_MINI_LONG))),
+                  bos_token_id=199999, eos_token_id=200020, pad_token_id=199999, torch_dtype=BF16)
+
 
 def _preset(name: str, *bases: dict[str, Any], **kw: Any) -> ModelConfig:
     """LLaMA-2's defaults (eps 1e-5, 4096 positions, fp16), then `bases`, then `kw`; `full_every` (Gemma 2/3) makes
@@ -104,6 +121,10 @@ def _preset(name: str, *bases: dict[str, Any], **kw: Any) -> ModelConfig:
         fields["rope_layers"] = tuple((j + 1) % every != 0 for j in range(fields["num_hidden_layers"]))
     return ModelConfig(name=name, source=name, **fields)
 
+# Pythia (GPT-NeoX): LayerNorms with biases, packed q/k/v with biases, a GELU MLP of 4 n2, attention and MLP in
+# parallel, RoPE on the first quarter of each head (rotary_pct 0.25), untied embed_out, 50,304 rows, bos = eos = 0.
+_PYTHIA = dict(**_family("gpt_neox"), vocab_size=50304, qkv_bias=True, o_bias=True, rms_norm_eps=1e-5,
+               parallel_residual=True, max_position_embeddings=2048, bos_token_id=0, eos_token_id=0, torch_dtype=FP16)
 # Falcon-7B: one input_layernorm feeding attention and MLP in parallel, multi-query (one KV head), no biases, a GELU
 # MLP of 4 n2, tied, 65,024 rows, bos = eos = 11.
 _FALCON_7B = dict(**_family("falcon"), vocab_size=65024, num_key_value_heads=1, rms_norm_eps=1e-5,
@@ -175,7 +196,10 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
     _preset("olmo-2-13b", _OLMO2, _sizes(5120, 13824, 40, 40)),
     _preset("phi-3-mini-4k", _PHI3, _sizes(3072, 8192, 32, 32)),
     _preset("phi-3-medium-4k", _PHI3, _sizes(5120, 17920, 40, 40, 10)),
+    _preset("phi-4-mini", _PHI4_MINI, _sizes(3072, 8192, 32, 24)),
     _preset("smollm3-3b", _SMOLLM3, _sizes(2048, 11008, 36, 16, 4)),
+    _preset("pythia-160m", _PYTHIA, _sizes(768, 3072, 12, 12), rotary_dim=16),  # n6 64, a quarter rotates
+    _preset("pythia-1b", _PYTHIA, _sizes(2048, 8192, 16, 8), rotary_dim=64),  # n6 256
     _preset("falcon-7b", _FALCON_7B, _sizes(4544, 18176, 32, 71)),
     # Small enough to build in a test: GQA (4 query heads over 2 KV heads), two layers.
     _preset("tiny", _sizes(64, 176, 2, 4, 2), vocab_size=512, max_position_embeddings=256, torch_dtype=FP32),
@@ -197,7 +221,8 @@ ALIASES = {
     "smollm3-3b-base": "smollm3-3b", "olmo-2-1124-7b": "olmo-2-7b", "olmo-2-1124-13b": "olmo-2-13b",
     "olmo2-7b": "olmo-2-7b", "olmo2-13b": "olmo-2-13b", "phi-3-mini-4k-instruct": "phi-3-mini-4k",
     "phi3-mini": "phi-3-mini-4k", "phi-3-mini": "phi-3-mini-4k", "phi-3-medium-4k-instruct": "phi-3-medium-4k",
-    "phi3-medium": "phi-3-medium-4k",
+    "phi3-medium": "phi-3-medium-4k", "phi-4-mini-instruct": "phi-4-mini", "phi4-mini": "phi-4-mini",
+    "phi-4-mini-3.8b": "phi-4-mini",
 }
 
 # Where each preset's numbers come from (its published config.json; the paper for its four).
@@ -223,7 +248,8 @@ PRESET_SOURCES = {
     "granite-3.1-8b": "ibm-granite/granite-3.1-8b-instruct", "smollm3-3b": "HuggingFaceTB/SmolLM3-3B",
     "olmo-2-7b": "allenai/OLMo-2-1124-7B", "olmo-2-13b": "allenai/OLMo-2-1124-13B",
     "phi-3-mini-4k": "microsoft/Phi-3-mini-4k-instruct", "phi-3-medium-4k": "microsoft/Phi-3-medium-4k-instruct",
-    "falcon-7b": "tiiuae/falcon-7b",
+    "phi-4-mini": "microsoft/Phi-4-mini-instruct",
+    "pythia-160m": "EleutherAI/pythia-160m", "pythia-1b": "EleutherAI/pythia-1b", "falcon-7b": "tiiuae/falcon-7b",
     "tiny": "built in: seeded weights and a tokenizer, for tests and the README",
 }
 

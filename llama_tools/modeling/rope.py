@@ -7,6 +7,11 @@ With a KV cache that means: a pass's new queries and keys are rotated with the t
 the keys already cached keep the rotation they were stored with (transformers' decode, step by step). A fixed
 table (an ONNX graph's, a GGUF's) cannot hold a table that depends on the pass: `fixed_tables_error` says so.
 
+Partial rotary (Phi-4-mini's partial_rotary_factor 0.75, GPT-NeoX's rotary_pct): the angles are those of a head of
+width rotary_dim = int(n6 x factor), base^(-t/rotary_dim), and only the first rotary_dim channels of each q/k head
+turn (in the row layout's pairs within them); the others pass through. transformers 4.57 computes every scaling's
+frequencies over that width (modeling_rope_utils: dim = int(head_dim * partial_rotary_factor)).
+
 The two q/k row layouts live in rope_layouts.py (config needs them too, below this module).
 """
 
@@ -18,6 +23,38 @@ from .config import ModelConfig
 
 SUPPORTED_SCALING = ("linear", "llama3", "yarn", "dynamic", "longrope")
 PER_PASS_SCALING = ("dynamic", "longrope")  # tables that depend on the pass's length
+
+
+# The config.json keys that say the rotary width, in the families whose transformers code reads them; a family that
+# reads both takes the first (transformers 4.57's GPTNeoXConfig sets partial_rotary_factor from rotary_pct).
+PARTIAL_ROTARY_KEYS = ("rotary_pct", "partial_rotary_factor")
+
+
+def rotary_dim_of(factor: float, head_dim: int) -> int:
+    """transformers' rotary width: int(head_dim * partial_rotary_factor), truncated as its rope init does."""
+    return int(head_dim * factor)
+
+
+def partial_rotary_factor(cfg: ModelConfig) -> float:
+    """The partial_rotary_factor a config.json says for cfg's rotary width: rotary_dim / n6, nudged up by an ulp
+    where the quotient times n6 rounds below rotary_dim (transformers truncates: 30 / 44 * 44 is 29.999...)."""
+    factor = cfg.rotary_dim / cfg.head_dim
+    while rotary_dim_of(factor, cfg.head_dim) < cfg.rotary_dim:
+        factor = math.nextafter(factor, 2.0)
+    return factor
+
+
+def check_partial_rotary(factor: object, head_dim: int, where: str, key: str = "partial_rotary_factor") -> int:
+    """The rotary width a partial_rotary_factor gives for heads of head_dim; a one-line ValueError naming KEY when
+    the factor is not a number in (0, 1] or the width is not even and > 0."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (math.isfinite(factor)
+                                                                               and 0 < factor <= 1):
+        raise ValueError(f"{where}: field {key!r} must be a number in (0, 1], got {factor!r}")
+    dim = rotary_dim_of(float(factor), head_dim)
+    if dim <= 0 or dim % 2:
+        raise ValueError(f"{where}: field {key!r} is {factor!r}: it rotates int({head_dim} x {factor!r}) = {dim} "
+                         f"channels of each head, and RoPE needs an even number > 0")
+    return dim
 
 
 def check_scaling_supported(cfg: ModelConfig) -> None:
@@ -96,12 +133,13 @@ def _yarn(inv: list[float], d: int, base: float, s) -> list[float]:  # noqa: ANN
 
 
 def rope_inv_freq(cfg: ModelConfig, seq_len: int | None = None) -> list[float]:
-    """θ̄_t = base^(-t/n6) for t = 0, 2, ..., n6-2 (the paper's bar-theta), after rope_scaling.
+    """θ̄_t = base^(-t/n6) for t = 0, 2, ..., n6-2 (the paper's bar-theta), after rope_scaling; with partial rotary
+    n6 is the rotary width (rotary_dim), as transformers computes them.
 
     seq_len: the pass's length (largest position + 1), which dynamic and longrope read; None: a pass within
     the original context (dynamic's unchanged base, longrope's short factors)."""
     check_scaling_supported(cfg)
-    d = cfg.head_dim
+    d = cfg.rotary_dim
     base = cfg.rope_theta
     s = cfg.rope_scaling
     if s is not None and s.type == "dynamic" and seq_len is not None:

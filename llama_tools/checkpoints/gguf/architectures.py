@@ -32,6 +32,10 @@ class GgufArchitecture:
     default_caps: tuple[float | None, float | None] = (None, None)
     no_rope_every: int = 0  # llama.cpp leaves layer j without RoPE when (j + 1) % this == 0 (no key says so)
     fused_gate_up: bool = False  # Phi-3's: q/k/v as one attn_qkv, gate and up as one ffn_up (gate first)
+    # llama.cpp rotates the first {arch}.rope.dimension_count channels of each head (its n_rot) and passes the rest
+    # through, as transformers' partial rotary does (Phi-4-mini); False: it refuses a width other than the head's
+    # (llama-model.cpp: "invalid n_rot" for llama), or the family computes whole heads only.
+    partial_rotary: bool = False
 
 
 # llama.cpp writes Mistral as "llama" and permutes its q/k rows to Meta's interleaved order (its rope type NORM);
@@ -53,7 +57,9 @@ ARCHITECTURES = {"llama": GgufArchitecture("llama", GGUF.rope_layout),
                  # HF's rows (rope type NEOX); its norms after attention and the FFN as Gemma 2/3's are named
                  "olmo2": GgufArchitecture("olmo2", HALF),
                  # HF's rows; gate_up_proj kept whole as ffn_up (llama.cpp's SwiGLU splits it: gate, then up)
-                 "phi3": GgufArchitecture("phi3", HALF, fused_gate_up=True)}
+                 # partial rotary: convert_hf_to_gguf writes int(partial_rotary_factor x n2) // n5 as
+                 # phi3.rope.dimension_count, and llama.cpp's phi3 turns that many channels (NEOX pairs within them)
+                 "phi3": GgufArchitecture("phi3", HALF, fused_gate_up=True, partial_rotary=True)}
 # Granite's multipliers: ModelConfig field -> the <arch>.* key llama.cpp reads it from (llama.cpp's names).
 GRANITE_KEYS = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                 "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}

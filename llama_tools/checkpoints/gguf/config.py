@@ -51,9 +51,12 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
     hidden, heads = get("embedding_length", int), get("attention.head_count", int)
     head_dim = get("attention.key_length", int, 0, required=False) or hidden // max(heads, 1)
     rotary = get("rope.dimension_count", int, head_dim, required=False)
-    if rotary != head_dim:
+    if rotary != head_dim and not a.partial_rotary:
         raise UnmodelledGguf(f"{path}: partial rotary ({arch}.rope.dimension_count {rotary} of head width "
                              f"{head_dim}) is not LLaMA's RoPE")
+    if not 0 < rotary <= head_dim or rotary % 2:  # llama.cpp's phi3: the first n_rot channels, NEOX pairs in them
+        raise ValueError(f"{path}: GGUF metadata {arch}.rope.dimension_count is {rotary}; it must be an even number "
+                         f"in 2..{head_dim} (the head width)")
     emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = get("vocab_size", int, None, required=False) or (int(emb.shape[-1]) if emb is not None else None) or (
@@ -131,7 +134,7 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         vocab_size=vocab, hidden_size=hidden, intermediate_size=get("feed_forward_length", int),
         num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=get("attention.head_count_kv", int, heads, required=False),
-        head_dim=head_dim if head_dim != hidden // max(heads, 1) else 0,
+        head_dim=head_dim if head_dim != hidden // max(heads, 1) else 0, rotary_dim=rotary if rotary != head_dim else 0,
         rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", float, 1e-5, required=False)),
         rope_theta=_f32(get("rope.freq_base", float, 10000.0, required=False)), rope_scaling=scaling,
         rope_layout=a.rope_layout, max_position_embeddings=get("context_length", int, 2048, required=False),

@@ -103,6 +103,8 @@ def check_config(cfg: ModelConfig) -> None:
           for f in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap")),
         *((f"{f} {getattr(cfg, f)!r} (GGUF's {arch} has none)", arch != "granite" and getattr(cfg, f) != family[f])
           for f in GRANITE_KEYS),
+        (f"partial rotary (RoPE on {cfg.rotary_dim} of {cfg.head_dim} channels; llama.cpp's {arch} turns whole heads)",
+         cfg.position_encoding == "rope" and cfg.partial_rotary and not a.partial_rotary),
         (f"{'these' if a.no_rope_every else 'any'} layers without RoPE (llama.cpp's {arch} leaves out "
          f"{f'every {a.no_rope_every}th' if a.no_rope_every else 'none'})", _rope_layers_differ(cfg, a)),
     ) if bad]
@@ -183,7 +185,7 @@ def _hparams(w: Any, cfg: ModelConfig, arch: str, a: GgufArchitecture) -> list[s
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(cfg.head_dim)  # llama.cpp's Gemma 2/3 converters always write them; readers derive n2/n5 else
     w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)  # whole heads rotate (check_config refuses nothing else here)
+    w.add_rope_dimension_count(cfg.rotary_dim)  # n6, or partial rotary's width where llama.cpp turns only that many
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     s = cfg.rope_scaling
@@ -349,7 +351,7 @@ def write_gguf(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str | Path
     odd = sorted({dtypes.get(state[p[0]].dtype).name for _, p, s, _ in plan if len(s) > 1} - set(FLOAT_TYPES))
     params = sum(math.prod(s) for _, _, s, _ in plan)
     if _llama3(cfg):  # llama.cpp's place for it: first
-        divisors = llama3_divisors(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling)  # type: ignore[arg-type]
+        divisors = llama3_divisors(cfg.rope_theta, cfg.rotary_dim, cfg.rope_scaling)  # type: ignore[arg-type]
         plan.insert(0, (ROPE_FREQS, (), (len(divisors),), "F32"))
     warnings = [f"{', '.join(odd)} matrices written as F32 (a GGUF's float types here: F32, F16, BF16)"] if odd else []
     if cfg.family in WRITTEN_AS:
