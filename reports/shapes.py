@@ -127,8 +127,9 @@ def _first_decoder_specs(cfg: ModelConfig) -> list[WeightSpec]:
     """weight_specs(cfg) without decoders 1..n8-1, built from a one-decoder copy (constant time in n8)."""
     n8 = cfg.num_hidden_layers
     specs = weight_specs(cfg.replace(num_hidden_layers=1))
-    # The one symbol outside the stack that names n8: the final norm's gain γ^{n8}.
-    return [dataclasses.replace(s, symbol=f"γ^{{{n8}}}") if s.component == "final_norm" and s.symbol == "γ^{1}"
+    # The symbols outside the stack that name n8: the final norm's gain γ^{n8} (and a LayerNorm's bias β^{n8}).
+    named = {"γ^{1}": f"γ^{{{n8}}}", "β^{1}": f"β^{{{n8}}}"}
+    return [dataclasses.replace(s, symbol=named[s.symbol]) if s.component == "final_norm" and s.symbol in named
             else s for s in specs]
 
 

@@ -40,12 +40,15 @@ def closed_form(cfg: ModelConfig) -> int:
     if cfg.num_experts:
         e7 = cfg.moe_intermediate_size
         ffn = cfg.num_experts * n2 + cfg.num_experts * 3 * n2 * e7  # router + experts
-    else:
+    elif cfg.gated_mlp:
         ffn = 3 * n2 * n7 + (2 * n7 + n2 if cfg.mlp_bias else 0)
+    else:  # GPT-NeoX, Falcon: up and down, no gate
+        ffn = 2 * n2 * n7 + (n7 + n2 if cfg.mlp_bias else 0)
     qk = (q + kv if cfg.qk_norm_whole else 2 * cfg.head_dim) if cfg.qk_norm else 0  # OLMo 2's over the projection
-    norms = 2 * n2 + (2 * n2 if cfg.sandwich_norms else 0) + qk  # OLMo 2: 2 (after only), as the 2 before
+    per_norm = 2 * n2 if cfg.norm_kind == "layer" else n2  # LayerNorm: γ and β
+    norms = per_norm * ((1 if cfg.shared_norm else 2) + (2 if cfg.sandwich_norms else 0)) + qk  # Falcon-7B: one
     decoder = attention + biases + ffn + norms
-    return n8 * decoder + n1 * n2 + n2 + (0 if cfg.tie_word_embeddings else n1 * n2)
+    return n8 * decoder + n1 * n2 + per_norm + (0 if cfg.tie_word_embeddings else n1 * n2)
 
 
 def full_table_count(cfg: ModelConfig) -> tuple[int, list[int]]:
