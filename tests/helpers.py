@@ -124,3 +124,20 @@ def finish_gguf(w: Any) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def genai_greedy(model_dir: str | Path, prompt: list[int], steps: int) -> list[int]:
+    """onnxruntime-genai's greedy tokens after `prompt` from the export in model_dir (its genai_config.json)."""
+    import numpy as np
+    import onnxruntime_genai as og
+
+    model = og.Model(str(model_dir))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + steps, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.array(prompt, dtype=np.int32))
+    got = []
+    while not gen.is_done():
+        gen.generate_next_token()
+        got.append(int(gen.get_next_tokens()[0]))
+    return got

@@ -27,7 +27,7 @@ from llama_tools.cli import cli  # noqa: E402
 from llama_tools.exporters.verification.parity import resolve_target  # noqa: E402
 from llama_tools.exporters.verification.verdict import parity_inputs, verify  # noqa: E402
 from config_cases import saved_model  # noqa: E402
-from helpers import add_llama_hparams, finish_gguf  # noqa: E402
+from helpers import genai_greedy, add_llama_hparams, finish_gguf  # noqa: E402
 from llama_tools.checkpoints.config_files import load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,20 +177,12 @@ def test_exports_pass_verify_parity_and_a_fault_is_named(family, graphs, graph):
 
 
 def test_onnxruntime_genai_runs_both_graphs_with_transformers_tokens(family, graphs):
-    og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai not installed (pip install '.[genai]')")
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai not installed (pip install '.[genai]')")
     _, _, hf = family
     prompt = IDS[0].tolist()
     want = hf.generate(IDS, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(IDS))[0, len(prompt):]
     for graph, path in graphs.items():
-        model = og.Model(str(path.parent))
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(prompt) + 6, do_sample=False)
-        gen = og.Generator(model, params)
-        gen.append_tokens(np.array(prompt, dtype=np.int32))
-        got = []
-        while not gen.is_done():
-            gen.generate_next_token()
-            got.append(int(gen.get_next_tokens()[0]))
+        got = genai_greedy(path.parent, prompt, 6)
         assert got == want.tolist(), graph
 
 

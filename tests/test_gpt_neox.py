@@ -28,6 +28,7 @@ from llama_tools.counting.accounting import count_params  # noqa: E402
 from llama_tools.inference.reference import StreamedReference  # noqa: E402
 from llama_tools.modeling.model import model_from_state  # noqa: E402
 from llama_tools.modeling.presets import get_preset  # noqa: E402
+from helpers import genai_greedy  # noqa: E402
 from neox_block import (IDS, SIZES, assert_logits_equal, build, far, greedy_ids, hf_greedy, one_line_error,  # noqa: E402
                         run)
 
@@ -179,21 +180,9 @@ def test_verify_source_agrees_with_transformers(case):
 
 
 def test_onnxruntime_genai_runs_the_graph_with_transformers_tokens(case, graph):
-    og = pytest.importorskip("onnxruntime_genai")
-    import numpy as np
-
+    pytest.importorskip("onnxruntime_genai")
     _, _, hf, _ = case
-    prompt = IDS[0].tolist()
-    model = og.Model(str(graph.parent))
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + 6, do_sample=False)
-    gen = og.Generator(model, params)
-    gen.append_tokens(np.array(prompt, dtype=np.int32))
-    got = []
-    while not gen.is_done():
-        gen.generate_next_token()
-        got.append(int(gen.get_next_tokens()[0]))
-    assert got == hf_greedy(hf, 6)
+    assert genai_greedy(graph.parent, IDS[0].tolist(), 6) == hf_greedy(hf, 6)
 
 
 def test_int4_round_to_nearest_works_and_the_measured_passes_are_refused(case, tmp_path):

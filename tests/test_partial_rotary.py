@@ -37,6 +37,7 @@ from llama_tools.cli import cli  # noqa: E402
 from llama_tools.modeling.config import ModelConfig  # noqa: E402
 from llama_tools.modeling.model import model_from_state  # noqa: E402
 from config_cases import saved_model  # noqa: E402
+from helpers import genai_greedy  # noqa: E402
 
 SIZES = dict(vocab_size=256, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=128,
              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_attention_heads=4,
@@ -289,20 +290,12 @@ def test_negative_a_reading_that_drops_the_factor_fails_the_source_check(case, g
 
 
 def test_onnxruntime_genai_runs_both_graphs_with_transformers_tokens(case, graphs):
-    og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai not installed (pip install '.[genai]')")
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai not installed (pip install '.[genai]')")
     _, _, hf, _ = case
     prompt = IDS[0].tolist()
     want = hf.generate(IDS, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(IDS))[0, len(prompt):]
     for graph, path in graphs.items():
-        model = og.Model(str(path.parent))
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(prompt) + 6, do_sample=False)
-        gen = og.Generator(model, params)
-        gen.append_tokens(np.array(prompt, dtype=np.int32))
-        got = []
-        while not gen.is_done():
-            gen.generate_next_token()
-            got.append(int(gen.get_next_tokens()[0]))
+        got = genai_greedy(path.parent, prompt, 6)
         assert got == want.tolist(), graph
 
 

@@ -186,18 +186,10 @@ def test_generate_and_onnxruntime_genai_give_transformers_greedy_tokens(case, tm
                                  "--max-new-tokens", "6", "-q", "--format", "json"])
     assert r.exit_code == 0, r.output[-800:]
     assert json.loads(r.output)["new_ids"] == want
-    og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai not installed (pip install '.[genai]')")
-    import numpy as np
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai not installed (pip install '.[genai]')")
+    from helpers import genai_greedy
 
     out = tmp_path / "model.onnx"
     r = CliRunner().invoke(cli, ["export", "onnx", str(d), "-o", str(out), "-q"])
     assert r.exit_code == 0, r.output[-800:]
-    params = og.GeneratorParams(model := og.Model(str(tmp_path)))
-    params.set_search_options(max_length=IDS.shape[1] + 6, do_sample=False)
-    gen = og.Generator(model, params)
-    gen.append_tokens(np.array(IDS[0].tolist(), dtype=np.int32))
-    got = []
-    while not gen.is_done():
-        gen.generate_next_token()
-        got.append(int(gen.get_next_tokens()[0]))
-    assert got == want
+    assert genai_greedy(tmp_path, IDS[0].tolist(), 6) == want
