@@ -60,13 +60,14 @@ from llama_tools.outputs import paths
 from llama_tools.modeling.config import ModelConfig
 from llama_tools.modeling.model import layer_tables, rope_tables_of
 from llama_tools.outputs.progress import Progress, peak_rss_bytes, silent
+from llama_tools.modeling.rope import context_length, per_pass
 from llama_tools.modeling.rope_layouts import INTERLEAVED
 from llama_tools.checkpoints.source import ModelSource, resolve
 from llama_tools.modeling.weights import weight_specs
 
-from . import rope_ops
+from . import rope_ops, rope_tables
 from .graph_io import GQA, MS_DOMAIN, io_names
-from .onnx_export import META, TABLE_NAMES, ExportResult, check_fixed_tables, real_weights, save_model, set_metadata
+from .onnx_export import META, TABLE_NAMES, ExportResult, real_weights, save_model, set_metadata
 from .onnx_save import Rows
 from .preflight import DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD_BYTES, check_args
 
@@ -215,6 +216,12 @@ def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
     # layers have their own pair.
     table_dtype = torch.float32 if rope_ops.get_rope_op(rope_op).fp32_tables else dtype
     tables = [g.weight(name, t.to(table_dtype)) for name, t in zip(TABLE_NAMES, rope_tables_of(cfg))]
+    if per_pass(cfg):  # dynamic, longrope: (cos, sin) computed from each pass's length (rope_tables.py)
+        computed = rope_tables.pass_tables(cfg, position_ids, mask, _IR[table_dtype])
+        g.nodes += computed.nodes
+        g.initializers += computed.initializers
+        g.initializers = [v for v in g.initializers if v not in tables[:2]]
+        tables[:2] = [computed.cos, computed.sin]
 
     # --- Embedding, then the layers ----------------------------------------------------------------------------
     embed = stored("model.embed_tokens.weight")  # [n1, n2]
@@ -485,7 +492,13 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
 
 def default_rope_op(cfg: ModelConfig) -> str:
     """The fused graph's RoPE: GQA's own rotary where its head size allows (no node of ours: SmolLM2-135M's int4
-    decoded at 11.6 ms a token against 14.5 with our node, onnxruntime-genai, one thread), else our node."""
+    decoded at 11.6 ms a token against 14.5 with our node, onnxruntime-genai, one thread), else our node.
+
+    dynamic and longrope (tables computed per pass): our node. GQA's rotary turns a key by its cache slot, so a
+    left-padded row's keys carry its padding's turn at the tables of the pass that stored them; once the tables
+    change between passes the padding no longer cancels (exact only on rows without left padding)."""
+    if per_pass(cfg):
+        return rope_ops.OURS.name
     return rope_ops.IN_ATTENTION.name if rope_ops.in_attention_refusal(cfg.head_dim, cfg.rotary_dim) is None \
         else rope_ops.OURS.name
 
@@ -516,7 +529,6 @@ def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rop
     torch_dtype = dtypes.to_torch(dt.name)
     if isinstance(source, (str, Path)):
         source = resolve(source)
-    check_fixed_tables(source if isinstance(source, ModelConfig) else source.cfg)
     if isinstance(source, ModelSource) and source.weights is not None:  # a checkpoint: read when written
         from llama_tools.inference.reference import open_reader
 
@@ -558,14 +570,15 @@ def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rop
 
 
 def _static_length(static_kv: bool | int, cfg: ModelConfig) -> int | None:
-    """static_kv False -> None; True -> max_position_embeddings; an int -> that many slots."""
+    """static_kv False -> None; True -> the model's context (rope.context_length); an int -> that many slots."""
     if static_kv is False or static_kv is None:
         return None
+    context = context_length(cfg)  # max_position_embeddings (fixed RoPE tables end there), dynamic NTK's x factor
     if static_kv is True:
-        return cfg.max_position_embeddings
-    if not isinstance(static_kv, int) or not 1 <= static_kv <= cfg.max_position_embeddings:
-        raise ValueError(f"static_kv (max_length) must be an int in 1..{cfg.max_position_embeddings} "
-                         f"(max_position_embeddings: the RoPE tables end there), got {static_kv!r}")
+        return context
+    if not isinstance(static_kv, int) or not 1 <= static_kv <= context:
+        raise ValueError(f"static_kv (max_length) must be an int in 1..{context} "
+                         f"(the model's context: fixed RoPE tables end there), got {static_kv!r}")
     return static_kv
 
 

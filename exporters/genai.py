@@ -32,6 +32,7 @@ from typing import Any
 
 from llama_tools.outputs import files
 from llama_tools.modeling.config import ModelConfig
+from llama_tools.modeling.rope import context_length
 from llama_tools.checkpoints.config_files import config_to_hf
 from llama_tools.checkpoints.header_readers import json_object, open_regular
 from llama_tools.checkpoints.source_files import (
@@ -41,6 +42,23 @@ from llama_tools.checkpoints.tokenizer import JsonTokenizer, find_tokenizer, kin
 from llama_tools.checkpoints.tokenizer_files import sentencepiece_files
 
 GENAI_TYPE = "llama"  # genai's model type: picks its decoder-only pipeline; our I/O names are the same for every family
+
+
+def switch_note(cfg: ModelConfig) -> str | None:
+    """One line for a Phi-3 with longrope, whose transformers generate differs from onnxruntime-genai's at the switch."""
+    s = cfg.rope_scaling
+    if cfg.family != "phi3" or s is None or s.type != "longrope":
+        return None
+    # transformers 4.57's Phi3ForCausalLM.prepare_inputs_for_generation drops the cache when the sequence first
+    # passes the original context and re-runs it whole, but with cache_position holding only the last position, so
+    # that run's mask is one query row's: every token then sees every other. genai's type "phi3" re-runs it causally
+    # at 4097 tokens (written into generators.cpp). Neither is the model's forward calls with a cache; "llama" keeps
+    # the cache, as those do, and as `verify parity` checks.
+    return (f"genai_config.json: onnxruntime-genai keeps the KV cache through longrope's switch at "
+            f"{s.original_max_position_embeddings + 1} tokens (type {GENAI_TYPE}), as transformers' forward calls "
+            f"with a cache do; transformers' Phi-3 generate re-runs the sequence there instead")
+
+
 FILES = ("config.json", "generation_config.json", "genai_config.json")
 
 
@@ -116,8 +134,9 @@ def genai_config(cfg: ModelConfig, *, filename: str = "model.onnx", share_buffer
         "num_hidden_layers": cfg.num_hidden_layers,
         "num_key_value_heads": cfg.num_key_value_heads,
     }
-    # The RoPE tables in the graph have max_position_embeddings rows: no position beyond them exists.
-    context = cfg.max_position_embeddings
+    # Fixed RoPE tables have max_position_embeddings rows: no position beyond them exists. dynamic NTK's are computed
+    # from each pass's length, past it up to max_position_embeddings x factor (rope.context_length).
+    context = context_length(cfg)
     search = {"diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
               "max_length": context, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
               "num_return_sequences": 1, "past_present_share_buffer": share_buffer,
@@ -311,6 +330,7 @@ def plan_client_files(onnx_path: str | Path, cfg: ModelConfig | None = None, *,
     side = _source_folder(source)
     said = read_source_files(side, cfg.vocab_size)
     warnings = list(said.warnings)
+    warnings += [note for note in [switch_note(cfg)] if note]
     ids, invented = client_ids(cfg, said)
     gconfig = genai_config(cfg, filename=dest.name, share_buffer=share_buffer, provider=provider, ids=ids,
                            sampling=said.generation)

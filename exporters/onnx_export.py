@@ -25,12 +25,12 @@ from llama_tools.outputs import files, paths
 from llama_tools.modeling.config import ModelConfig
 from llama_tools.checkpoints.loading import load_model
 from llama_tools.modeling.model import Llama, rope_tables_of
-from llama_tools.modeling.rope import fixed_tables_error
+from llama_tools.modeling.rope import per_pass
 from llama_tools.outputs.progress import Progress, peak_rss_bytes, silent
 from llama_tools.checkpoints.source import ModelSource, resolve
 from llama_tools.modeling.weights import weight_specs
 
-from . import onnx_save, rope_ops
+from . import onnx_save, rope_ops, rope_tables
 from .preflight import EXTERNAL_DATA_THRESHOLD_BYTES, check_args
 from .graph_meta import META, ExportMetadata, read_metadata  # noqa: F401  (re-exported: readable without torch)
 
@@ -154,13 +154,6 @@ def save_model(model: ir.Model, output: Path, threshold: int, check: bool, progr
 
 # --- The entry points ----------------------------------------------------------------------------------------
 
-def check_fixed_tables(cfg: ModelConfig) -> None:
-    """One line when cfg's RoPE tables depend on the pass's length (dynamic, longrope): a graph holds fixed ones."""
-    why = fixed_tables_error(cfg, "an ONNX graph")
-    if why:
-        raise ValueError(why)
-
-
 def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | Path, *, dtype: Any = "float32",
                 rope_op: str = rope_ops.OURS.name, opset: int | None = None, seed: int = 0, check: bool = True,
                 external_data_threshold_bytes: int = EXTERNAL_DATA_THRESHOLD_BYTES,
@@ -179,7 +172,6 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     paths.check_output_path(output.parent / (output.name + ".data"))
     if isinstance(source, (str, Path)):
         source = resolve(source)
-    check_fixed_tables(source if isinstance(source, ModelConfig) else source.cfg)
     torch_dtype = dtypes.to_torch(dt.name)
     streamed = isinstance(source, ModelSource) and source.weights is not None
     if streamed:  # a checkpoint: each weight is read from its file when it is written, one at a time
@@ -201,6 +193,9 @@ def export_onnx(source: ModelSource | ModelConfig | Llama | str, output: str | P
     if cfg.position_encoding == "rope":
         tables = {name: t.to(table_dtype(torch_dtype, rope_op))
                   for name, t in zip(TABLE_NAMES, rope_tables_of(cfg))}
+    if per_pass(cfg):  # dynamic, longrope: the graph computes each pass's (cos, sin) (rope_tables.py)
+        hidden = rope_tables.replace_fixed_tables(graph, cfg, hidden)
+        tables = {name: t for name, t in tables.items() if name not in rope_tables.TABLES}  # local ones stay
     lazy = _checkpoint_source(reader, cfg, hidden, tables, folded) if streamed else None
     if not streamed:
         _apply_weights(program, hidden, {**state, **tables}, folded)

@@ -16,7 +16,6 @@ from llama_tools.modeling import dtypes
 from llama_tools.outputs import paths
 from llama_tools.outputs.progress import release_freed_memory
 from llama_tools.checkpoints.source import MAX_RANDOM_INIT_BYTES, ModelSource
-from llama_tools.modeling.rope import fixed_tables_error
 
 from . import rope_ops
 
@@ -48,9 +47,6 @@ def check_output(source: ModelSource, output: str | Path, *, dtype: str = "float
     the weights need a .data file beside the graph; less free space than the weights take; a tokenizer the
     export would use that is not usable (check_tokenizer).
     """
-    why = fixed_tables_error(source.cfg, "an ONNX graph")
-    if why:
-        raise ValueError(why)
     given = Path(output)
     # "-" is standard output; the exporters want a path that stats (/dev/stdout, written through fd 1)
     output = Path("/dev/stdout") if str(given) == "-" else paths.resolve_output(given)

@@ -7,8 +7,8 @@ must equal transformers' eager fp32 logits (relative RMS <= 1e-4, argmax whereve
 past the original context, where each variant changes the model (the same weights without the scaling are far off:
 the positions tested are ones the variant decides). dynamic and longrope pick their tables from the pass's length, as
 transformers' RotaryEmbedding does at every forward call; a KV-cache decode step by step through the original
-context is compared to transformers' own decode with its cache. A graph holds one fixed table: their export is
-refused in one line. Negative cases: yarn with its attention factor dropped is far off, in the model and through
+context is compared to transformers' own decode with its cache. Their graphs compute the tables from each pass's
+length (tests/test_pass_length_rope.py). Negative cases: yarn with its attention factor dropped is far off, in the model and through
 `verify parity` (a graph exported so fails against the checkpoint).
 """
 
@@ -314,12 +314,12 @@ def test_a_graph_without_yarns_attention_factor_fails_verify(yarn_source, tmp_pa
 
 @pytest.mark.parametrize("name", ["dynamic", "longrope"])
 @pytest.mark.parametrize("graph", ["plain", "fused"])
-def test_pass_dependent_variants_are_refused_by_the_export_in_one_line(name, graph, tmp_path):
+def test_pass_dependent_variants_export_with_tables_computed_in_the_graph(name, graph, tmp_path):
+    """No longer refused: the graph computes each pass's tables from its length (tests/test_pass_length_rope.py
+    compares them with transformers through the switch)."""
     hf_checkpoint(name, tmp_path / "src")
-    with pytest.raises(ValueError) as e:
-        (export_onnx if graph == "plain" else export_fused)(str(tmp_path / "src"), tmp_path / "model.onnx")
-    assert f"rope_scaling type {name!r}" in str(e.value) and "\n" not in str(e.value)
-    assert not (tmp_path / "model.onnx").exists()
+    result = (export_onnx if graph == "plain" else export_fused)(str(tmp_path / "src"), tmp_path / "model.onnx")
+    assert result.path.is_file()
 
 
 # --- GGUF: yarn in and out as llama.cpp keeps it; dynamic and longrope have no llama.cpp keys here ---------------

@@ -25,6 +25,7 @@ import numpy as np
 from llama_tools.modeling import dtypes
 from llama_tools.outputs import files
 from llama_tools.outputs.progress import Progress, silent
+from llama_tools.modeling.rope import context_length
 from llama_tools.modeling.rope_layouts import HALF, INTERLEAVED
 from llama_tools.checkpoints.source import ModelSource, resolve
 from llama_tools.checkpoints.tokenizer import check_vocab
@@ -135,9 +136,9 @@ def check_inputs(prompts: list[list[int]], steps: int, target: ParityTarget) -> 
     for p in prompts:
         check_vocab(p, cfg.vocab_size, "prompt")
     longest = max((len(p) for p in prompts), default=len(max(default_prompts(cfg.vocab_size, 0), key=len)))
-    if longest + steps > cfg.max_position_embeddings:
+    if longest + steps > context_length(cfg):  # dynamic NTK: max_position_embeddings x factor
         raise ValueError(f"prompt of {longest} tokens + --steps {steps} exceeds the model's context of "
-                         f"{cfg.max_position_embeddings} positions; use fewer steps or a shorter prompt")
+                         f"{context_length(cfg)} positions; use fewer steps or a shorter prompt")
     static = target.meta.static_kv if target.meta is not None else None
     if static is not None and longest + steps > static:
         raise ValueError(f"prompt of {longest} tokens + --steps {steps} exceeds {target.onnx_path}'s static KV "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llama_tools.modeling.config import ModelConfig
+from llama_tools.modeling.rope import context_length
 from llama_tools.checkpoints.source import ModelSource, resolve
 
 from ..graph_meta import INT4_OP, check_int4_graph, has_our_metadata, is_int4, read_metadata
@@ -28,19 +29,19 @@ class Room:
 
     @property
     def positions(self) -> int:
-        return min(self.cfg.max_position_embeddings, self.static_kv or self.cfg.max_position_embeddings)
+        return min(context_length(self.cfg), self.static_kv or context_length(self.cfg))
 
     @property
     def what(self) -> str:
-        if self.static_kv is not None and self.static_kv < self.cfg.max_position_embeddings:
+        if self.static_kv is not None and self.static_kv < context_length(self.cfg):
             return f"{self.where}'s static KV buffer of {self.static_kv} positions"
-        return f"the model's context of {self.cfg.max_position_embeddings} positions"
+        return f"the model's context of {context_length(self.cfg)} positions"
 
     def check(self, prompt: int, steps: int) -> None:
         """A prompt of `prompt` tokens and `steps` decode steps fit, or one line saying by how much they do not."""
         if prompt + steps > self.positions:
             fits = f"give --steps <= {self.positions - prompt}" if prompt < self.positions else "give a shorter prompt"
-            if self.positions < self.cfg.max_position_embeddings:
+            if self.positions < context_length(self.cfg):
                 fits += ", or export with a larger --static-kv"
             raise ValueError(f"--steps {steps}: a prompt of {prompt} tokens + {steps} steps exceeds {self.what}; "
                              f"{fits}")

@@ -4,8 +4,8 @@ Every scaling transformers implements (modeling_rope_utils.py, 4.57) is computed
 linear, llama3 and yarn give one table for every pass; dynamic (NTK) and longrope pick theirs from the length of
 the pass (`seq_len` = the largest position in it + 1), as transformers' RotaryEmbedding does at each forward call.
 With a KV cache that means: a pass's new queries and keys are rotated with the tables of that pass's length, and
-the keys already cached keep the rotation they were stored with (transformers' decode, step by step). A fixed
-table (an ONNX graph's, a GGUF's) cannot hold a table that depends on the pass: `fixed_tables_error` says so.
+the keys already cached keep the rotation they were stored with (transformers' decode, step by step). An ONNX graph
+computes them from the pass's length (exporters/rope_tables.py); a GGUF's fixed keys cannot hold them.
 
 Partial rotary (Phi-4-mini's partial_rotary_factor 0.75, GPT-NeoX's rotary_pct): the angles are those of a head of
 width rotary_dim = int(n6 x factor), base^(-t/rotary_dim), and only the first rotary_dim channels of each q/k head
@@ -80,14 +80,13 @@ def pass_key(cfg: ModelConfig, seq_len: int) -> tuple[str, int]:
     return "fixed", 0
 
 
-def fixed_tables_error(cfg: ModelConfig, what: str) -> str | None:
-    """One line when `what` (a graph, a GGUF) would need one fixed RoPE table and cfg's scaling has none; else None."""
-    if not per_pass(cfg):
-        return None
-    kind = cfg.rope_scaling.type  # type: ignore[union-attr]
-    return (f"config {cfg.source or cfg.name!r}: rope_scaling type {kind!r} recomputes RoPE's tables from each pass's "
-            f"length (as transformers does); {what} holds one fixed table, so it is not written (the PyTorch model "
-            f"and generate compute it)")
+def context_length(cfg: ModelConfig) -> int:
+    """The positions a run may reach: max_position_embeddings, or for dynamic NTK that times its factor (the length
+    its grown base is scaled for: positions past max_position_embeddings are what dynamic is for)."""
+    s = cfg.rope_scaling
+    if s is not None and s.type == "dynamic":
+        return int(cfg.max_position_embeddings * max(float(s.factor), 1.0))
+    return cfg.max_position_embeddings
 
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
