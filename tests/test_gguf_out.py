@@ -506,9 +506,16 @@ def configs(draw) -> tuple[ModelConfig, str | None]:
     if family == "smollm3":  # llama.cpp's own rule: every 4th layer without RoPE
         rotates = tuple((j + 1) % 4 != 0 for j in range(layers))
         extra.update(rope_layers=None if all(rotates) else rotates)
-    if family == "mixtral":  # written as llama.cpp's 'llama' with experts: stacked ffn_*_exps, read back as Mixtral
+    if family in ("mixtral", "qwen3_moe"):  # stacked ffn_*_exps: Mixtral written as llama.cpp's 'llama' with experts
         experts = draw(st.integers(1, 4))
         extra.update(num_experts=experts, num_experts_per_tok=draw(st.integers(1, experts)))
+        if family == "qwen3_moe":  # experts of their own width (qwen3moe.expert_feed_forward_length)
+            extra.update(moe_intermediate_size=draw(st.integers(1, 48)))
+    if family == "gpt_neox":  # llama.cpp's gptneox: every bias, parallel or not, partial rotary
+        extra.update(qkv_bias=True, o_bias=True, parallel_residual=draw(st.booleans()),
+                     rotary_dim=draw(st.sampled_from([0, 4])))
+    if family == "falcon":  # llama.cpp's falcon: parallel, one norm or two (attn_norm_2), no biases
+        extra.update(parallel_residual=True, shared_norm=draw(st.booleans()))
     cfg = ModelConfig(
         name="fuzz", family=family, vocab_size=draw(st.integers(8, 64)), hidden_size=16 * heads,
         intermediate_size=draw(st.integers(1, 48)), num_hidden_layers=layers, num_attention_heads=heads,
@@ -517,6 +524,8 @@ def configs(draw) -> tuple[ModelConfig, str | None]:
         tie_word_embeddings=draw(st.booleans()), pad_token_id=draw(st.none() | st.integers(0, 7)),
         rope_scaling=draw(st.sampled_from([None, RopeScaling("linear", 2.0, original_max_position_embeddings=64)])),
         max_position_embeddings=draw(st.integers(1, 4096)), **extra)
+    if family == "gpt_neox":  # llama.cpp's gptneox loads its own output.weight
+        cfg = cfg.replace(tie_word_embeddings=False)
     return cfg, draw(st.sampled_from([None, "float16", "bfloat16"]))
 
 

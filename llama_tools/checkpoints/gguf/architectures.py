@@ -17,6 +17,9 @@ KIND = "gguf"  # WeightFiles.kind of a GGUF source
 GGUF = FORMATS[KIND]
 
 
+KEY, ALWAYS = "key", "always"  # GgufArchitecture.parallel
+
+
 @dataclass(frozen=True)
 class GgufArchitecture:
     """A general.architecture we read: the family it is, and how llama.cpp's converter stores it."""
@@ -31,11 +34,20 @@ class GgufArchitecture:
     # llama.cpp's (attention, final logit) soft-caps when the file names none; None: no cap (Gemma 2 always caps)
     default_caps: tuple[float | None, float | None] = (None, None)
     no_rope_every: int = 0  # llama.cpp leaves layer j without RoPE when (j + 1) % this == 0 (no key says so)
-    fused_gate_up: bool = False  # Phi-3's: q/k/v as one attn_qkv, gate and up as one ffn_up (gate first)
+    fused_qkv: bool = False  # q/k/v as one attn_qkv, rows cat(q, k, v) (Phi-3's; GPT-NeoX's and Falcon's regrouped)
+    fused_gate_up: bool = False  # Phi-3's: gate and up as one ffn_up (gate first)
     # llama.cpp rotates the first {arch}.rope.dimension_count channels of each head (its n_rot) and passes the rest
     # through, as transformers' partial rotary does (Phi-4-mini); False: it refuses a width other than the head's
     # (llama-model.cpp: "invalid n_rot" for llama), or the family computes whole heads only.
     partial_rotary: bool = False
+    # How llama.cpp runs attention and the FFN: None in sequence; KEY as {arch}.use_parallel_residual says (gptneox);
+    # ALWAYS in parallel, from attn_norm alone or, where attn_norm_2 is stored, attention from that (falcon).
+    parallel: str | None = None
+    # The Linears' biases: None, whichever the file holds; True, llama.cpp loads every one (q/k/v, output, FFN)
+    # and refuses a file without; False, it loads none (a file holding one is refused for a tensor too many).
+    biases: bool | None = None
+    untied_output: bool = False  # llama.cpp loads output.weight and cannot take the embedding's place (gptneox)
+    moe: bool = False  # experts in every layer, expert_feed_forward_length wide (qwen3moe): no dense form
 
 
 # llama.cpp writes Mistral as "llama" and permutes its q/k rows to Meta's interleaved order (its rope type NORM);
@@ -59,7 +71,16 @@ ARCHITECTURES = {"llama": GgufArchitecture("llama", GGUF.rope_layout),
                  # HF's rows; gate_up_proj kept whole as ffn_up (llama.cpp's SwiGLU splits it: gate, then up)
                  # partial rotary: convert_hf_to_gguf writes int(partial_rotary_factor x n2) // n5 as
                  # phi3.rope.dimension_count, and llama.cpp's phi3 turns that many channels (NEOX pairs within them)
-                 "phi3": GgufArchitecture("phi3", HALF, fused_gate_up=True, partial_rotary=True)}
+                 "phi3": GgufArchitecture("phi3", HALF, fused_qkv=True, fused_gate_up=True, partial_rotary=True),
+                 # LayerNorms with β, a GELU FFN without gate, HF's rows (rope type NEOX). The converters regroup
+                 # query_key_value as cat(q, k, v): GPT-NeoX's rows per head [q_h, k_h, v_h], Falcon's per KV group
+                 # [its q heads, k, v]. gptneox: rope.dimension_count (Pythia's rotary_pct) and use_parallel_residual
+                 # read, every bias required; falcon: no biases, whole-head RoPE, always parallel.
+                 "gptneox": GgufArchitecture("gpt_neox", HALF, fused_qkv=True, partial_rotary=True, parallel=KEY,
+                                             biases=True, untied_output=True),
+                 "falcon": GgufArchitecture("falcon", HALF, fused_qkv=True, parallel=ALWAYS, biases=False),
+                 # Qwen3's attention, routed experts (router ffn_gate_inp, stacked ffn_*_exps) in every layer
+                 "qwen3moe": GgufArchitecture("qwen3_moe", HALF, moe=True)}
 # Granite's multipliers: ModelConfig field -> the <arch>.* key llama.cpp reads it from (llama.cpp's names).
 GRANITE_KEYS = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                 "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}
@@ -76,8 +97,9 @@ SHAPES = {"token_embd.weight": ("hidden", "vocab"), "output.weight": ("hidden", 
           "ffn_gate_inp.weight": ("hidden", "experts"), "ffn_gate_exps.weight": ("hidden", "expert_ffn", "experts"),
           "ffn_up_exps.weight": ("hidden", "expert_ffn", "experts"),
           "ffn_down_exps.weight": ("expert_ffn", "hidden", "experts")}
-# Phi-3's fused tensors (fused_gate_up): ffn_up holds gate and up, attn_qkv q, k and v.
-FUSED_SHAPES = {"ffn_up.weight": ("hidden", "2ffn"), "attn_qkv.weight": ("hidden", "qkv")}
+# Fused tensors: attn_qkv holds q, k and v (fused_qkv), Phi-3's ffn_up gate and up (fused_gate_up).
+FUSED_QKV_SHAPES = {"attn_qkv.weight": ("hidden", "qkv")}
+FUSED_GATE_UP_SHAPES = {"ffn_up.weight": ("hidden", "2ffn")}
 # Tensors that exist only in a mixture-of-experts layer: a file holding one must say {arch}.expert_count.
 EXPERT_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 MAX_EXPERTS = SIZE_LIMITS["num_local_experts"]  # as a config.json may say: every expert is listed by name
@@ -99,14 +121,34 @@ MAX_PER_EXPERT = 64
 _PROJECTIONS = (("w1", "gate"), ("w3", "up"), ("w2", "down"))
 
 
-# Phi-3's files as llama.cpp's converter writes them: q/k/v as one attn_qkv (cat(q, k, v)), gate and up as one ffn_up
-GGUF_PHI3 = dataclasses.replace(GGUF, fused_qkv="concat", fused_name="attn_qkv.weight",
-                                fused_gate_up=("ffn_gate.", "ffn_up."))
+# Falcon's two norms (new_decoder_architecture) as its converter names them: ln_attn (our input_layernorm, read by
+# attention) is attn_norm_2, ln_mlp (our post_attention_layernorm, read by the FFN) is attn_norm, as one norm is.
+_FALCON_NORMS = (("input_layernorm.", "attn_norm_2."), ("post_attention_layernorm.", "attn_norm."))
+# Qwen3-MoE's file names (families.QWEN3_MOE): the router mlp.gate, each projection's experts stacked
+_QWEN3_MOE_NAMES = (("mlp.gate.", "ffn_gate_inp."), ("mlp.experts.0.gate_proj.", "ffn_gate_exps."),
+                    ("mlp.experts.0.up_proj.", "ffn_up_exps."), ("mlp.experts.0.down_proj.", "ffn_down_exps."))
+
+
+def _format(a: GgufArchitecture) -> CheckpointFormat:
+    """GGUF's names and fusions for one architecture."""
+    fmt = GGUF
+    if a.fused_qkv:
+        fmt = dataclasses.replace(fmt, fused_qkv="concat", fused_name="attn_qkv.weight")
+    if a.fused_gate_up:
+        fmt = dataclasses.replace(fmt, fused_gate_up=("ffn_gate.", "ffn_up."))
+    if a.parallel == ALWAYS:
+        fmt = dataclasses.replace(fmt, parallel_renames=_FALCON_NORMS)
+    if a.moe:
+        fmt = dataclasses.replace(fmt, renames=_QWEN3_MOE_NAMES + fmt.renames)
+    return fmt
+
+
+_FORMATS = {name: _format(a) for name, a in ARCHITECTURES.items()}
 
 
 def gguf_format(arch: str) -> CheckpointFormat:
-    """The GGUF format a file of this architecture is in (Phi-3's q/k/v and gate/up fused)."""
-    return GGUF_PHI3 if ARCHITECTURES[arch].fused_gate_up else GGUF
+    """The GGUF format of a file of this architecture (its fused q/k/v and gate/up, its norms' and experts' names)."""
+    return _FORMATS[arch]
 
 
 def per_expert_format(experts: int) -> CheckpointFormat:

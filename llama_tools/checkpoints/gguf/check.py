@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from ..header_readers import HeaderError
-from .architectures import (ARCHITECTURES, EXPERT_TENSORS, FUSED_SHAPES, LAYER, MAX_EXPERT_SLICES, MAX_EXPERTS,
-                            ROPE_FREQS, SHAPES)
+from .architectures import (ARCHITECTURES, EXPERT_TENSORS, FUSED_GATE_UP_SHAPES, FUSED_QKV_SHAPES, LAYER,
+                            MAX_EXPERT_SLICES, MAX_EXPERTS, ROPE_FREQS, SHAPES)
 from .read import field_value, meta_value
 
 
@@ -52,7 +52,8 @@ def check_metadata(reader: Any, path: Path) -> None:
     said["2ffn"] = (f"2 x {arch}.feed_forward_length", 2 * ffn if ffn else None)
     said["qkv"] = (f"q + 2 kv rows ({said['q'][0]}, {said['kv'][0]})",
                    said["q"][1] + 2 * said["kv"][1] if said["q"][1] and said["kv"][1] else None)
-    rules = {**SHAPES, **(FUSED_SHAPES if ARCHITECTURES[arch].fused_gate_up else {})}
+    a = ARCHITECTURES[arch]
+    rules = {**SHAPES, **(FUSED_QKV_SHAPES if a.fused_qkv else {}), **(FUSED_GATE_UP_SHAPES if a.fused_gate_up else {})}
     for name, ne in shapes.items():
         axes = rules.get(name.split(".", 2)[2] if name in blocks else name)
         if axes is None:

@@ -8,7 +8,7 @@ from typing import Any
 from ...modeling.config import INT64_MAX, SIZE_LIMITS, ModelConfig, RopeScaling
 from ...modeling.families import FAMILIES, FULL, SLIDING
 from ...modeling.rope import yarn_attention_factor
-from .architectures import ARCHITECTURES, GRANITE_KEYS, MOE_FAMILY, ROPE_FREQS
+from .architectures import ALWAYS, ARCHITECTURES, GRANITE_KEYS, KEY, MOE_FAMILY, ROPE_FREQS
 from .read import UnmodelledGguf, field_value, meta_value
 from .rope_freqs import llama3_scaling, rope_freqs_tensor
 
@@ -43,9 +43,13 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
 
     a = ARCHITECTURES[arch]
     experts = get("expert_count", int, 0, required=False)  # bounded by check_metadata, with expert_used_count
-    if experts and arch not in MOE_FAMILY:
+    if experts and arch not in MOE_FAMILY and not a.moe:
+        held = sorted([*MOE_FAMILY, *(name for name, x in ARCHITECTURES.items() if x.moe)])
         raise UnmodelledGguf(f"{path}: a mixture-of-experts {arch} GGUF ({arch}.expert_count); llama-tools reads "
-                             f"experts of {', '.join(MOE_FAMILY)} (Mixtral)")
+                             f"experts of {', '.join(held)}")
+    if a.moe and not experts:
+        raise ValueError(f"{path}: GGUF metadata has no {arch}.expert_count; llama.cpp's {arch} routes every layer to "
+                         f"experts")
     moe = dict(num_experts=experts, num_experts_per_tok=get("expert_used_count", int),
                moe_intermediate_size=get("expert_feed_forward_length", int, 0, required=False)) if experts else {}
     hidden, heads = get("embedding_length", int), get("attention.head_count", int)
@@ -96,7 +100,16 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
 
     layers = get("block_count", int)  # check_metadata: as many as the file holds blk.N. tensors of
     family = FAMILIES[a.family].defaults
-    extra: dict[str, Any] = {k: v for k, v in family.items() if k != "qkv_bias"}
+    # the biases are the file's tensors, not the family's defaults
+    extra: dict[str, Any] = {k: v for k, v in family.items() if k not in ("qkv_bias", "o_bias", "mlp_bias")}
+    layer_norm = extra.get("norm_kind") == "layer"  # LayerNorm's epsilon has a key of its own
+    if a.parallel == KEY:  # llama.cpp requires it (gptneox)
+        parallel = meta_value(reader, path, f"{arch}.use_parallel_residual", bool)
+        if parallel is None:
+            raise ValueError(f"{path}: GGUF metadata has no {arch}.use_parallel_residual")
+        extra["parallel_residual"] = parallel
+    elif a.parallel == ALWAYS:  # one norm feeding both, unless attention has its own (attn_norm_2)
+        extra.update(parallel_residual=True, shared_norm="blk.0.attn_norm_2.weight" not in names)
     window = get("attention.sliding_window", int, None, required=False)
     if window:
         pattern = field_value(reader, f"{arch}.attention.sliding_window_pattern")  # per layer: true = local
@@ -130,16 +143,17 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         extra["rope_local_theta"] = _f32(base)
     return ModelConfig(
         **{**extra, **moe}, pad_token_id=pad,
-        name=path.stem, source=str(path), family=MOE_FAMILY[arch] if experts else a.family,
+        name=path.stem, source=str(path), family=MOE_FAMILY.get(arch, a.family) if experts else a.family,
         vocab_size=vocab, hidden_size=hidden, intermediate_size=get("feed_forward_length", int),
         num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=get("attention.head_count_kv", int, heads, required=False),
         head_dim=head_dim if head_dim != hidden // max(heads, 1) else 0, rotary_dim=rotary if rotary != head_dim else 0,
-        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", float, 1e-5, required=False)),
+        rms_norm_eps=_f32(get("attention.layer_norm_epsilon" if layer_norm else "attention.layer_norm_rms_epsilon",
+                              float, 1e-5, required=False)),
         rope_theta=_f32(get("rope.freq_base", float, 10000.0, required=False)), rope_scaling=scaling,
         rope_layout=a.rope_layout, max_position_embeddings=get("context_length", int, 2048, required=False),
         tie_word_embeddings="output.weight" not in names,  # llama.cpp leaves the tied lm_head out
-        qkv_bias="blk.0.attn_q.bias" in names, o_bias="blk.0.attn_output.bias" in names,
+        qkv_bias=bool({"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"} & names), o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names,
         bos_token_id=bos if bos is not None else 1, eos_token_id=eos if eos is not None else 2,
     )

@@ -480,15 +480,17 @@ def template_problem(path: str | Path) -> str | None:
     return value.problem if isinstance(value, NotUtf8) else None
 
 
-_KINDS = {int: f"a whole number from 0 to {INT64_MAX}", float: "a finite number", str: "a string"}
+_KINDS = {int: f"a whole number from 0 to {INT64_MAX}", float: "a finite number", str: "a string",
+          bool: "true or false"}
 
 
 def meta_value(reader: Any, path: Path, key: str, kind: type, default: Any = None) -> Any:
-    """A metadata field's value, refused in one line unless of `kind` (int, float or str); `default` when absent."""
+    """A metadata field's value, refused in one line unless of `kind` (int, float, str or bool); `default` when
+    absent."""
     v = field_value(reader, key)
     if v is None:
         return default
-    ok = not isinstance(v, bool) and (
+    ok = (kind is bool and isinstance(v, bool)) or not isinstance(v, bool) and (
         (kind is int and isinstance(v, int) and 0 <= v <= INT64_MAX)
         or (kind is float and isinstance(v, (int, float)) and math.isfinite(v))
         or (kind is str and isinstance(v, str)))

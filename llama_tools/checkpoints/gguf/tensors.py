@@ -219,7 +219,9 @@ class GgufReader:
         if hit is not None:
             self._cache.move_to_end(key)
             return hit.copy()
-        if name in self.part:  # its rows of a fused tensor (quantized blocks never span rows)
+        if name in self.part and len(self.info[stored].shape) == 1:  # its elements of a fused bias (attn_qkv.bias)
+            a = self._dequantized(stored)[slice(*self.part[name])].copy()
+        elif name in self.part:  # its rows of a fused tensor (quantized blocks never span rows)
             a = self._dequantized(stored, [self.part[name]])
         elif e is None:
             a = self._dequantized(stored)

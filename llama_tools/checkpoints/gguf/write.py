@@ -32,8 +32,8 @@ from ...modeling.families import FAMILIES, FULL, SLIDING
 from ...modeling.rope import yarn_attention_factor
 from ..formats import checkpoint_tensors
 from ...modeling.weights import weight_specs
-from .architectures import (ARCHITECTURES, GRANITE_KEYS, LLAMA3_ARCHITECTURES, MOE_FAMILY, ROPE_FREQS, WRITTEN_AS,
-                            GgufArchitecture, gguf_format)
+from .architectures import (ALWAYS, ARCHITECTURES, GRANITE_KEYS, KEY, LLAMA3_ARCHITECTURES, MOE_FAMILY, ROPE_FREQS,
+                            WRITTEN_AS, GgufArchitecture, gguf_format)
 from .rope_freqs import PUBLISHED, llama3_divisors
 from .vocabulary import Vocabulary, write_vocabulary
 
@@ -53,7 +53,7 @@ _SCALED = ("gemma2", "gemma3")
 UINT32_MAX = 2**32 - 1  # GGUF's sizes and token ids are uint32
 # ModelConfig fields the reader takes from the architecture's family, not from the file.
 _FAMILY_FIELDS = ("qk_norm", "norm_plus_one", "embed_scale", "hidden_act", "sandwich_norms", "post_norms",
-                  "qk_norm_whole")
+                  "qk_norm_whole", "norm_kind", "gated_mlp")
 
 
 @dataclass
@@ -85,11 +85,24 @@ def check_config(cfg: ModelConfig) -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     family = {**defaults, **FAMILIES[a.family].defaults}
     s = cfg.rope_scaling
+    biases = (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias)
     problems = [what for what, bad in (
         (f"a mixture of experts in {arch} (llama.cpp's {', '.join(MOE_FAMILY)} holds Mixtral's)",
-         cfg.is_moe and cfg.family not in MOE_FAMILY.values()),
+         cfg.is_moe and cfg.family not in MOE_FAMILY.values() and not a.moe),
         ("experts of another width than the FFN's (Mixtral's are n7 wide)",
-         cfg.is_moe and cfg.moe_intermediate_size != cfg.intermediate_size),
+         cfg.is_moe and not a.moe and cfg.moe_intermediate_size != cfg.intermediate_size),
+        (f"a dense FFN in {arch} (llama.cpp's {arch} routes every layer to experts)", a.moe and not cfg.is_moe),
+        ("top-k expert weights left as the softmax gives them (norm_topk_prob false; llama.cpp renormalizes them)",
+         cfg.is_moe and not cfg.norm_topk_prob),
+        (f"a parallel block (llama.cpp's {arch} runs attention and the FFN in sequence)",
+         cfg.parallel_residual and a.parallel is None),
+        (f"a sequential block (llama.cpp's {arch} runs attention and the FFN in parallel)",
+         not cfg.parallel_residual and a.parallel == ALWAYS),
+        (f"Linears without biases (llama.cpp's {arch} loads the q/k/v, output and FFN biases)",
+         a.biases is True and not all(biases)),
+        (f"biases on the Linears (llama.cpp's {arch} loads none)", a.biases is False and any(biases)),
+        (f"tied embeddings (llama.cpp's {arch} loads its own output.weight)",
+         a.untied_output and cfg.tie_word_embeddings),
         ("ALiBi", cfg.position_encoding != "rope"), ("Baichuan2's NormHead", cfg.norm_head),
         (f"rope_scaling {s.type if s else ''!r} (a GGUF holds linear and yarn scaling, and Llama 3's as "
          f"rope_freqs.weight with low/high frequency factors 1/4 over 8192 positions; llama.cpp has no keys for "
@@ -187,11 +200,18 @@ def _hparams(w: Any, cfg: ModelConfig, arch: str, a: GgufArchitecture) -> list[s
     w.add_value_length(cfg.head_dim)
     w.add_rope_dimension_count(cfg.rotary_dim)  # n6, or partial rotary's width where llama.cpp turns only that many
     w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.norm_kind == "layer":  # LayerNorm's epsilon has a key of its own
+        w.add_layer_norm_eps(cfg.rms_norm_eps)
+    else:
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if a.parallel == KEY:
+        w.add_parallel_residual(cfg.parallel_residual)
     s = cfg.rope_scaling
     if cfg.is_moe:
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
+        if a.moe:
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if s is not None and s.type == "linear":  # llama3: rope_freqs.weight, no keys (llama.cpp's converter)
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(s.factor)
