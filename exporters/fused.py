@@ -14,14 +14,16 @@ in contrib_ops/cpu/bert/gqa_attention_base.h and group_query_attention_helper.h,
     end at the last slot in every row, so every row gets the full length and the padding is masked by
   - attention_bias [batch, 1, seq, total]: 0 where attention_mask is 1, the dtype's minimum where it is 0
     (the model's own mask value). Causality stays GQA's own.
-  - rope_op "attention" (the default where head_dim % 16 == 0): do_rotary = 1, the model's cos/sin tables as
+  - rope_op "attention" (the default where head_dim % 16 == 0, fixed tables): do_rotary = 1, the model's cos/sin tables as
     cos_cache/sin_cache, and as GQA's position_ids the slot positions `_slot_positions` derives from
     attention_mask, not the caller's: with left padding each token's cache slot (the same shift for every real
     token of a row; the caller's positions would mix slot and position in the cache and break decode), after a
     gap its position (onnxruntime-genai right-pads a batch's prompts and appends new tokens after the padding:
     by slot, a short row's new tokens would sit too far from its prompt). Scores see only query-key distances,
     so outputs are the row's own. The cache holds left-padded keys rotated by slot: parity.keys_by_position
-    turns them back by each row's padding before comparing.
+    turns them back by each row's padding before comparing. With dynamic's or longrope's tables (computed per
+    pass, rope_tables.py) a key keeps its padding's turn at the tables it was stored with, which a later pass's
+    tables no longer cancel: exact only on rows without left padding, so their default is our node.
   - any other rope_op: do_rotary = 0, q and k arrive rotated by a RoPE node from the caller's position_ids.
   - query = the packed QKV [b, s, (q + 2 kv heads) * head_dim] with key and value omitted (GQA's packed
     form): GQA's rotary, or our RoPE node (it rotates the q and k heads and passes v through unchanged,
