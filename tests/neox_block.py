@@ -1,5 +1,6 @@
-"""Shared by tests/test_gpt_neox.py and tests/test_falcon.py: seeded tiny transformers models of the two
-LayerNorm-and-parallel-block families, every weight off its initial value, saved by transformers itself.
+"""Shared by tests/test_neox_falcon.py, tests/test_gpt_neox.py and tests/test_falcon.py: seeded tiny transformers models
+of the two LayerNorm-and-parallel-block families in each layout (LAYOUTS), every weight off its initial value, saved
+by transformers itself.
 
 transformers initializes LayerNorm to γ = 1, β = 0 and every bias to 0: a reader that dropped β or a bias, or
 packed q/k/v in another order, would still match on freshly initialized weights. Here γ ~ N(1, 0.3), β and every
@@ -10,6 +11,7 @@ positions matter).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,58 @@ from llama_tools.cli import cli
 
 IDS = torch.tensor([[1, 17, 200, 5, 99, 42, 7, 250, 3, 64, 128, 11, 33, 90]])  # [1, 14]
 SIZES = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)
+HF_CLASSES = {"gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"), "falcon": ("FalconConfig", "FalconForCausalLM")}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layout of a family: transformers' config keywords and what we read of them."""
+
+    family: str
+    config: dict[str, Any] = field(hash=False)
+    kv: int  # KV heads
+    rotary: int  # our rotary width (n6 = 16)
+    parallel: bool
+    shared: bool  # one norm feeding attention and the MLP
+
+
+# GPT-NeoX: Pythia's parallel block at rotary_pct 0.25; sequential at 0.5 without attention biases (the MLP keeps its).
+# Falcon: Falcon-7B's multi_query (one input_layernorm, one KV head, biases); new_decoder_architecture (ln_attn and
+# ln_mlp, 2 KV heads grouped with their query heads, no biases); sequential (parallel_attn false, q/k/v per head).
+LAYOUTS = {
+    "neox-parallel": Layout("gpt_neox", dict(use_parallel_residual=True, rotary_pct=0.25, intermediate_size=128),
+                            4, 4, True, False),
+    "neox-sequential": Layout("gpt_neox", dict(use_parallel_residual=False, rotary_pct=0.5, attention_bias=False,
+                                               intermediate_size=128), 4, 8, False, False),
+    "falcon-multi_query": Layout("falcon", dict(multi_query=True, parallel_attn=True, bias=True), 1, 16, True, True),
+    "falcon-new_decoder": Layout("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, bias=False),
+                                 2, 16, True, False),
+    "falcon-sequential": Layout("falcon", dict(multi_query=False, parallel_attn=False, bias=True), 4, 16, False, False),
+}
+
+
+def hf_class(family: str) -> Any:
+    """transformers' causal-LM class of FAMILY."""
+    import transformers
+
+    return getattr(transformers, HF_CLASSES[family][1])
+
+
+def make_case(name: str, tmp_path_factory: Any) -> tuple[str, Path, Any, torch.Tensor]:
+    """Layout NAME built and saved: (name, directory, the transformers model, its logits on IDS)."""
+    import transformers
+
+    layout = LAYOUTS[name]
+    d = tmp_path_factory.mktemp(name)
+    config = getattr(transformers, HF_CLASSES[layout.family][0])(**SIZES, **layout.config)
+    hf = build(hf_class(layout.family), config, d)
+    with torch.no_grad():
+        expected = hf(IDS).logits  # [1, 14, 256]
+    return name, d, hf, expected
+
+
+def family_layouts(family: str) -> list[str]:
+    return [name for name, layout in LAYOUTS.items() if layout.family == family]
 
 
 def perturb(model: Any) -> None:
