@@ -338,7 +338,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
                   symmetric: bool = True, accuracy_level: int = ACCURACY_LEVEL,
                   exclude: tuple[str, ...] = (), algorithm: str = DEFAULT_ALGORITHM,
                   keep_8bit: tuple[str, ...] = (), importance: dict[str, Any] | None = None,
-                  scales: Any = None, store: Any = None) -> QuantizeResult:
+                  scales: Any = None, store: Any = None, light_search: bool = False) -> QuantizeResult:
     """SOURCE .onnx (plain or fused) -> OUTPUT with every constant-weight MatMul as int4 MatMulNBits, atomically.
 
     symmetric (rtn only; default True): int4 in [-8, 7] times one scale per block of 32 weights, no zero point.
@@ -353,6 +353,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     int4_scales (`scales`, an int4_scales.Scales; planned here from `importance` when None), the norms' gains and
     up_proj's rows divided to match. store: an int4_blocks.BlockStore holding (or to hold) the searched int4 blocks
     of this very source, importance and scales, so that the next graph built from them searches none again.
+    light_search: imatrix's blocks by int4_blocks.LIGHT, not the full search (a yardstick graph, never one shipped).
 
     In bounded memory: the graph is read without its weights; each MatMul's weight is read from SOURCE's
     .data file, quantized by onnxruntime's own node quantizer on a one-node graph and dropped, so one
@@ -409,7 +410,8 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
         spill = _Spill(scratch)
         try:
             folded = _quantize_nodes(graph, base, weights, inits, exclude, keep_8bit, gathered, quantizer, tied_rtn,
-                                     importance, block_size, accuracy_level, algorithm, spill, scales, store)
+                                     importance, block_size, accuracy_level, algorithm, spill, scales, store,
+                                     int4_blocks.LIGHT if light_search else None)
         finally:
             spill.close()
         quantized = sum(n.op_type == "MatMulNBits" for n in graph.node)
@@ -449,7 +451,8 @@ def plan_scales(model: Any, importance: dict[str, Any], block_size: int = BLOCK_
 def _quantize_nodes(graph: Any, base: Path, weights: dict[str, Any], inits: dict[str, Any], exclude: tuple[str, ...],
                     keep_8bit: tuple[str, ...], gathered: set[str], quantizer: Any, tied_rtn: Any,
                     importance: dict[str, Any] | None, block_size: int, accuracy_level: int, algorithm: str,
-                    spill: _Spill, scales: Any = None, store: Any = None) -> int:
+                    spill: _Spill, scales: Any = None, store: Any = None,
+                    search_options: dict[str, Any] | None = None) -> int:
     """Each quantized MatMul replaced in GRAPH by its MatMulNBits (tensors through SPILL); the Transposes folded."""
     nodes, folded = [], 0
     for node in graph.node:
@@ -479,7 +482,7 @@ def _quantize_nodes(graph: Any, base: Path, weights: dict[str, Any], inits: dict
                 packed = None if stored is None else (lambda i, j: stored(offset + i, offset + j))
                 return int4_blocks.matmul_nbits(part, tensor, k, n, cols, a, block=block_size, bits=4,
                                                 accuracy_level=accuracy_level, chunk_bytes=CHUNK_BYTES, spill=spill,
-                                                packed_rows=packed)
+                                                packed_rows=packed, search_options=search_options)
             return _quantize_matmul(quantizer, part, tensor, k, n, cols, chunked=algorithm == "rtn", spill=spill)
         frequent_8bit, rest_8bit = head_8bit(keep_8bit)
         if node.name == HEAD and frequent_8bit != rest_8bit:

@@ -91,6 +91,23 @@ def test_never_worse_than_round_to_nearest_in_any_block():
         assert ours.sum() < 0.9 * theirs.sum()  # and better overall: the search finds something
 
 
+def test_the_light_search_sits_between_round_to_nearest_and_the_full_search():
+    """LIGHT keeps round to nearest's two starts, so it is never worse than either in any block; the full search
+    tries what it tries and more, so it is never worse than LIGHT on the whole; and LIGHT does cost something."""
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((64, 128)) * rng.gamma(1.0, 1.0, (64, 1))).astype(np.float32)
+    w[:, 5] *= 8
+    a = rng.gamma(0.5, 1.0, 128).astype(np.float32)
+    light = block_errors(w, ib.search(w, a, **ib.LIGHT).dequantize(), a)
+    full = block_errors(w, ib.search(w, a).dequantize(), a)
+    for symmetric in (True, False):
+        t, k = ort_rtn(w, symmetric)
+        theirs = block_errors(w, ib.unpack(t["B"], t["scales"], t.get("zero_points"), bits=4, k=k), a)
+        assert (light <= theirs * (1 + 1e-5) + 1e-12).all()
+    assert full.sum() <= light.sum() * (1 + 1e-6)
+    assert (full < light * (1 - 1e-3)).any()  # some block where the full search's extra refit pays
+
+
 def test_a_block_on_an_integer_grid_is_held_exactly():
     """Weights that are s (q - z) for integer codes: the search finds s and z; symmetric RTN cannot."""
     rng = np.random.default_rng(11)
@@ -182,6 +199,13 @@ def test_the_export_measures_importance_and_the_graph_holds_the_emulation(tmp_pa
     held = ib.unpack(inits[nb.input[1]], inits[nb.input[2]], inits[nb.input[3]], bits=4, k=w.shape[1])
     np.testing.assert_array_equal(held, ib.fake_quant(torch.from_numpy(w.copy()), got[node]).numpy())
     assert not np.array_equal(held, ib.fake_quant(torch.from_numpy(w.copy()), None).numpy())  # the importance counted
+    # light_search (the target's yardstick graph) holds exactly the light search's blocks, which are not the full one's
+    m = onnx.load(str(quantize_int4(full, tmp_path / "light.onnx", algorithm="imatrix", light_search=True).path))
+    inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    nb = next(n for n in m.graph.node if n.op_type == "MatMulNBits" and n.name.startswith(node))
+    light = ib.unpack(inits[nb.input[1]], inits[nb.input[2]], inits[nb.input[3]], bits=4, k=w.shape[1])
+    np.testing.assert_array_equal(light, ib.search(w, **ib.LIGHT).dequantize())
+    assert not np.array_equal(light, ib.search(w).dequantize())
 
 
 def test_importance_over_windows_is_the_mean_over_every_position(tmp_path, monkeypatch):
