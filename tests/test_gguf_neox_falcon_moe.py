@@ -7,7 +7,7 @@ perturbation; test_gguf_llamacpp's for Qwen3-MoE), saved by transformers beside 
 llama.cpp itself (llama-cpp-python) on the GGUF; the gguf library's own tables (MODEL_TENSORS) for the names.
 Layouts: Pythia's (parallel, RoPE on a quarter of each head) and a sequential NeoX at half the head; Falcon-7B's
 (multi-query, one shared norm) and new_decoder_architecture's (2 KV heads, ln_attn and ln_mlp as attn_norm_2 and
-attn_norm); Qwen3-MoE with 4 experts, top 2. Negative cases: a file whose attn_qkv keeps HF's packed row order (the
+attn_norm, or one input_layernorm); Qwen3-MoE with 4 experts, top 2. Negative cases: a file whose attn_qkv keeps HF's packed row order (the
 converter's regrouping left out), and Qwen3-MoE's experts stacked in another order, are far from transformers.
 """
 
@@ -39,6 +39,8 @@ CASES = {  # name: (transformers' class prefix, config keywords)
     "neox_sequential": ("GPTNeoX", dict(use_parallel_residual=False, rotary_pct=0.5, intermediate_size=128)),
     "falcon_7b": ("Falcon", dict(multi_query=True, parallel_attn=True, bias=False)),
     "falcon_40b": ("Falcon", dict(new_decoder_architecture=True, num_kv_heads=2, bias=False)),
+    "falcon_one_norm": ("Falcon", dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1,
+                                       bias=False)),
     "qwen3_moe": ("Qwen3Moe", dict(intermediate_size=128, moe_intermediate_size=32, num_experts=4,
                                    num_experts_per_tok=2, norm_topk_prob=True, num_key_value_heads=2, head_dim=16,
                                    rope_theta=1e6)),
@@ -169,8 +171,9 @@ def test_the_file_is_named_and_keyed_as_llama_cpps_converter_writes_it(source):
     if arch == "gptneox":
         assert value("rope.dimension_count") == int(cfg.rotary_pct * 16)  # the converter's int(rotary_pct x n6)
         assert value("use_parallel_residual") == cfg.use_parallel_residual
-    else:  # Falcon-7B's one norm is attn_norm; the new layout's ln_attn is attn_norm_2, ln_mlp attn_norm
-        assert ("blk.0.attn_norm_2.weight" in names) == cfg.new_decoder_architecture
+    two = arch == "falcon" and cfg.new_decoder_architecture and cfg.num_ln_in_parallel_attn != 1  # ln_attn, ln_mlp
+    if arch == "falcon":  # one norm (input_layernorm) is attn_norm; two: ln_attn is attn_norm_2, ln_mlp attn_norm
+        assert ("blk.0.attn_norm_2.weight" in names) == two
     state = source.hf.state_dict()
     base = "gpt_neox.layers.1.attention" if arch == "gptneox" else "transformer.h.1.self_attention"
     stored = {t.name: np.asarray(t.data) for t in r.tensors if t.name.startswith("blk.1.attn_qkv")}
@@ -178,8 +181,7 @@ def test_the_file_is_named_and_keyed_as_llama_cpps_converter_writes_it(source):
         want = _regrouped(source.case, state[f"{base}.query_key_value.{part}"], heads, kv).numpy()
         assert np.array_equal(stored[f"blk.1.attn_qkv.{part}"], want)
     if arch == "falcon":
-        norm = state["transformer.h.1.ln_mlp.weight" if cfg.new_decoder_architecture else
-                     "transformer.h.1.input_layernorm.weight"].numpy()
+        norm = state["transformer.h.1.ln_mlp.weight" if two else "transformer.h.1.input_layernorm.weight"].numpy()
         assert np.array_equal(next(np.asarray(t.data) for t in r.tensors if t.name == "blk.1.attn_norm.weight"), norm)
 
 
