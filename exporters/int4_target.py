@@ -146,12 +146,12 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
     with torch.no_grad():
         x = torch.tensor([ids] if ids and isinstance(ids[0], int) else ids)  # [b, n3]
         n3 = x.shape[1]
-        bounds = [ref._embed(x)]  # Z_b at each half-layer boundary: Z^0, Y^0, Z^1, ... [b, n3, n2]
+        bounds = [ref._embed(x)]  # Z_b at each unit's boundary: Z^0, Y^0, Z^1, ... [b, n3, n2]
         masks = layer_masks(cfg, n3, 0, torch.ones_like(x[:1]), bounds[0].dtype, bounds[0].device)
-        for j in range(cfg.num_hidden_layers):
-            for attention in (True, False):
-                bounds.append(_runner(ref, ref._half(j, attention), attention, masks, n3)(bounds[-1]))
-            progress(j + 1, 2 * cfg.num_hidden_layers, "int4 sensitivity (forward)")
+        units = unit_specs(cfg)
+        for i, (j, modules) in enumerate(units):
+            bounds.append(_unit(ref, j, modules, masks, n3)[1](bounds[-1]))
+            progress(i + 1, 2 * len(units), "int4 sensitivity (forward)")
         z = bounds[-1]
         if states is not None:  # the clean final residual stream Z [b, n3, n2]: the reference's logits, later
             states.append(z)
@@ -163,12 +163,10 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
         return float(0.5 * ((g * d.repeat(PROBES, 1, 1)).sum(-1) ** 2).mean())
     out: dict[str, float] = {}
     b = len(bounds) - 1
-    for j in reversed(range(cfg.num_hidden_layers)):
-        for attention, module in ((False, "mlp"), (True, "self_attn")):
-            half = ref._half(j, attention)
-            half.requires_grad_(False)
-            run = _runner(ref, half, attention, masks, n3)
-            owner = getattr(half, module, None)
+    for i, (j, modules) in reversed(list(enumerate(units))):
+        owners, run = _unit(ref, j, modules, masks, n3)
+        for module in modules:
+            owner = owners[module]
             with torch.no_grad():
                 for m in by_half.get((j, module), []):
                     saved = {p: getattr(owner, p).weight.data for p in m.parts}
@@ -179,10 +177,10 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
                     out[m.node] = kl(g, run(bounds[b - 1]) - bounds[b])
                     for p in m.parts:
                         getattr(owner, p).weight.data = saved[p]
-            g = _vjp(run, bounds[b - 1], g)  # G at the half-layer's input
-            b -= 1
-            del half
-        progress(2 * cfg.num_hidden_layers - j, 2 * cfg.num_hidden_layers, "int4 sensitivity (backward)")
+        g = _vjp(run, bounds[b - 1], g)  # G at the unit's input
+        b -= 1
+        del owners, run
+        progress(2 * len(units) - i, 2 * len(units), "int4 sensitivity (backward)")
     if head:
         whole, rest = _head_kl(ref, z, emulate, r)
         if cfg.tie_word_embeddings:  # the Gather reads the lm_head's int4 blocks: D's rows in int4 move Z^0
@@ -213,18 +211,35 @@ def _vjp(f: Callable[[Any], Any], zin: Any, g: Any) -> Any:
     return grad.detach()
 
 
-def _runner(ref: Any, half: Any, attention: bool, masks: Any, n3: int) -> Callable[[Any], Any]:
-    """The half-layer as a function of its input stream [b, n3, n2] (positions 0..n3-1, no cache)."""
+def unit_specs(cfg: Any) -> list[tuple[int, tuple[str, ...]]]:
+    """The passes' units, in order: (layer j, the modules whose weights it holds). A sequential block is two, its
+    attention then its FFN (the stream between them is a boundary); a parallel one (GPT-NeoX, Falcon), whose FFN
+    reads the layer's input as attention does, is one unit holding both."""
+    if cfg.parallel_residual:
+        return [(j, ("self_attn", "mlp")) for j in range(cfg.num_hidden_layers)]
+    return [(j, module) for j in range(cfg.num_hidden_layers) for module in (("self_attn",), ("mlp",))]
+
+
+def _unit(ref: Any, j: int, modules: tuple[str, ...], masks: Any, n3: int
+          ) -> tuple[dict[str, Any], Callable[[Any], Any]]:
+    """(module -> the nn.Module holding its Linears (None for a MoE layer's FFN), the unit as a function of its
+    input stream [b, n3, n2]: positions 0..n3-1, no cache), its weights read, no gradients for them."""
     import torch
 
     from llama_tools.modeling.model import layer_tables
 
+    halves = {module: ref._half(j, module == "self_attn").requires_grad_(False) for module in modules}
+
+    def attend(half: Any, zin: Any) -> Any:
+        pos = torch.arange(n3).expand(zin.shape[0], n3)  # [b, n3]
+        return half.attend(zin, masks[half.sliding], pos, layer_tables(ref.tables(n3), half.sliding), None)[0]
+
     def run(zin: Any) -> Any:
-        if attention:
-            pos = torch.arange(n3).expand(zin.shape[0], n3)  # [b, n3]
-            return half.attend(zin, masks[half.sliding], pos, layer_tables(ref.tables(n3), half.sliding), None)[0]
-        return half.feed_forward(zin)
-    return run
+        if len(modules) == 2:  # parallel: Z^{j+1} = Z^j + R^j + FFN(norm(Z^j))
+            return halves["mlp"].feed_forward(attend(halves["self_attn"], zin), zin)
+        half = halves[modules[0]]
+        return attend(half, zin) if modules[0] == "self_attn" else half.feed_forward(zin)
+    return {module: getattr(half, module, None) for module, half in halves.items()}, run
 
 
 # (W [out, in], the MatMul node it belongs to, W's rows inside the node's packed matrix) -> W as the int4 graph
@@ -315,22 +330,22 @@ def importance(ref: Any, ids: list[int] | list[list[int]], nodes: list[str],
         # Windows a few at a time: SmolLM2-135M peaked at 739 MB with the sensitivity pass's batch, 611 with a quarter.
         step = max(1, stream_batch(ref.cfg, n3) // 4)
         masks = layer_masks(ref.cfg, n3, 0, torch.ones_like(x[:1]), z.dtype, z.device)
-        for j in range(ref.cfg.num_hidden_layers):
-            for attention, module in ((True, "self_attn"), (False, "mlp")):
-                half = ref._half(j, attention)
-                owner, hooks = getattr(half, module, None), []
+        units = unit_specs(ref.cfg)
+        for i, (j, modules) in enumerate(units):
+            owners, run = _unit(ref, j, modules, masks, n3)
+            hooks = []
+            for module, owner in owners.items():
                 for m in by_half.get((j, module), []) if owner is not None else []:  # a MoE layer has no `mlp`
                     def seen(mod: Any, inp: Any, _out: Any, node: str = m.node) -> None:
                         x = inp[0].detach().reshape(-1, inp[0].shape[-1])  # [b n3, in]
                         # squared in fp32, summed in float64: 1.5x faster than a float64 copy, the same to 3e-9
                         out[node] = out.get(node, 0) + x.square().sum(0, dtype=torch.float64)
                     hooks.append(getattr(owner, m.parts[0]).register_forward_hook(seen))
-                run = _runner(ref, half, attention, masks, n3)
-                z = torch.cat([run(z[i:i + step]) for i in range(0, len(z), step)])  # windows a batch at a time
-                for h in hooks:
-                    h.remove()
-                del half
-            progress(j + 1, ref.cfg.num_hidden_layers, "int4 importance (streamed)")
+            z = torch.cat([run(z[i:i + step]) for i in range(0, len(z), step)])  # windows a batch at a time
+            for h in hooks:
+                h.remove()
+            del owners, run
+            progress(i + 1, len(units), "int4 importance (streamed)")
         if any(m.layer is None for m in mats):
             h = _final(ref)(z).double().reshape(-1, z.shape[-1])  # [b n3, n2]: what the lm_head reads
             out[HEAD] = (h**2).sum(0)
@@ -351,11 +366,13 @@ def stream_batch(cfg: Any, n3: int) -> int:
 
 
 def _final(ref: Any) -> Any:
-    """The final RMSNorm with its gain read (Gemma's 1 + γ included)."""
+    """The final norm with its weights read: RMSNorm's gain (Gemma's 1 + γ included), LayerNorm's γ and β."""
     from llama_tools.modeling.model import norm
+    from llama_tools.modeling.weights import weight_specs
 
     final = norm(ref.cfg)
-    final.load_state_dict({"weight": ref.reader.read(["model.norm.weight"])["model.norm.weight"].float()})
+    names = [s.name for s in weight_specs(ref.cfg) if s.component == "final_norm"]
+    final.load_state_dict({n.removeprefix("model.norm."): t.float() for n, t in ref.reader.read(names).items()})
     return final
 
 

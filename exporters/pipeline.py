@@ -55,15 +55,6 @@ class ExportReport:
         return self.quantized.bytes_after if self.quantized else self.result.bytes
 
 
-def _check_parallel_int4(cfg: Any, targeted: bool, algorithm: str) -> None:
-    """One line when int4 would measure the block half by half: the --max-kl target's sensitivity pass and the
-    searched algorithms' input importance run attention and the FFN apart, which a parallel block does not allow."""
-    if targeted or algorithm in SEARCHED:
-        what = "--max-kl's quality target" if targeted else f"--int4-algorithm {algorithm}"
-        raise ValueError(f"{cfg.name}: {what} measures each decoder's attention and FFN apart, and {cfg.family}'s "
-                         f"parallel block computes them together; pass --max-kl none --int4-algorithm rtn (or hqq)")
-
-
 def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", rope_op: str | None = None,
            optimize: bool = False, quantize: str | None = None, int4: dict[str, Any] | None = None,
            static_kv: int | None = None, seed: int = 0,
@@ -78,8 +69,6 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
     if quantize is not None and quantize not in QUANTIZE:
         raise ValueError(f"--quantize {quantize!r}: choose one of {', '.join(QUANTIZE)}")
     goal = int4_target(int4 or {}) if quantize else None  # a bad --max-kl is refused before any work
-    if quantize and source.cfg.parallel_residual:
-        _check_parallel_int4(source.cfg, goal is not None, (int4 or {}).get("algorithm", DEFAULT_ALGORITHM))
     output = check_output(source, output, dtype=dtype, quantize=quantize, client_files=client_files)
     optimize = optimize or quantize is not None or static_kv is not None
     notes: list[str] = []

@@ -5,7 +5,8 @@ Each a 2-layer model (n2 64, 4 heads of 16) whose LayerNorm gains and biases and
 initial values, written by `save_pretrained`. Our fp32 logits equal transformers' eager fp32 logits, greedy tokens
 equal, the streamed reference too, count-params equals its count, `convert --to hf` round-trips through transformers;
 the plain export passes verify parity (whole graph, with the source check, --by-layer) and a planted fault fails it
-(named at layer 1); onnxruntime-genai gives transformers' tokens; plain RTN int4 exports. Negative cases show the
+(named at layer 1); onnxruntime-genai gives transformers' tokens; RTN and the default int4 export, whose
+sensitivities rank the matrices as transformers with each alone in int4 does. Negative cases show the
 comparison sees a sequential block read as parallel (and the reverse) and a LayerNorm without its β. What is one
 family's own (its config keys, stored names, presets, refusals) is in tests/test_gpt_neox.py and tests/test_falcon.py;
 GGUF in tests/test_gguf_neox_falcon_moe.py.
@@ -104,13 +105,11 @@ def test_convert_to_hf_round_trips_through_transformers(case, tmp_path):
 
 @pytest.fixture(scope="module")
 def graph(case, tmp_path_factory):
-    """The plain export (asked for --optimize: the fused graph builds LLaMA's block, so the plain one, noted)."""
+    """The plain export (the fused one, --optimize, is tests/test_fused_neox_falcon.py's)."""
     name, d, _, _ = case
     path = tmp_path_factory.mktemp(f"{name}-onnx") / "model.onnx"
-    r = run("export", "onnx", str(d), "-o", str(path), "--optimize")
+    r = run("export", "onnx", str(d), "-o", str(path))
     assert r.exit_code == 0, r.output[-1500:]
-    family = LAYOUTS[name].family
-    assert f"the fused graph does not support {family}'s block" in r.output and "wrote the plain graph" in r.output
     return path
 
 
@@ -161,14 +160,65 @@ def test_onnxruntime_genai_runs_the_graph_with_transformers_tokens(case, graph):
     assert genai_greedy(graph.parent, IDS[0].tolist(), 6) == hf_greedy(hf, 6)
 
 
-def test_int4_round_to_nearest_works_and_the_measured_passes_are_refused(case, tmp_path):
-    """Plain RTN int4 needs no measurement; --max-kl's target and the searched algorithms measure attention and the
-    FFN apart, which a parallel block does not allow: refused in one line naming the options."""
+def test_int4_round_to_nearest_and_the_default_target_export(case, tmp_path):
+    """Plain RTN int4, and the default (awq blocks, the KL target): its passes run a parallel block as one unit, so
+    every matrix gets a sensitivity and the graph built is the one it chose."""
     name, d, _, _ = case
     r = run("export", "onnx", str(d), "-o", str(tmp_path / "rtn" / "model.onnx"), "-q", "--quantize", "int4",
             "--max-kl", "none", "--int4-algorithm", "rtn")
     assert r.exit_code == 0, r.output[-1500:]
-    if LAYOUTS[name].parallel:
-        text = one_line_error(run("export", "onnx", str(d), "-o", str(tmp_path / "t" / "model.onnx"), "-q",
-                                  "--quantize", "int4"))
-        assert "--max-kl" in text and "parallel block" in text and "--int4-algorithm rtn" in text
+    r = run("export", "onnx", str(d), "-o", str(tmp_path / "t" / "model.onnx"), "-q", "--quantize", "int4",
+            "--format", "json")
+    assert r.exit_code == 0, r.output[-1500:]
+    target = json.loads(r.stdout)["int4_target"]  # stderr may hold the quality warning of a random model
+    assert target["rounds"] and len(target["sensitivity"]) >= 4 * 2 and all(v > 0 for v in target["sensitivity"].values())
+
+
+def test_the_sensitivities_rank_matrices_as_transformers_with_each_alone_in_int4(case):
+    """The target's forward and backward passes (one unit per parallel block) against transformers' own model with
+    each matrix alone fake-quantized to 2 bits, its logits' KL from the clean ones (the truth at any order; a row's
+    blocks are its own, so quantizing transformers' packed query_key_value is quantizing our q, k, v): ranked alike
+    and within a factor; a shuffled assignment is not (the check can fail)."""
+    import numpy as np
+
+    import llama_tools.exporters.int4_target as t
+
+    name, d, hf, _ = case
+    hf_names = {"qkv_proj": "query_key_value", "o_proj": "dense", "up_proj": "dense_h_to_4h",
+                "down_proj": "dense_4h_to_h"}
+    nodes = [f"/model/layers.{j}/{mod}/{proj}/MatMul" for j in range(2)
+             for mod, proj in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "up_proj"),
+                               ("mlp", "down_proj"))]
+    mats = t.matrices(nodes)
+    ref = StreamedReference(d)
+    ids = IDS[0].tolist() * 3  # [42]
+    quant = lambda w: t.fake_quant(w, 2, 16)  # noqa: E731  (2-bit: moves large enough to tell them apart)
+    old = t.TOP_K
+    t.TOP_K = ref.cfg.vocab_size  # a random model's mass is spread: every token a candidate
+    try:
+        got = t.sensitivities(ref, ids, mats, 16, emulate=lambda w, node, rows=None: quant(w))
+    finally:
+        t.TOP_K = old
+    assert set(got) == set(nodes) and all(v > 0 for v in got.values())
+    layers = hf.gpt_neox.layers if LAYOUTS[name].family == "gpt_neox" else hf.transformer.h
+    x = torch.tensor([ids])
+    truth = {}
+    with torch.no_grad():
+        clean = torch.log_softmax(hf(x).logits.double(), -1)
+        for m in mats:
+            block = layers[m.layer]
+            owner = getattr(block, "attention", None) or getattr(block, "self_attention", None) \
+                if m.module == "self_attn" else block.mlp
+            lin = getattr(owner, hf_names[m.node.split("/")[4]])
+            saved = lin.weight.data.clone()
+            lin.weight.data = quant(saved)
+            lq = torch.log_softmax(hf(x).logits.double(), -1)
+            truth[m.node] = float((clean.exp() * (clean - lq)).sum(-1).mean())
+            lin.weight.data = saved
+    keys = sorted(got)
+    a, b = np.log([truth[k] for k in keys]), np.log([got[k] for k in keys])
+    rank = lambda v: np.argsort(np.argsort(v))  # noqa: E731
+    assert np.corrcoef(rank(a), rank(b))[0, 1] >= 0.7, (truth, got)
+    assert np.all(np.abs(b - a) <= np.log(4)), (truth, got)
+    shuffled = b[[5, 3, 7, 0, 6, 1, 4, 2]]
+    assert np.corrcoef(rank(a), rank(shuffled))[0, 1] < 0.7
