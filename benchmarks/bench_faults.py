@@ -10,8 +10,8 @@ weights are copied):
     rope        the RoPE base off by 1% (the graph's cos/sin tables recomputed with 1.01 x theta)
     kv-swap     two KV heads swapped in the middle layer (their columns of k_proj and v_proj, or of packed qkv)
     eps         the middle layer's input RMSNorm epsilon x 10 (the node's attribute, or its Add constant)
-    final-norm  the final RMSNorm's gain x (1 + 1e-3): only the logits can see it (lm_head itself may be the
-                embedding, tied, as in SmolLM2)
+    final-norm  the final norm's gain x (1 + 1e-3), RMSNorm's γ or LayerNorm's (its β as it was): only the logits
+                can see it (lm_head itself may be the embedding, tied, as in SmolLM2)
 
 and each is checked by the whole-graph check and by --by-layer. The table: fault x graph x mode -> verdict,
 the layer named, the worst ratio (error / noise). `--sensitivity` bisects the smallest scale error of one
@@ -103,6 +103,8 @@ def plant(onnx_path: str | Path, fault: str, cfg: Any, layer: int, eps: float = 
     elif fault == "final-norm":  # ours name it /model/norm/..., the builder /model/layers.{n8}/final_norm_layernorm/
         norm = [n for n in p.model.graph.node if "/model/norm/" in n.name or "final_norm" in n.name]
         gains = {x for n in norm for x in n.input if x in p.inits and list(p.inits[x].dims) == [cfg.hidden_size]}
+        if len(gains) > 1:  # a LayerNorm (GPT-NeoX, Falcon) reads γ and β, both [n2]: β is named .bias everywhere
+            gains = {x for x in gains if not x.endswith("bias")}
         name = _one(sorted(gains), "final norm gain")
         p.replace(name, p.array(name).astype(np.float64) * (1 + eps))
     elif fault == "rope":

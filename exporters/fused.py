@@ -1,4 +1,5 @@
-"""The fused decoder graph: onnxruntime's GroupQueryAttention, packed projections and Skip norms, RoPE our own node.
+"""The fused decoder graph: onnxruntime's GroupQueryAttention, packed projections and Skip norms, RoPE our own node;
+LLaMA's block, and GPT-NeoX's and Falcon's LayerNorm/GELU block in its parallel and sequential forms.
 
 Built node by node with onnx_ir straight from the weights (no torch tracing), as onnxruntime-genai's builder
 builds its graphs, for the same model `export_onnx` exports (weights from `llama_tools.load_model`). The graph
@@ -29,6 +30,9 @@ in contrib_ops/cpu/bert/gqa_attention_base.h and group_query_attention_helper.h,
     form): GQA's rotary, or our RoPE node (it rotates the q and k heads and passes v through unchanged,
     rotary_heads), so no Split runs. onnxruntime's RotaryEmbedding has no such attribute: with it, q, k, v are
     split first. Qwen3 and Gemma 3 normalize q and k apart first, and GQA takes q, k, v apart.
+  - GPT-NeoX's and Falcon's packed query_key_value (per head, or per KV head, q k v interleaved) is regrouped into
+    q, k, v when the checkpoint is read (checkpoints/formats.py), so their QKV MatMul stacks [all q | all k | all v]
+    as every family's does; the qkv bias likewise.
   - past/present in BNSH [batch, kv_heads, slots, head_dim]; GQA writes the new keys at slots
     [total - seq, total) of every row. GQA needs head_dim % 8 == 0 (its own rotary would need % 16).
   - A prompt (seq > 1) continuing a non-empty cache needs batch 1 (GQA refuses otherwise); decode (seq = 1)
@@ -76,6 +80,10 @@ from .preflight import DEFAULT_OPSET, EXTERNAL_DATA_THRESHOLD_BYTES, check_args
 GRAPH = "fused"  # the llama_tools.graph metadata value
 FUSED_ROPE_OPS = (rope_ops.OURS.name, "contrib", rope_ops.IN_ATTENTION.name)  # 3-D [b, s, heads*n6], or GQA's own
 GQA_HEAD_DIM_MULTIPLE = 8  # group_query_attention_helper: "head_size must be a multiple of 8"
+# The ungated MLP's GELU as onnxruntime's contrib ops compute it (onnxruntime-genai's builder maps transformers'
+# "gelu" to Gelu and "gelu_new"/"gelu_fast"/"gelu_pytorch_tanh" to FastGelu alike): exact erf GELU, and the tanh
+# approximation. With the up projection's bias: BiasGelu adds it first; FastGelu takes it as its second input.
+_GELU_OPS = {"gelu": ("Gelu", "BiasGelu"), "gelu_tanh": ("FastGelu", "FastGelu")}  # act -> (no bias, with bias)
 _IR = {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16,
        torch.int64: ir.DataType.INT64}
 
@@ -87,9 +95,8 @@ def check_fusable(cfg: ModelConfig) -> None:
         why = f"{cfg.position_encoding} position encoding (GroupQueryAttention adds no per-head ALiBi bias)"
     elif cfg.is_moe:
         why = f"mixture of experts ({cfg.num_experts} experts)"
-    elif cfg.norm_kind != "rms" or not cfg.gated_mlp or cfg.parallel_residual:
-        why = (f"{cfg.family}'s block (LayerNorm with bias, a GELU MLP without a gate"
-               f"{', attention and MLP in parallel' if cfg.parallel_residual else ''}: the fused graph builds LLaMA's)")
+    elif not cfg.gated_mlp and cfg.hidden_act not in _GELU_OPS:
+        why = f"an ungated {cfg.hidden_act} MLP (the fused graph's ungated MLP is GPT-NeoX's and Falcon's GELU)"
     elif cfg.head_dim % GQA_HEAD_DIM_MULTIPLE:
         why = f"head_dim {cfg.head_dim} (GroupQueryAttention needs a multiple of {GQA_HEAD_DIM_MULTIPLE})"
     elif cfg.num_attention_heads % cfg.num_key_value_heads:
@@ -173,7 +180,6 @@ def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
             shape = shapes[name]
             return g.lazy(name, shape, lambda: Rows((shape[0], shape[1]), lambda a, b: rows(name, a, b)))
         return g.lazy(name, shapes[name], lambda: read([name])[name])
-    gain = lambda name: _gain(g, cfg, read, shapes, name)  # noqa: E731
     t = _IR[dtype]
     n_layers, kv_heads, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     slots = static_kv if static_kv is not None else "past_sequence_length"
@@ -235,9 +241,7 @@ def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
     if cfg.post_norms:  # OLMo 2: attention reads the residual stream itself
         zbar = z
     else:
-        norm = "model.layers.0.input_layernorm.weight"
-        zbar = g.op("/model/layers.0/input_layernorm", "SimplifiedLayerNormalization", [z, gain(norm)],
-                    {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1})  # fp32 inside, as RMSNorm
+        zbar = _norm(g, cfg, read, shapes, "/model/layers.0/input_layernorm", z, "model.layers.0.input_layernorm.weight")
     presents = []
     for j in range(n_layers):
         cos_cache, sin_cache = layer_tables(tables, cfg.slides(j))
@@ -289,6 +293,37 @@ def _gain(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int, 
     return g.lazy(name + "_plus_one", shapes[name], lambda: 1.0 + read([name])[name].float())
 
 
+def _beta(g: _Graph, read: Read, shapes: dict[str, tuple[int, ...]], name: str) -> ir.Value:
+    """A LayerNorm's β as stored."""
+    return g.lazy(name, shapes[name], lambda: read([name])[name])
+
+
+def _norm(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int, ...]], path: str, x: ir.Value,
+          name: str) -> ir.Value:
+    """The family's norm over n2 of x, γ named `name`: RMSNorm as SimplifiedLayerNormalization, LayerNorm (γ, β) as
+    LayerNormalization (opset 17); both in fp32 inside (stash_type 1), as the models compute them."""
+    attrs = {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1}
+    if cfg.norm_kind == "layer":
+        beta = name.removesuffix(".weight") + ".bias"
+        return g.op(path, "LayerNormalization", [x, _gain(g, cfg, read, shapes, name), _beta(g, read, shapes, beta)],
+                    attrs)
+    return g.op(path, "SimplifiedLayerNormalization", [x, _gain(g, cfg, read, shapes, name)], attrs)
+
+
+def _skip_norm(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int, ...]], path: str, x: ir.Value,
+               skip: ir.Value, name: str) -> tuple[ir.Value, ir.Value]:
+    """(norm(x + skip), x + skip) in one node: onnxruntime's SkipSimplifiedLayerNormalization, or SkipLayerNormalization
+    with the LayerNorm's β."""
+    inputs = [x, skip, _gain(g, cfg, read, shapes, name)]
+    op = "SkipSimplifiedLayerNormalization"
+    if cfg.norm_kind == "layer":
+        inputs.append(_beta(g, read, shapes, name.removesuffix(".weight") + ".bias"))
+        op = "SkipLayerNormalization"
+    normed, _, _, total = g.op(path, op, inputs, {"epsilon": float(cfg.rms_norm_eps)}, domain=MS_DOMAIN,
+                               outputs=[None, "", "", None])  # (normalized, -, -, the sum x + skip)
+    return normed, total
+
+
 def _slot_positions(g: Any, p: str, mask: Any, total: Any, ids_shape: Any) -> Any:
     """GQA's rotary positions [b, s] for the new tokens: a real token's slot when the padding is all in front (its
     leading zeros plus its position), its position after a gap (onnxruntime-genai right-pads a batch's prompt and
@@ -332,6 +367,14 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
     ybar ──MatMul W_gate_up [n2, 2 n7] (+ bias)──Split──► gate, up
     gate ──Sigmoid──Mul gate──► silu ──Mul up──MatMul W_down (+ bias)──► d
     d ──SkipSimplifiedLayerNormalization(skip y; next input_layernorm or the final norm)──► zbar', z' = y + d
+
+    GPT-NeoX and Falcon (LayerNorm γ, β; an ungated GELU MLP with biases), parallel_residual:
+    zbar ──(attention as above, qkv and o biases)──► r
+    z ──LayerNormalization(post_attention_layernorm γ, β)──► ybar   (Falcon-7B's one norm: ybar = zbar)
+    z, r ──Add──► y = z + r
+    ybar ──MatMul W_up──BiasGelu(b_up) (Gelu without a bias; FastGelu for tanh GELU)──MatMul W_down (+ b_down)──► d
+    d ──SkipLayerNormalization(skip y; next input_layernorm's or the final γ, β)──► zbar', z' = z + r + d
+    sequential: r ──SkipLayerNormalization(skip z; post_attention_layernorm)──► ybar, y = z + r, then the same MLP.
     """
     pre = f"model.layers.{j}"
     path = f"/model/layers.{j}"
@@ -441,19 +484,32 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
         norm = f"{pre}.pre_feedforward_layernorm.weight"
     if residual is not None:
         r = g.op(f"{path}/residual_mul", "Mul", [r, residual], name="Mul_1")
-    if cfg.post_norms:  # OLMo 2: R normalized, added; the FFN reads the sum itself
+    if cfg.parallel_residual:  # GPT-NeoX, Falcon: the FFN reads the layer's input Z^j, normed, not Z^j + R^j
+        ybar = zbar if cfg.shared_norm else _norm(g, cfg, read, shapes, f"{path}/post_attention_layernorm", z,
+                                                  f"{pre}.post_attention_layernorm.weight")
+        # Z^{j+1} = (Z^j + R^j) + Yhat^j: the residual add in this layer, as the sequential block's, so what crosses
+        # into the next layer is two addends this layer made (layer 0's Z^0 is the embedding's: --by-layer's cut)
+        y = g.op(f"{path}/residual_add", "Add", [z, r])  # [b, s, n2]
+    elif cfg.post_norms:  # OLMo 2: R normalized, added; the FFN reads the sum itself
         r = g.op(f"{path}/post_attention_layernorm", "SimplifiedLayerNormalization",
                  [r, _gain(g, cfg, read, shapes, norm)], {"axis": -1, "epsilon": float(cfg.rms_norm_eps),
                                                           "stash_type": 1})
         ybar = y = g.op(f"{path}/residual_add", "Add", [z, r], name="Add_1")  # Y^j = Z^j + rnorm(R^j)
     else:
-        ybar, _, _, y = g.op(
-            f"{path}/{norm.split('.')[-2]}", "SkipSimplifiedLayerNormalization",
-            [r, z, _gain(g, cfg, read, shapes, norm)], {"epsilon": float(cfg.rms_norm_eps)}, domain=MS_DOMAIN,
-            outputs=[None, "", "", None])  # (normalized, -, -, the sum z + r)
+        ybar, y = _skip_norm(g, cfg, read, shapes, f"{path}/{norm.split('.')[-2]}", r, z, norm)  # Y^j = Z^j + R^j
+
+    mlp = f"{path}/mlp"
+    if not cfg.gated_mlp:  # --- GPT-NeoX's and Falcon's MLP: up (+ bias) ──GELU──► down (+ bias) ---
+        w, b = linear("mlp", ["up_proj"], cfg.mlp_bias)
+        up = g.op(f"{path}/mlp/up_proj", "MatMul", [ybar, w])  # [b, s, n7]; the bias goes into the GELU node
+        plain_op, bias_op = _GELU_OPS[cfg.hidden_act]
+        act = g.op(f"{mlp}/act_fn", bias_op if b is not None else plain_op, [up, *([b] if b is not None else [])],
+                   domain=MS_DOMAIN)  # [b, s, n7]
+        w, b = linear("mlp", ["down_proj"], cfg.mlp_bias)
+        d = matmul("mlp/down_proj", act, w, b)  # [b, s, n2]
+        return _residual_and_next_norm(g, cfg, read, shapes, j, d, y, [present_k, present_v])
 
     # --- SwiGLU ---
-    mlp = f"{path}/mlp"
     w, b = linear("mlp", ["gate_proj", "up_proj"], cfg.mlp_bias)
     gate_up = matmul("mlp/gate_up_proj", ybar, w, b)  # [b, s, 2 n7]
     split = g.const(f"{mlp}/gate_up_split", [cfg.intermediate_size, cfg.intermediate_size], i64)
@@ -481,13 +537,18 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
                                                                                        "model.norm.weight")],
                          {"axis": -1, "epsilon": float(cfg.rms_norm_eps), "stash_type": 1}) if last else z_next
         return zbar_next, z_next, [present_k, present_v]
+    return _residual_and_next_norm(g, cfg, read, shapes, j, d, y, [present_k, present_v])
+
+
+def _residual_and_next_norm(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int, ...]], j: int,
+                            d: ir.Value, y: ir.Value, presents: list[ir.Value]) -> tuple[ir.Value, ir.Value, list[ir.Value]]:
+    """Decoder j's last residual add Z^{j+1} = Y^j + d fused with the norm after it (the next input_layernorm, or
+    the final norm), named by that norm's module so --by-layer sees two addends cross into the next block."""
+    last = j == cfg.num_hidden_layers - 1
     norm_path, norm_name = (("/model/norm", "model.norm.weight") if last else
                             (f"/model/layers.{j + 1}/input_layernorm", f"model.layers.{j + 1}.input_layernorm.weight"))
-    zbar_next, _, _, z_next = g.op(
-        norm_path, "SkipSimplifiedLayerNormalization", [d, y, _gain(g, cfg, read, shapes, norm_name)],
-        {"epsilon": float(cfg.rms_norm_eps)}, domain=MS_DOMAIN,
-        outputs=[None, "", "", None])
-    return zbar_next, z_next, [present_k, present_v]
+    zbar_next, z_next = _skip_norm(g, cfg, read, shapes, norm_path, d, y, norm_name)
+    return zbar_next, z_next, presents
 
 
 # --- The entry point -------------------------------------------------------------------------------------------
