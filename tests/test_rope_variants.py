@@ -322,7 +322,7 @@ def test_pass_dependent_variants_export_with_tables_computed_in_the_graph(name, 
     assert result.path.is_file()
 
 
-# --- GGUF: yarn in and out as llama.cpp keeps it; dynamic and longrope have no llama.cpp keys here ---------------
+# --- GGUF: yarn in and out as llama.cpp keeps it; dynamic has no llama.cpp keys, longrope only Phi-3's tensors ---
 
 YARN_GGUF = {"yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
              "yarn-deepseek": dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=64, mscale=1.0,
@@ -381,6 +381,8 @@ def test_yarn_gguf_reads_back_as_the_checkpoint(yarn_gguf):
 
 @pytest.mark.parametrize("name", ["dynamic", "longrope"])
 def test_gguf_out_refuses_variants_llama_cpp_has_no_keys_for(name, tmp_path):
+    """Llama with dynamic NTK, or with longrope, which llama.cpp reads as factor tensors for phi3 alone (written and
+    checked against llama.cpp there: tests/test_gguf_longrope.py)."""
     from click.testing import CliRunner
 
     from llama_tools.cli import cli

@@ -48,6 +48,9 @@ class GgufArchitecture:
     biases: bool | None = None
     untied_output: bool = False  # llama.cpp loads output.weight and cannot take the embedding's place (gptneox)
     moe: bool = False  # experts in every layer, expert_feed_forward_length wide (qwen3moe): no dense form
+    # longrope as llama.cpp keeps it (Phi-3-mini-128K, Phi-4-mini): the factors as ROPE_FACTORS tensors,
+    # {arch}.rope.scaling.original_context_length and attn_factor, no scaling type key (convert_hf_to_gguf.py)
+    longrope: bool = False
 
 
 # llama.cpp writes Mistral as "llama" and permutes its q/k rows to Meta's interleaved order (its rope type NORM);
@@ -71,7 +74,8 @@ ARCHITECTURES = {"llama": GgufArchitecture("llama", GGUF.rope_layout),
                  # HF's rows; gate_up_proj kept whole as ffn_up (llama.cpp's SwiGLU splits it: gate, then up)
                  # partial rotary: convert_hf_to_gguf writes int(partial_rotary_factor x n2) // n5 as
                  # phi3.rope.dimension_count, and llama.cpp's phi3 turns that many channels (NEOX pairs within them)
-                 "phi3": GgufArchitecture("phi3", HALF, fused_qkv=True, fused_gate_up=True, partial_rotary=True),
+                 "phi3": GgufArchitecture("phi3", HALF, fused_qkv=True, fused_gate_up=True, partial_rotary=True,
+                                          longrope=True),
                  # LayerNorms with β, a GELU FFN without gate, HF's rows (rope type NEOX). The converters regroup
                  # query_key_value as cat(q, k, v): GPT-NeoX's rows per head [q_h, k_h, v_h], Falcon's per KV group
                  # [its q heads, k, v]. gptneox: rope.dimension_count (Pythia's rotary_pct) and use_parallel_residual
@@ -112,6 +116,10 @@ MOE_FAMILY = {"llama": "mixtral"}
 # Llama's block (its window, if any, kept as llama.attention.sliding_window, which llama.cpp does not apply).
 WRITTEN_AS = {"mistral": "llama"}
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-dimension RoPE divisors (Llama 3's 'llama3' scaling)
+# longrope's factors, one per rotated pair (F32): llama.cpp divides each pair's frequency by the long ones when its
+# context (n_ctx per sequence) is over rope.scaling.original_context_length, else by the short ones
+ROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
+ROPE_TENSORS = (ROPE_FREQS, *ROPE_FACTORS.values())  # read into the config's RoPE scaling, never as weights
 LLAMA3_ARCHITECTURES = ("llama",)  # those whose rope_freqs.weight llama.cpp applies (and its converter writes)
 
 # Before llama.cpp stacked them (2024), its converter wrote each of Mixtral's experts as tensors of their own:

@@ -8,9 +8,9 @@ from typing import Any
 from ...modeling.config import INT64_MAX, SIZE_LIMITS, ModelConfig, RopeScaling
 from ...modeling.families import FAMILIES, FULL, SLIDING
 from ...modeling.rope import yarn_attention_factor
-from .architectures import ALWAYS, ARCHITECTURES, GRANITE_KEYS, KEY, MOE_FAMILY, ROPE_FREQS
+from .architectures import ALWAYS, ARCHITECTURES, GRANITE_KEYS, KEY, MOE_FAMILY, ROPE_FACTORS, ROPE_FREQS
 from .read import UnmodelledGguf, field_value, meta_value
-from .rope_freqs import llama3_scaling, rope_freqs_tensor
+from .rope_freqs import llama3_scaling, longrope_scaling, longrope_tensors, rope_freqs_tensor
 
 
 # <arch>.* keys -> the SIZE_LIMITS entry that bounds them (those the tensors' shapes do not: check_metadata).
@@ -70,7 +70,24 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
     scaling = None
     kind = get("rope.scaling.type", str, None, required=False)
     divisors = rope_freqs_tensor(reader, path)
-    if divisors is not None:  # Llama 3's scaling, as llama.cpp stores it: no keys, the divisors themselves
+    factors = longrope_tensors(reader, path)
+    context = get("context_length", int, 2048, required=False)
+    if factors and not a.longrope:
+        raise UnmodelledGguf(f"{path}: tensor {ROPE_FACTORS[next(iter(factors))]!r} (longrope's factors) in a {arch} "
+                             f"GGUF; llama-tools reads them for "
+                             f"{', '.join(n for n, x in ARCHITECTURES.items() if x.longrope)}")
+    if factors or kind == "longrope":  # llama.cpp's converter writes no type key for it: the tensors say longrope
+        if divisors is not None or kind not in (None, "none", "longrope"):
+            raise UnmodelledGguf(f"{path}: longrope's factor tensors with {arch}.rope.scaling.type {kind!r} or "
+                                 f"{ROPE_FREQS!r}; llama.cpp's converter writes the factors alone")
+        if not factors:
+            raise ValueError(f"{path}: GGUF metadata {arch}.rope.scaling.type is 'longrope' but the file holds "
+                             f"neither {' nor '.join(map(repr, ROPE_FACTORS.values()))}")
+        # llama.cpp's defaults: the original context is the trained one, the attention factor 1
+        scaling = longrope_scaling(factors, rotary, context, get("rope.scaling.original_context_length", int, context,
+                                                                 required=False),
+                                   float(get("rope.scaling.attn_factor", float, 1.0, required=False)), path)
+    elif divisors is not None:  # Llama 3's scaling, as llama.cpp stores it: no keys, the divisors themselves
         if kind not in (None, "none"):
             raise UnmodelledGguf(f"{path}: both {arch}.rope.scaling.type {kind!r} and tensor {ROPE_FREQS!r}; "
                                  f"llama.cpp writes one or the other")
@@ -84,9 +101,6 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
             * yarn_attention_factor(factor),
             beta_fast=float(get("rope.scaling.yarn_beta_fast", float, 32.0, required=False)),
             beta_slow=float(get("rope.scaling.yarn_beta_slow", float, 1.0, required=False)))
-    elif kind == "longrope":
-        raise UnmodelledGguf(f"{path}: {arch}.rope.scaling.type 'longrope': llama.cpp keeps its factors as Phi-3's "
-                             f"rope_factors tensors; llama-tools reads longrope from a config.json only")
     elif kind not in (None, "none"):
         scaling = RopeScaling(type=kind, factor=float(get("rope.scaling.factor", float, 1.0, required=False)),
                               original_max_position_embeddings=get("rope.scaling.original_context_length", int,
@@ -151,7 +165,7 @@ def gguf_config(reader: Any, path: Path) -> ModelConfig:
         rms_norm_eps=_f32(get("attention.layer_norm_epsilon" if layer_norm else "attention.layer_norm_rms_epsilon",
                               float, 1e-5, required=False)),
         rope_theta=_f32(get("rope.freq_base", float, 10000.0, required=False)), rope_scaling=scaling,
-        rope_layout=a.rope_layout, max_position_embeddings=get("context_length", int, 2048, required=False),
+        rope_layout=a.rope_layout, max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in names,  # llama.cpp leaves the tied lm_head out
         qkv_bias=bool({"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"} & names), o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names,

@@ -15,7 +15,7 @@ from ..formats import CheckpointFormat, checkpoint_tensors
 from ..header_readers import FileExtent, TensorInfo
 from ..weight_files import CheckpointHeaders, WeightFiles
 from ...modeling.weights import stack_specs, weight_specs
-from .architectures import ARCHITECTURES, KIND, MAX_PER_EXPERT, ROPE_FREQS, gguf_format, per_expert_format
+from .architectures import ARCHITECTURES, KIND, MAX_PER_EXPERT, ROPE_TENSORS, gguf_format, per_expert_format
 from .check import check_metadata
 from .config import gguf_config
 from .read import UnmodelledGguf, field_value, gguf_extent, open_gguf, refuse_partial
@@ -144,8 +144,8 @@ class GgufReader:
                 elif len(ct.parts) > 1:  # rows of a fused tensor, the parts one after another
                     start = sum(rows_of[q] for q in ct.parts[:i])
                     self.part[part] = (start, start + rows_of[part])
-        # rope_freqs.weight is read into the config (its llama3 scaling), not as a weight
-        extra = sorted(set(self.info) - set(self.where.values()) - {ROPE_FREQS})
+        # rope_freqs.weight and longrope's factors are read into the config (its RoPE scaling), not as weights
+        extra = sorted(set(self.info) - set(self.where.values()) - set(ROPE_TENSORS))
         if extra:
             raise ValueError(f"{p}: tensor {extra[0]!r} is not a weight of the {cfg.family} model its metadata "
                              f"describes")

@@ -32,8 +32,8 @@ from ...modeling.families import FAMILIES, FULL, SLIDING
 from ...modeling.rope import yarn_attention_factor
 from ..formats import checkpoint_tensors
 from ...modeling.weights import weight_specs
-from .architectures import (ALWAYS, ARCHITECTURES, GRANITE_KEYS, KEY, LLAMA3_ARCHITECTURES, MOE_FAMILY, ROPE_FREQS,
-                            WRITTEN_AS, GgufArchitecture, gguf_format)
+from .architectures import (ALWAYS, ARCHITECTURES, GRANITE_KEYS, KEY, LLAMA3_ARCHITECTURES, MOE_FAMILY, ROPE_FACTORS,
+                            ROPE_FREQS, WRITTEN_AS, GgufArchitecture, gguf_format)
 from .rope_freqs import PUBLISHED, llama3_divisors
 from .vocabulary import Vocabulary, write_vocabulary
 
@@ -104,10 +104,16 @@ def check_config(cfg: ModelConfig) -> None:
         (f"tied embeddings (llama.cpp's {arch} loads its own output.weight)",
          a.untied_output and cfg.tie_word_embeddings),
         ("ALiBi", cfg.position_encoding != "rope"), ("Baichuan2's NormHead", cfg.norm_head),
-        (f"rope_scaling {s.type if s else ''!r} (a GGUF holds linear and yarn scaling, and Llama 3's as "
-         f"rope_freqs.weight with low/high frequency factors 1/4 over 8192 positions; llama.cpp has no keys for "
-         f"dynamic NTK, and longrope's factor tensors only for Phi-3)", s is not None and not (
-             s.type in ("linear", "yarn") or (_llama3(cfg) and arch in LLAMA3_ARCHITECTURES))),
+        (f"rope_scaling {s.type if s else ''!r} (a GGUF holds linear and yarn scaling, Llama 3's as "
+         f"rope_freqs.weight with low/high frequency factors 1/4 over 8192 positions, and longrope's factor tensors "
+         f"for {', '.join(n for n, x in ARCHITECTURES.items() if x.longrope)}; llama.cpp has no keys for "
+         f"dynamic NTK)", s is not None and not (
+             s.type in ("linear", "yarn") or (_llama3(cfg) and arch in LLAMA3_ARCHITECTURES)
+             or (s.type == "longrope" and a.longrope))),
+        (f"longrope with {len(s.long_factor or ()) if s else 0} long and {len(s.short_factor or ()) if s else 0} "
+         f"short factors for {cfg.rotary_dim // 2} rotated pairs (llama.cpp reads one of each per pair)",
+         s is not None and s.type == "longrope" and not (
+             len(s.long_factor or ()) == len(s.short_factor or ()) == cfg.rotary_dim // 2)),
         ("yarn scaling with truncate false (llama.cpp rounds the ramp's ends outwards)",
          s is not None and s.type == "yarn" and not s.truncate),
         *((f"{f} {getattr(cfg, f)!r} (GGUF's {arch} has {family[f]!r})", getattr(cfg, f) != family[f])
@@ -216,6 +222,11 @@ def _hparams(w: Any, cfg: ModelConfig, arch: str, a: GgufArchitecture) -> list[s
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(s.factor)
         w.add_rope_scaling_orig_ctx_len(s.original_max_position_embeddings)
+    if s is not None and s.type == "longrope":  # as llama.cpp's converter: no type key, the factors as tensors
+        w.add_rope_scaling_orig_ctx_len(s.original_max_position_embeddings)  # llama.cpp's switch to the long factors
+        # transformers' attention factor (the converter's sqrt(1 + ln(context / original) / ln(original)) unless the
+        # config gives its own): llama.cpp multiplies cos and sin by it, short or long factors alike, as transformers
+        w.add_rope_scaling_attn_factors(float(s.attention_factor if s.attention_factor is not None else 1.0))
     if s is not None and s.type == "yarn":  # ggml's rope_yarn: cos, sin x attn_factor x (1 + 0.1 ln factor)
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(s.factor)
@@ -370,9 +381,8 @@ def write_gguf(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str | Path
         plan.append((ct.name, ct.parts, ct.shape, _ggml_type(state[ct.parts[0]], dtype)))
     odd = sorted({dtypes.get(state[p[0]].dtype).name for _, p, s, _ in plan if len(s) > 1} - set(FLOAT_TYPES))
     params = sum(math.prod(s) for _, _, s, _ in plan)
-    if _llama3(cfg):  # llama.cpp's place for it: first
-        divisors = llama3_divisors(cfg.rope_theta, cfg.rotary_dim, cfg.rope_scaling)  # type: ignore[arg-type]
-        plan.insert(0, (ROPE_FREQS, (), (len(divisors),), "F32"))
+    extras = _rope_tensors(cfg)
+    plan[:0] = [(name, (), (len(v),), "F32") for name, v in extras.items()]  # llama.cpp's place for them: first
     warnings = [f"{', '.join(odd)} matrices written as F32 (a GGUF's float types here: F32, F16, BF16)"] if odd else []
     if cfg.family in WRITTEN_AS:
         warnings.append(f"{cfg.family}: written as llama.cpp's {arch!r}, as its converter writes it; it reads back as "
@@ -395,8 +405,8 @@ def write_gguf(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str | Path
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
             for name, parts, shape, q in plan:  # one converted tensor in memory at a time
-                if not parts:  # rope_freqs.weight
-                    w.write_tensor_data(np.asarray(divisors, np.float32))
+                if not parts:  # rope_freqs.weight, longrope's factors
+                    w.write_tensor_data(np.asarray(extras[name], np.float32))
                     continue
                 if len(shape) == 3:
                     w.write_tensor_data(_stored(parts[0], _stack([state[p] for p in parts]), cfg, a, q))
@@ -405,6 +415,17 @@ def write_gguf(cfg: ModelConfig, state: dict[str, torch.Tensor], dst: str | Path
         finally:
             w.close()
     return GgufWritten(arch, len(plan), params, sum(nbytes), warnings)
+
+
+def _rope_tensors(cfg: ModelConfig) -> dict[str, list[float]]:
+    """The RoPE tensors llama.cpp's converter writes for cfg's scaling, in its order: Llama 3's divisors, or
+    longrope's long then short factors."""
+    s = cfg.rope_scaling
+    if _llama3(cfg):
+        return {ROPE_FREQS: llama3_divisors(cfg.rope_theta, cfg.rotary_dim, s)}  # type: ignore[arg-type]
+    if s is not None and s.type == "longrope":
+        return {name: list(getattr(s, field)) for field, name in ROPE_FACTORS.items()}
+    return {}
 
 
 def _stack(experts: list[torch.Tensor]) -> torch.Tensor:
