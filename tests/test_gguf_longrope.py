@@ -121,8 +121,6 @@ def test_read_back_as_the_checkpoint(source):
     assert json.loads(r.stdout)[0]["total"] == sum(p.numel() for p in hf.parameters())
 
 
-@pytest.mark.xfail(strict=True, reason="formats.BENIGN_SUFFIXES (not this module's file) lists rope_freqs.weight "
-                   "but not longrope's factor tensors, so count-params calls them 'no weight of the config'")
 def test_count_params_check_passes(source):
     _, _, out = source
     assert_ok(invoke(["count-params", str(out), "--check"]))

@@ -130,8 +130,12 @@ HF, META = FORMATS["hf"], FORMATS["meta"]
 # What `convert --to` writes: the family's own HF-style format, Meta's, or one GGUF file (gguf.write).
 WRITABLE = ("hf", "meta", "gguf")
 # Buffers some exporters store that no config explains and loaders skip.
+# llama.cpp's RoPE tensors, the config's RoPE scaling held as tensors: Llama 3's per-dimension divisors, and Phi-3
+# longrope's factor lists (the GGUF package reads them into the config, never as weights)
+LLAMACPP_ROPE_TENSORS = {"freqs": "rope_freqs.weight", "long_factor": "rope_factors_long.weight",
+                         "short_factor": "rope_factors_short.weight"}
 BENIGN_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
-                   "rope_freqs.weight")  # llama.cpp's per-dimension RoPE divisors (Llama 3.1's, from the config)
+                   *LLAMACPP_ROPE_TENSORS.values())
 # Family -> the format its published checkpoints use (default: hf).
 _FAMILY_FORMAT = {"baichuan": "baichuan", "internlm2": "internlm2", "phi3": "phi3", "gpt_neox": "gpt_neox",
                   "falcon": "falcon"}

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 from ...modeling.config import SIZE_LIMITS
-from ..formats import FORMATS, CheckpointFormat
+from ..formats import FORMATS, LLAMACPP_ROPE_TENSORS, CheckpointFormat
 from ...modeling.rope_layouts import HALF
 
 SUFFIX = ".gguf"
@@ -115,10 +115,10 @@ MOE_FAMILY = {"llama": "mixtral"}
 # Families llama.cpp's converter writes under another family's architecture, read back as that family: Mistral is
 # Llama's block (its window, if any, kept as llama.attention.sliding_window, which llama.cpp does not apply).
 WRITTEN_AS = {"mistral": "llama"}
-ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-dimension RoPE divisors (Llama 3's 'llama3' scaling)
+ROPE_FREQS = LLAMACPP_ROPE_TENSORS["freqs"]  # llama.cpp's per-dimension RoPE divisors (Llama 3's 'llama3' scaling)
 # longrope's factors, one per rotated pair (F32): llama.cpp divides each pair's frequency by the long ones when its
 # context (n_ctx per sequence) is over rope.scaling.original_context_length, else by the short ones
-ROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
+ROPE_FACTORS = {key: LLAMACPP_ROPE_TENSORS[key] for key in ("long_factor", "short_factor")}
 ROPE_TENSORS = (ROPE_FREQS, *ROPE_FACTORS.values())  # read into the config's RoPE scaling, never as weights
 LLAMA3_ARCHITECTURES = ("llama",)  # those whose rope_freqs.weight llama.cpp applies (and its converter writes)
 
