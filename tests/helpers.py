@@ -118,6 +118,20 @@ def export_and_verify(path: Path, tmp_path: Path) -> None:
     assert r.exit_code == 0 and r.output.strip().splitlines()[-1].startswith("PASS"), r.output
 
 
+def bench_faults() -> Any:
+    """benchmarks/bench_faults.py as a module (its `plant`: the planted faults the tests check verify against)."""
+    import importlib.util
+    import sys
+
+    if "bench_faults" not in sys.modules:
+        path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_faults.py"
+        spec = importlib.util.spec_from_file_location("bench_faults", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_faults"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_faults"]
+
+
 def finish_gguf(w: Any) -> None:
     """Write a gguf.GGUFWriter's header, metadata and tensors, and close the file."""
     w.write_header_to_file()

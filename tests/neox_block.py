@@ -19,6 +19,7 @@ import torch
 from click.testing import CliRunner
 
 from config_cases import saved_model
+from helpers import bench_faults
 from llama_tools.cli import cli
 
 IDS = torch.tensor([[1, 17, 200, 5, 99, 42, 7, 250, 3, 64, 128, 11, 33, 90]])  # [1, 14]
@@ -132,3 +133,17 @@ def one_line_error(r: Any) -> str:
     text = r.output.strip()
     assert text.startswith("Error: ") and "\n" not in text and "Traceback" not in text, text
     return text
+
+
+def planted_verdict(graph: Path, d: Path, mode: str, fault: str = "scale") -> Any:
+    """verify's verdict (no source check) on GRAPH with bench_faults' FAULT planted at layer 1 ("scale": its
+    down_proj x (1 + 1e-3); "final-norm": the final norm's gain x (1 + 1e-3))."""
+    from llama_tools.exporters.verification.parity import resolve_target
+    from llama_tools.exporters.verification.verdict import parity_inputs, verify
+
+    faulted = bench_faults().plant(graph, fault, resolve_target(str(graph), str(d)).source.cfg, 1)
+    try:
+        ft = resolve_target(str(faulted), str(d))
+        return verify(ft, parity_inputs(ft, None, 2, None, 0), mode=mode, provider="cpu", steps=2, source_check=False)
+    finally:
+        faulted.unlink()

@@ -10,9 +10,7 @@ exports pass `verify parity` and run in onnxruntime-genai with transformers' tok
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,14 +25,9 @@ from llama_tools.cli import cli  # noqa: E402
 from llama_tools.exporters.verification.parity import resolve_target  # noqa: E402
 from llama_tools.exporters.verification.verdict import parity_inputs, verify  # noqa: E402
 from config_cases import saved_model  # noqa: E402
-from helpers import genai_greedy, add_llama_hparams, finish_gguf  # noqa: E402
+from helpers import bench_faults, genai_greedy, add_llama_hparams, finish_gguf  # noqa: E402
 from llama_tools.checkpoints.config_files import load_config  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench_faults", ROOT / "benchmarks" / "bench_faults.py")
-bf = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("bench_faults", bf)
-_spec.loader.exec_module(bf)
 
 SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=128,
              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_attention_heads=4,
@@ -167,7 +160,7 @@ def test_exports_pass_verify_parity_and_a_fault_is_named(family, graphs, graph):
     data = json.loads(r.output)
     assert data["by_layer"]["passed"] and data["whole_graph"]["passed"]
     cfg = resolve_target(str(graphs[graph]), str(d)).source.cfg
-    faulted = bf.plant(graphs[graph], "scale", cfg, 1)
+    faulted = bench_faults().plant(graphs[graph], "scale", cfg, 1)
     try:
         ft = resolve_target(str(faulted), str(d))
         v = verify(ft, parity_inputs(ft, None, 2, None, 0), provider="cpu", steps=2)

@@ -16,9 +16,7 @@ cases: the tanh GELU in place of the erf one, and a fault planted in the final n
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,13 +27,9 @@ transformers = pytest.importorskip("transformers")
 ort = pytest.importorskip("onnxruntime")
 
 from helpers import genai_greedy  # noqa: E402
-from neox_block import IDS, LAYOUTS, SIZES, build, hf_class, hf_greedy, make_case, run  # noqa: E402
+from neox_block import (IDS, LAYOUTS, SIZES, build, hf_class, hf_greedy, make_case,  # noqa: E402
+                        planted_verdict, run)
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench_faults", ROOT / "benchmarks" / "bench_faults.py")
-bf = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("bench_faults", bf)
-_spec.loader.exec_module(bf)
 
 # The fused graph's fp32 logits against transformers' eager fp32, in units of the largest logit (max(1, |logit|)):
 # measured 7e-7..1.7e-6 on every layout here (max |diff| 3.0e-6..6.9e-6 on logits up to 4.4; onnxruntime's fused
@@ -138,9 +132,6 @@ def test_the_fused_logits_equal_transformers(case, fused):
 
 @pytest.mark.parametrize("by_layer", [False, True], ids=["default", "by_layer"])
 def test_verify_parity_passes_with_the_source_check_and_names_a_planted_fault(case, fused, by_layer):
-    from llama_tools.exporters.verification.parity import resolve_target
-    from llama_tools.exporters.verification.verdict import parity_inputs, verify
-
     _, d, _, _ = case
     r = run("verify", "parity", str(fused), "--source", str(d), "-q", "--format", "json",
             *(["--by-layer"] if by_layer else []))
@@ -148,29 +139,14 @@ def test_verify_parity_passes_with_the_source_check_and_names_a_planted_fault(ca
     data = json.loads(r.output)
     assert data["passed"] and data["source_check"]["checked"]
     # layer 1's down_proj x (1 + 1e-3): named at layer 1 by either mode (the whole check: by the logits after it)
-    faulted = bf.plant(fused, "scale", resolve_target(str(fused), str(d)).source.cfg, 1)
-    try:
-        ft = resolve_target(str(faulted), str(d))
-        v = verify(ft, parity_inputs(ft, None, 2, None, 0), mode="layers" if by_layer else "auto", provider="cpu",
-                   steps=2, source_check=False)
-    finally:
-        faulted.unlink()
+    v = planted_verdict(fused, d, "layers" if by_layer else "auto")
     assert not v.passed and v.first_bad == "layer 1", v.first_bad
 
 
 def test_negative_the_final_layernorm_gain_off_fails_verify(case, fused):
     """bench_faults' final-norm fault on a LayerNorm (γ and β both [n2]): its γ x (1 + 1e-3) fails the whole check."""
-    from llama_tools.exporters.verification.parity import resolve_target
-    from llama_tools.exporters.verification.verdict import parity_inputs, verify
-
     _, d, _, _ = case
-    faulted = bf.plant(fused, "final-norm", resolve_target(str(fused), str(d)).source.cfg, 1)
-    try:
-        ft = resolve_target(str(faulted), str(d))
-        v = verify(ft, parity_inputs(ft, None, 2, None, 0), mode="whole", provider="cpu", steps=2, source_check=False)
-    finally:
-        faulted.unlink()
-    assert not v.passed
+    assert not planted_verdict(fused, d, "whole", "final-norm").passed
 
 
 def test_negative_the_tanh_gelu_in_place_of_erf_is_far(case, fused, tmp_path):

@@ -27,6 +27,7 @@ import test_gguf_llamacpp as lc  # noqa: E402
 from llama_tools import load_model  # noqa: E402
 from llama_tools.checkpoints.config_files import load_config  # noqa: E402
 from llama_tools.checkpoints.gguf.read import field_value, open_gguf  # noqa: E402
+from helpers import finish_gguf  # noqa: E402
 from test_hostile import assert_ok, invoke  # noqa: E402
 
 ORIGINAL = 32  # original_max_position_embeddings: the 192 positions compared are far past it
@@ -152,10 +153,7 @@ def _rewritten(out: Path, dst: Path, tensors: dict[str, str] | None = None, floa
         elif t.name not in drop:
             w.add_tensor((tensors or {}).get(t.name, t.name), np.asarray(t.data),
                          raw_shape=list(reversed(t.shape.tolist())), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return dst
 
 

@@ -27,6 +27,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
+from helpers import finish_gguf  # noqa: E402
 from neox_block import perturb  # noqa: E402
 from test_gguf_llamacpp import (CORPUS, F32_BOUND, F32_GELU_BOUND, STEPS, _perturbed, llama, llama_greedy,  # noqa: E402
                                 llama_logits, rel_rms, to_gguf)
@@ -225,10 +226,7 @@ def rewrite(src: Path, dst: Path, drop: tuple[str, ...] = (), tensors: dict[str,
     for t in r.tensors:
         assert t.tensor_type == gguf.GGMLQuantizationType.F32, t.name  # the tiny sources' float32, as written
         w.add_tensor(t.name, np.ascontiguousarray((tensors or {}).get(t.name, t.data)))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return dst
 
 

@@ -14,9 +14,7 @@ GGUF in tests/test_gguf_neox_falcon_moe.py.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,13 +28,8 @@ from llama_tools.inference.reference import StreamedReference  # noqa: E402
 from llama_tools.modeling.model import model_from_state  # noqa: E402
 from helpers import genai_greedy  # noqa: E402
 from neox_block import (IDS, LAYOUTS, assert_logits_equal, far, greedy_ids, hf_class, hf_greedy,  # noqa: E402
-                        make_case, one_line_error, run)
+                        make_case, one_line_error, planted_verdict, run)
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench_faults", ROOT / "benchmarks" / "bench_faults.py")
-bf = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("bench_faults", bf)
-_spec.loader.exec_module(bf)
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -113,26 +106,13 @@ def graph(case, tmp_path_factory):
     return path
 
 
-def _planted(graph: Path, d: Path, mode: str):
-    """verify's verdict on the export with layer 1's down_proj scaled by 1 + 1e-3 (bench_faults' "scale")."""
-    from llama_tools.exporters.verification.parity import resolve_target
-    from llama_tools.exporters.verification.verdict import parity_inputs, verify
-
-    faulted = bf.plant(graph, "scale", resolve_target(str(graph), str(d)).source.cfg, 1)
-    try:
-        ft = resolve_target(str(faulted), str(d))
-        return verify(ft, parity_inputs(ft, None, 2, None, 0), mode=mode, provider="cpu", steps=2, source_check=False)
-    finally:
-        faulted.unlink()
-
-
 def test_the_export_passes_verify_parity_whole_and_a_fault_fails_it(case, graph):
     _, d, _, _ = case
     r = run("verify", "parity", str(graph), "--source", str(d), "-q", "--no-source-check", "--checks", "whole",
             "--format", "json")
     assert r.exit_code == 0, r.output[-2500:]
     assert json.loads(r.output)["passed"]
-    assert not _planted(graph, d, "whole").passed
+    assert not planted_verdict(graph, d, "whole").passed
 
 
 @pytest.mark.parametrize("by_layer", [False, True], ids=["default", "by_layer"])
@@ -143,7 +123,7 @@ def test_the_export_passes_verify_parity_with_the_source_check_and_a_fault_is_na
     assert r.exit_code == 0, r.output[-2500:]
     data = json.loads(r.output)
     assert data["passed"] and data["source_check"]["checked"]
-    v = _planted(graph, d, "layers" if by_layer else "auto")
+    v = planted_verdict(graph, d, "layers" if by_layer else "auto")
     assert not v.passed and v.first_bad == "layer 1", v.first_bad
 
 
