@@ -276,3 +276,56 @@ def test_the_calibration_corpus_in_windows():
     assert f"{len(windows)} windows" in said
     # the sensitivity pass's text is the corpus' start (the passages)
     assert calibration_ids(tok, src.cfg.vocab_size)[0] == ids[:192]
+
+
+def reference_search(w: np.ndarray, a: np.ndarray, trims=ib.TRIMS, refits=ib.REFITS, qmax: int = 15) -> np.ndarray:
+    """A second implementation of the block search, in float64 numpy over every block at once: each candidate's
+    weighted error summed as written in the module docstring -> the least error per block [n, k / 32]."""
+    x = w.astype(np.float64).reshape(w.shape[0], -1, 32)
+    aa = a.astype(np.float64).reshape(1, -1, 32)
+    aa = aa + 1e-6 * aa.mean()
+    lo, hi = np.minimum(x.min(-1, keepdims=True), 0), np.maximum(x.max(-1, keepdims=True), 0)
+    starts = [(np.maximum((hi - lo) * (1 - cl - ch) / qmax, 1e-30), None, cl) for cl, ch in trims]
+    peak = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)
+    half = (qmax + 1) // 2
+    starts.append((np.where(peak == 0, 1e-30, peak / -half), np.full_like(peak, half), None))
+    best = np.full(x.shape[:2] + (1,), np.inf)
+    for s, z, cut in starts:
+        z = np.clip(np.rint(-(lo + cut * (hi - lo)) / s), 0, qmax) if z is None else z
+        for refit in range(refits + 1):
+            c = np.clip(np.rint(x / s + z), 0, qmax) - z
+            best = np.minimum(best, (aa * (x - s * c) ** 2).sum(-1, keepdims=True))
+            den = (aa * c * c).sum(-1, keepdims=True)
+            fit = (aa * x * c).sum(-1, keepdims=True) / np.maximum(den, 1e-300)
+            s = np.where((den > 0) & (np.abs(fit) > 1e-30), fit, s)
+    return best[..., 0]
+
+
+@pytest.mark.parametrize("options", [{}, ib.LIGHT], ids=["full", "light"])
+def test_the_compiled_search_finds_what_a_float64_search_finds(options):
+    """The kernel against reference_search: every block's weighted error equal to fp32 rounding (its sums run in
+    fp32), none worse by more; negative: one refit fewer is measurably worse somewhere."""
+    rng = np.random.default_rng(13)
+    w = (rng.standard_normal((96, 160)) * rng.gamma(1.0, 1.0, (96, 1))).astype(np.float32)
+    w[:, 7] *= 6
+    a = rng.gamma(0.5, 1.0, 160).astype(np.float32)
+    ours = block_errors(w.astype(np.float64), ib.search(w, a, **options).dequantize().astype(np.float64),
+                        a.astype(np.float64) + 1e-6 * a.mean())
+    want = reference_search(w, a, **options)
+    assert ours.shape == want.shape == (96, 5)
+    assert (ours <= want * (1 + 1e-4) + 1e-12).all()
+    np.testing.assert_allclose(ours.sum(), want.sum(), rtol=1e-5)
+    fewer = {**{"trims": ib.TRIMS, "refits": ib.REFITS}, **options}
+    weaker = reference_search(w, a, fewer["trims"], fewer["refits"] - 1)
+    assert (ours < weaker * (1 - 1e-3)).any()
+
+
+def test_a_transposed_view_gives_the_blocks_of_its_copy():
+    """The kernel's sums follow the memory layout, so W is searched in C order whatever it arrives in: a graph's
+    W^T read back transposed (Fortran order) holds the very blocks the emulation searched."""
+    rng = np.random.default_rng(17)
+    wt = rng.standard_normal((160, 48)).astype(np.float32)  # [k, n] as a graph stores it
+    a = rng.random(160).astype(np.float32)
+    view, copy = ib.search(wt.T, a), ib.search(np.ascontiguousarray(wt.T), a)
+    for f in ("codes", "scales", "zeros"):
+        np.testing.assert_array_equal(getattr(view, f), getattr(copy, f))
