@@ -35,6 +35,9 @@ REFITS = 2  # least-squares refits of the scale per trimmed range (the codes re-
 # On SmolLM2-135M's blocks with every input weighted alike, its graph's KL on the calibration text is 0.538 nats
 # against the full search's 0.506, in under half the time.
 LIGHT = {"trims": ((0.0, 0.0), (0.05, 0.05), (0.1, 0.1)), "refits": 1}
+# Asymmetric round to nearest (the block's whole range onto the levels, no refit): the search's first start alone,
+# what int4_scales ranks its alphas by.
+RTN = {"trims": ((0.0, 0.0),), "refits": 0, "symmetric": False}
 ROWS_BYTES = 4 * 2**20  # fp32 bytes of W rows searched at once: the search's temporaries are a dozen of these
 
 
@@ -47,6 +50,7 @@ class Blocks:
     zeros: np.ndarray  # uint8 [n, blocks], each in [0, 2^bits)
     bits: int
     k: int  # columns before padding to whole blocks
+    errors: np.ndarray | None = None  # float32 [n, blocks]: each block's weighted squared error, as searched
 
     def dequantize(self) -> np.ndarray:
         """W's approximation, float32 [n, k]."""
@@ -55,9 +59,10 @@ class Blocks:
 
 
 def search(w: Any, importance: Any = None, *, bits: int = 4, block: int = 32, trims: tuple = TRIMS,
-           refits: int = REFITS) -> Blocks:
-    """W [n, k] (torch or numpy) -> its blocks, each block's (scale, zero point) the best of trims x refits on the
-    importance-weighted squared error (uniform importance when None). A few rows at a time (ROWS_BYTES)."""
+           refits: int = REFITS, symmetric: bool = True) -> Blocks:
+    """W [n, k] (torch or numpy) -> its blocks, each block's (scale, zero point) the best of trims x refits (and the
+    symmetric range, unless `symmetric` is False) on the importance-weighted squared error (uniform importance when
+    None), with that error per block. A few rows at a time (ROWS_BYTES)."""
     assert bits in (4, 8), f"MatMulNBits holds 4 or 8 bits here, got {bits}"
     w = np.asarray(w, dtype=np.float32)
     n, k = w.shape
@@ -71,21 +76,23 @@ def search(w: Any, importance: Any = None, *, bits: int = 4, block: int = 32, tr
     codes = np.empty((n, nb, block), np.uint8)
     scales = np.empty((n, nb), np.float32)
     zeros = np.empty((n, nb), np.uint8)
+    errors = np.empty((n, nb), np.float32)
     starts = np.asarray(trims, np.float64).reshape(-1, 2)
     step = max(1, ROWS_BYTES // (4 * (k + pad)))
     for r in range(0, n, step):
-        # C order whatever W's (a transposed view pads to Fortran order): the kernel's sums then run in one order
+        # C order whatever W's (a transposed view pads to Fortran order)
         x = np.pad(np.ascontiguousarray(w[r:r + step]), ((0, 0), (0, pad))).reshape(-1, nb, block)  # [rows, nb, block]
-        _search_blocks(x, a, 2**bits - 1, starts, refits, codes[r:r + step], scales[r:r + step], zeros[r:r + step])
-    return Blocks(codes, scales, zeros, bits, k)
+        _search_blocks(x, a, 2**bits - 1, starts, refits, symmetric, codes[r:r + step], scales[r:r + step],
+                       zeros[r:r + step], errors[r:r + step])
+    return Blocks(codes, scales, zeros, bits, k, errors)
 
 
-def _search_blocks(x: np.ndarray, a: np.ndarray, qmax: int, trims: np.ndarray, refits: int, codes: np.ndarray,
-                   scales: np.ndarray, zeros: np.ndarray) -> None:
-    """x [rows, nb, block] fp32, a [nb, block] -> codes [rows, nb, block], scales and zero points [rows, nb], in
-    place: the compiled kernel (numba), built on first use and cached on disk."""
-    assert x.flags.c_contiguous and a.flags.c_contiguous, "the kernel's sums follow the layout: C order only"
-    _kernel()(x, a, qmax, trims, refits, codes, scales, zeros)
+def _search_blocks(x: np.ndarray, a: np.ndarray, qmax: int, trims: np.ndarray, refits: int, symmetric: bool,
+                   codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, errors: np.ndarray) -> None:
+    """x [rows, nb, block] fp32, a [nb, block] -> codes [rows, nb, block], scales, zero points and weighted errors
+    [rows, nb], in place: the compiled kernel (numba), built on first use and cached on disk."""
+    assert x.flags.c_contiguous, "the kernel reads W's rows in C order"
+    _kernel()(x, np.ascontiguousarray(a.T), qmax, trims, refits, symmetric, codes, scales, zeros, errors)
 
 
 _KERNEL: list[Any] = []
@@ -94,57 +101,77 @@ _KERNEL: list[Any] = []
 def _kernel() -> Any:
     """The block search compiled by numba (imported only when int4 blocks are searched).
 
-    Per block, in one pass over its 32 weights a candidate: the trimmed ranges onto [0, qmax], then the symmetric
-    range (onnxruntime's RTN: the largest magnitude onto -half, zero point half), each refitted `refits` times by
-    least squares (s = sum a x c / sum a c^2 for the levels c it gave, z fixed); the least weighted error
-    sum a (x - s c)^2, summed directly (not expanded: no cancellation), wins; ties keep the earlier. Rows run in
-    parallel. Against the eager torch form (18 full-size temporaries per candidate) 3.6x less CPU on one core, the
-    same blocks to within fp32 rounding of the error (tests/test_int4_blocks.py checks it against a float64 search).
+    Per block, one pass over its 32 weights a candidate: the trimmed ranges onto [0, qmax], then the symmetric range
+    (onnxruntime's RTN: the largest magnitude onto -half, zero point half), each refitted `refits` times by least
+    squares (s = sum a x c / sum a c^2 for the levels c it gave, z fixed); the least weighted error sum a (x - s c)^2,
+    summed directly (not expanded: no cancellation), wins; ties keep the earlier. A row's blocks run side by side
+    (its weights transposed to [block, nb], so the vector lanes are blocks and every sum runs in weight order
+    whatever the layout); rows run in parallel. Against the eager torch form (18 full-size temporaries a candidate)
+    about 5x less CPU on one core; tests/test_int4_blocks.py checks it against a float64 search.
     """
     if _KERNEL:
         return _KERNEL[0]
     import numba
 
-    @numba.njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
-    def kernel(x, a, qmax, trims, refits, codes, scales, zeros):  # type: ignore[no-untyped-def]
+    @numba.njit(parallel=True, cache=True, fastmath={"contract"})
+    def kernel(x, at, qmax, trims, refits, symmetric, codes, scales, zeros, errors):  # type: ignore[no-untyped-def]
+        rows, nb, width = x.shape
         f0, fq = np.float32(0.0), np.float32(qmax)
         half = np.float32((qmax + 1) // 2)
-        for r in numba.prange(x.shape[0]):
-            for b in range(x.shape[1]):
-                xs, aw = x[r, b], a[b]
-                lo, hi, peak = f0, f0, f0  # an integer zero point needs 0 inside the range
-                for i in range(xs.shape[0]):
-                    lo, hi = min(lo, xs[i]), max(hi, xs[i])
-                    if abs(xs[i]) > abs(peak):
-                        peak = xs[i]
-                width = hi - lo
-                best, best_s, best_z = np.float32(np.inf), np.float32(1.0), f0
-                for t in range(trims.shape[0] + 1):
+        for r in numba.prange(rows):
+            xt = np.empty((width, nb), np.float32)  # [block, nb]: lanes over blocks
+            for b in range(nb):
+                for i in range(width):
+                    xt[i, b] = x[r, b, i]
+            lo, hi, peak = np.zeros(nb, np.float32), np.zeros(nb, np.float32), np.zeros(nb, np.float32)
+            for i in range(width):  # an integer zero point needs 0 inside the range
+                for b in range(nb):
+                    v = xt[i, b]
+                    lo[b] = min(lo[b], v)
+                    hi[b] = max(hi[b], v)
+                    if abs(v) > abs(peak[b]):
+                        peak[b] = v
+            best, best_s, best_z = np.full(nb, np.inf, np.float32), np.ones(nb, np.float32), np.zeros(nb, np.float32)
+            s, z, inv = np.empty(nb, np.float32), np.empty(nb, np.float32), np.empty(nb, np.float32)
+            num, den, err = np.empty(nb, np.float32), np.empty(nb, np.float32), np.empty(nb, np.float32)
+            for t in range(trims.shape[0] + (1 if symmetric else 0)):
+                for b in range(nb):
                     if t < trims.shape[0]:  # asymmetric: a trimmed range onto [0, qmax]
-                        s = np.float32(max(width * (1.0 - trims[t, 0] - trims[t, 1]) / qmax, 1e-30))
-                        z = np.float32(min(max(np.rint(-(lo + trims[t, 0] * width) / s), 0.0), qmax))
+                        span = hi[b] - lo[b]
+                        s[b] = np.float32(max(span * (1.0 - trims[t, 0] - trims[t, 1]) / qmax, 1e-30))
+                        z[b] = np.float32(min(max(np.rint(-(lo[b] + trims[t, 0] * span) / s[b]), 0.0), qmax))
                     else:  # symmetric
-                        s = np.float32(1e-30) if peak == 0 else np.float32(peak / -half)
-                        z = half
-                    for refit in range(refits + 1):
-                        num, den, err, inv = f0, f0, f0, np.float32(1.0) / s
-                        for i in range(xs.shape[0]):
-                            c = min(max(np.rint(xs[i] * inv + z), f0), fq) - z  # the level the weight sits on
-                            ac = aw[i] * c
-                            num += ac * xs[i]
-                            den += ac * c
-                            e = xs[i] - s * c
-                            err += aw[i] * e * e
-                        if err < best:
-                            best, best_s, best_z = err, s, z
-                        if refit < refits and den > 0:  # kept where the fit is undefined
-                            fit = np.float32(num / den)
+                        s[b] = np.float32(1e-30) if peak[b] == 0 else np.float32(peak[b] / -half)
+                        z[b] = half
+                for refit in range(refits + 1):
+                    num[:] = f0
+                    den[:] = f0
+                    err[:] = f0
+                    for b in range(nb):
+                        inv[b] = np.float32(1.0) / s[b]
+                    for i in range(width):
+                        for b in range(nb):
+                            xv, av = xt[i, b], at[i, b]
+                            c = min(max(np.rint(xv * inv[b] + z[b]), f0), fq) - z[b]  # the weight's level
+                            ac = av * c
+                            num[b] += ac * xv
+                            den[b] += ac * c
+                            e = xv - s[b] * c
+                            err[b] += av * e * e
+                    for b in range(nb):
+                        if err[b] < best[b]:
+                            best[b] = err[b]
+                            best_s[b] = s[b]
+                            best_z[b] = z[b]
+                        if refit < refits and den[b] > 0:  # kept where the fit is undefined
+                            fit = np.float32(num[b] / den[b])
                             if abs(fit) > 1e-30:
-                                s = fit
-                scales[r, b], zeros[r, b] = best_s, np.uint8(best_z)
-                inv = np.float32(1.0) / best_s
-                for i in range(xs.shape[0]):  # the codes of the best (s, z): what its error measured
-                    codes[r, b, i] = np.uint8(min(max(np.rint(xs[i] * inv + best_z), f0), fq))
+                                s[b] = fit
+            for b in range(nb):
+                scales[r, b], zeros[r, b], errors[r, b] = best_s[b], np.uint8(best_z[b]), best[b]
+                inv[b] = np.float32(1.0) / best_s[b]
+                for i in range(width):  # the codes of the best (s, z): what its error measured
+                    codes[r, b, i] = np.uint8(min(max(np.rint(xt[i, b] * inv[b] + best_z[b]), f0), fq))
     _KERNEL.append(kernel)
     return kernel
 

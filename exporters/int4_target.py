@@ -707,18 +707,32 @@ def onnx_kl(path: str | Path, cfg: Any, ids: list[int], p_logits: Any) -> float:
 
 def states_logits(ref: Any, z: Any) -> Callable[[int, int], np.ndarray]:
     """(a, b) -> the reference's logits of positions a..b [b - a, n1] from its final residual stream z [1, n3, n2]:
-    the final norm, then W^8 a chunk at a time (for Gemma's 262,144 tokens, 192 positions' logits are 0.2 GB)."""
+    the final norm, then W^8 a chunk at a time (for Gemma's 262,144 tokens, 192 positions' logits are 0.2 GB), kept
+    for the next call with the same (a, b) within LOGITS_CACHE_BYTES."""
     import torch
 
     from llama_tools.modeling.model import final_logits
 
     h = _final(ref)(z)[0]  # Zbar: [n3, n2]
+    keep = h.shape[0] * ref.cfg.vocab_size * 4 <= LOGITS_CACHE_BYTES
+    made: dict[tuple[int, int], np.ndarray] = {}
 
     def rows(a: int, b: int) -> np.ndarray:
+        if (a, b) in made:
+            return made[(a, b)]
         with torch.no_grad():
             x = torch.cat([x for x, _ in _head_chunks(ref, h[a:b])], -1)
-            return final_logits(ref.cfg, x).float().numpy()
+            out = final_logits(ref.cfg, x).float().numpy()
+        if keep:
+            made[(a, b)] = out
+        return out
     return rows
+
+
+# The reference's calibration logits are kept for every candidate graph when they fit in this (Qwen2.5's 151,936
+# tokens x 192 positions: 117 MB, and each graph built after the first then skips W^8's 52 GFLOP again); Gemma's
+# 262,144 are made again per graph, a chunk at a time.
+LOGITS_CACHE_BYTES = 128 * 2**20
 
 
 def mean_kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:

@@ -329,3 +329,25 @@ def test_a_transposed_view_gives_the_blocks_of_its_copy():
     view, copy = ib.search(wt.T, a), ib.search(np.ascontiguousarray(wt.T), a)
     for f in ("codes", "scales", "zeros"):
         np.testing.assert_array_equal(getattr(view, f), getattr(copy, f))
+
+
+def test_rtn_options_are_onnxruntimes_asymmetric_round_to_nearest():
+    """int4_blocks.RTN (the search's first start alone, what int4_scales ranks alphas by) holds exactly what
+    onnxruntime's own asymmetric RTN quantizer holds; the default search does not (it finds better)."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((40, 96)).astype(np.float32)
+    t, k = ort_rtn(w, False)
+    theirs = ib.unpack(t["B"], t["scales"], t["zero_points"], bits=4, k=k)
+    np.testing.assert_array_equal(ib.search(w, **ib.RTN).dequantize(), theirs)
+    assert not np.array_equal(ib.search(w).dequantize(), theirs)
+
+
+def test_each_blocks_error_is_the_weighted_error_of_what_it_holds():
+    rng = np.random.default_rng(19)
+    w = (rng.standard_normal((24, 96)) * 0.05).astype(np.float32)
+    a = rng.gamma(0.5, 1.0, 96).astype(np.float32)
+    for options in ({}, ib.LIGHT, ib.RTN):
+        b = ib.search(w, a, **options)
+        want = block_errors(w.astype(np.float64), b.dequantize().astype(np.float64), a + 1e-6 * a.mean())
+        assert b.errors.shape == (24, 3) and b.errors.dtype == np.float32
+        np.testing.assert_allclose(b.errors, want, rtol=1e-5)
