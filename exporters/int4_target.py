@@ -24,7 +24,8 @@ algorithm's own: onnxruntime's symmetric RTN (`fake_quant`, equal to its MatMulN
 tests/test_int4_target.py), or int4_blocks' search with the importance measured by `importance` (the very blocks
 the graph holds, tests/test_int4_blocks.py), so the ranking sees the error the graph will have; the loop then
 judges the real graph, never the emulation. With imatrix or awq, a relative target is a fraction of the KL of our
-blocks searched with every input weighted alike (one more graph, built first): int4 without calibration is the
+blocks searched with every input weighted alike (one more graph, built only when half of it could be the target:
+when half the all-int4 graph's KL is over the nats bound, that bound binds): int4 without calibration is the
 yardstick.
 
 (Over 500 lines on purpose: the sensitivity pass and the choice it feeds share the int4 emulation and its
@@ -202,13 +203,19 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
 
 
 def _vjp(f: Callable[[Any], Any], zin: Any, g: Any) -> Any:
-    """J_f(zin)ᵀ g for each of g's rows [S b, n3, n2], zin [b, n3, n2] (the same input under every probe)."""
+    """J_f(zin)ᵀ g for each of g's rows [S b, n3, n2] (probe-major), zin [b, n3, n2] (the same input under every
+    probe): f runs once and each probe's cotangent goes back through its graph (not f on S copies of zin: the
+    forward was 45% of the pass's vector-Jacobian time on Qwen2.5-Coder-0.5B)."""
     import torch
 
-    zs = zin.detach().repeat(g.shape[0] // zin.shape[0], 1, 1).requires_grad_(True)
+    b = zin.shape[0]
+    z = zin.detach().requires_grad_(True)
     with torch.enable_grad():
-        (grad,) = torch.autograd.grad(f(zs), zs, g)
-    return grad.detach()
+        out = f(z)
+        probes = g.shape[0] // b
+        grads = [torch.autograd.grad(out, z, g[i * b:(i + 1) * b], retain_graph=i + 1 < probes)[0]
+                 for i in range(probes)]
+    return torch.cat(grads).detach()  # [S b, n3, n2]
 
 
 def unit_specs(cfg: Any) -> list[tuple[int, tuple[str, ...]]]:
@@ -520,7 +527,9 @@ class TargetResult:
     fraction: float | None = None  # a relative target: max_kl is this times the all-int4 graph's KL
     size_cap: float | None = None  # the result weighs at most this times the all-int4 graph
     chosen: int = -1  # the round whose graph was written (the last, unless a capped loop's closest was earlier)
-    baseline_kl: float | None = None  # uncalibrated int4's KL, what a relative target is a fraction of (imatrix)
+    # uncalibrated int4's KL, what a relative target is a fraction of (imatrix, awq), when it was measured: only
+    # when it could set the target (choose)
+    baseline_kl: float | None = None
     nats: float | None = None  # an absolute bound given with the fraction: max_kl is the lower of the two
 
     @property
@@ -531,6 +540,14 @@ class TargetResult:
     def all_int4_kl(self) -> float:
         """The all-int4 graph's KL on the calibration text (the first graph built)."""
         return self.rounds[0].measured_kl
+
+    @property
+    def yardstick(self) -> tuple[str, float]:
+        """(what, KL) a relative target is a fraction of: uncalibrated int4's when measured and higher, else the
+        all-int4 graph's."""
+        if self.baseline_kl is not None and self.baseline_kl > self.all_int4_kl:
+            return "uncalibrated int4's", self.baseline_kl
+        return "the all-int4 graph's", self.all_int4_kl
 
 
 def plan(sens: dict[str, float], alpha: float, max_kl: float, margin: float = PLAN_MARGIN,
@@ -563,19 +580,21 @@ def _order(sens: dict[str, float], cost: dict[str, int] | None) -> list[str]:
 def choose(sens: dict[str, float], max_kl: float | None, build: Callable[[list[str]], tuple[float, int]], *,
            fraction: float | None = None, cost: dict[str, int] | None = None,
            size_cap: float | None = None, base: int | None = None,
-           baseline_kl: float | None = None) -> TargetResult:
+           baseline: Callable[[], float] | None = None) -> TargetResult:
     """The loop of the module docstring. build(kept) quantizes with `kept` 8-bit -> (KL on calibration, bytes).
 
     alpha: measured KL / the sum of the int4 matrices' own KL_m, at least 1 (errors compound, and onnxruntime's
     int8 activations add their own), refitted on each graph that misses the target.
-    fraction: the target is this times baseline_kl (given: uncalibrated int4's measured KL), else times the
-    all-int4 graph's measured KL; with max_kl as well, the lower of the two.
+    fraction: the target is this times the yardstick: the all-int4 graph's measured KL, or uncalibrated int4's,
+    `baseline()` (built and measured), when that is higher; with max_kl as well, the lower of the two, and then the
+    baseline is measured only when it could set the target (fraction x the all-int4 graph's KL under max_kl: else
+    max_kl binds whatever it measures, as a calibrated graph no worse than uncalibrated int4 makes it).
     cost, size_cap, base: the bytes keeping each matrix 8-bit adds, and the most they may add together: (size_cap - 1)
     x base, the int4 matrices' own bytes (what a decode step reads; None: the all-int4 file's); when no graph within
     the cap meets the target, the closest one built is the answer (not met).
     """
     result = TargetResult(max_kl=max_kl if max_kl is not None else math.nan, kept_8bit=[], sensitivity=sens,
-                          alpha=1.0, fraction=fraction, size_cap=size_cap, baseline_kl=baseline_kl,
+                          alpha=1.0, fraction=fraction, size_cap=size_cap,
                           nats=max_kl if fraction is not None else None)
     kept: list[str] = []
     budget = math.inf
@@ -586,8 +605,10 @@ def choose(sens: dict[str, float], max_kl: float | None, build: Callable[[list[s
         rest = sum(v for n, v in sens.items() if n not in kept)
         if not result.rounds:  # the all-int4 graph: what a relative target and the cap are measured against
             if fraction is not None:  # with nats as well, the lower of the two
-                result.max_kl = min(fraction * (kl if baseline_kl is None else baseline_kl),
-                                    math.inf if max_kl is None else max_kl)
+                cap = math.inf if max_kl is None else max_kl
+                if baseline is not None and fraction * kl < cap:
+                    result.baseline_kl = baseline()
+                result.max_kl = min(fraction * max(kl, result.baseline_kl or 0.0), cap)
             if size_cap is not None:
                 budget = (size_cap - 1) * (base or size)
         result.rounds.append(Round(len(kept), result.alpha * rest, kl, size))
@@ -900,20 +921,25 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
             kl = onnx_kl(where, cfg, ids, p)
             release_freed_memory()  # nor the session's the next candidate's
             return kl, last[0].bytes_after
-        baseline = None
-        if emulate is not None and goal.fraction is not None:  # the fraction is of uncalibrated int4's KL
+        def uncalibrated() -> float:
+            """Our blocks searched with every input weighted alike (no importance, no scales), by the light search
+            (a yardstick, never shipped: 0.54 nats on SmolLM2-135M against the full search's 0.51, in under half
+            the time), built beside the candidates and measured. Not the builder's symmetric round to nearest: on
+            the calibration text that is looser (SmolLM2-135M 0.62 nats), and half of it let Qwen2.5-Coder-0.5B's
+            all-int4 graph through at 0.58x the builder's held-out KL, where this one's target keeps matrices
+            8-bit (docs/export.md)."""
             say("int4 without calibration, for the target's baseline")
-            # Our blocks searched with every input weighted alike (no importance, no scales), by the light search
-            # (a yardstick, never shipped: 0.54 nats on SmolLM2-135M against the full search's 0.51, in under half
-            # the time). Not the builder's symmetric round to nearest: on the calibration text that is looser
-            # (SmolLM2-135M 0.62 nats), and half of it let Qwen2.5-Coder-0.5B's all-int4 graph through at 0.58x the
-            # builder's held-out KL, where this baseline's target keeps matrices 8-bit (docs/export.md).
+            yard = work / "uncalibrated" / "model.onnx"
+            yard.parent.mkdir()
             bare = {k: v for k, v in int4.items() if k not in ("importance", "scales", "store")}
-            quantize(full, where, **{**bare, "algorithm": "imatrix", "symmetric": False, "light_search": True})
+            quantize(full, yard, **{**bare, "algorithm": "imatrix", "symmetric": False, "light_search": True})
             release_freed_memory()
-            baseline = onnx_kl(where, cfg, ids, p)
+            kl = onnx_kl(yard, cfg, ids, p)
+            shutil.rmtree(yard.parent, ignore_errors=True)
+            return kl
+        # the fraction is of uncalibrated int4's KL (the all-int4 graph's, for an algorithm that does not calibrate)
         result = choose(sens, goal.max_kl, build, fraction=goal.fraction, cost=cost, size_cap=goal.size_cap,
-                        base=base, baseline_kl=baseline)
+                        base=base, baseline=uncalibrated if emulate is not None else None)
         if through or last[1] != result.kept_8bit:  # the answer is not what is at TARGET now
             say(f"writing int4 with {len(result.kept_8bit)} of {len(mats)} matrices 8-bit")
             last[0] = quantize(full, target, **{**int4, "keep_8bit": tuple(result.kept_8bit)})

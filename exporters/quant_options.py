@@ -74,7 +74,7 @@ PROMPT_IDS = 8
 # every input weighted alike, SmolLM2 0.50 nats there where round to nearest gives 0.62; rtn: round to nearest):
 # awq's scaled blocks come most of the way at int4's own size and speed, and the matrices with the most KL per extra
 # byte are kept 8-bit until it holds, within the cap. Half alone was not faithful on SmolLM2-135M (imatrix, 14 of 121 matrices 8-bit: held-out KL 0.131).
-DEFAULT_FRACTION = 0.5  # of uncalibrated int4's KL on the calibration text (int4_target's baseline graph)
+DEFAULT_FRACTION = 0.5  # of uncalibrated int4's KL on the calibration text (int4_target.choose's yardstick)
 # What `verify int4` calls faithful (QuantThresholds.max_mean_kl), the export's quality line warns past, and the
 # default target never exceeds.
 FAITHFUL_KL = 0.1

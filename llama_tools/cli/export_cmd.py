@@ -147,8 +147,7 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str | None, optim
         labels = matrix_labels(t.kept_8bit)
         kept = ", ".join(labels[:4])
         more = f", ... ({len(labels) - 4} more)" if len(labels) > 4 else ""
-        of = ("uncalibrated int4's", t.baseline_kl) if t.baseline_kl is not None else \
-            ("the all-int4 graph's", t.all_int4_kl)
+        of = t.yardstick
         bound, got = distinct(t.max_kl, t.calibration_kl)
         goal = (f"mean KL <= {bound} nats (" + (f"the lower of {t.nats:g} nats and " if t.nats else "")
                 + f"{t.fraction:g}x {of[0]} {distinct(of[1], of[1])[0]}"
