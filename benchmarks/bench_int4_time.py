@@ -6,7 +6,8 @@ Rows: SmolLM2-135M-Instruct and Qwen2.5-Coder-0.5B-Instruct (real models, tests'
 SmolLM2's width (576, 9 heads, vocabulary 49,152, its tokenizer) at two depths. Each export is a fresh process, one right after the other:
 `llama-tools export onnx DIR -o OUT --quantize int4` (the default: awq blocks, KL target) and the builder's
 `-p int4 -e cpu`. The table gives wall seconds, the int4 step and its stages (importance, awq's scales, the
-sensitivity pass, the candidate graphs built and measured), the ratio to the builder (goal 3x), and from the two depths
+sensitivity pass, the candidate graphs built and measured), the ratio to the builder (goal 3x), both processes' CPU
+seconds, and from the two depths
 the cost of one more decoder layer in the passes over the layers; the projection to LLaMA-2-7B and 70B scales that
 per-layer cost by the layers' weights (the work is linear in the weights at a fixed calibration length).
 """
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -58,21 +60,27 @@ def seeded(real: Path, layers: int, out: Path) -> Path:
     return out
 
 
-def ours(ckpt: Path, out: Path) -> tuple[float, dict]:
-    """Wall seconds of the default int4 export as a fresh process, and its JSON report."""
-    t = time.perf_counter()
+def children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished children."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def ours(ckpt: Path, out: Path) -> tuple[float, float, dict]:
+    """(wall seconds, CPU seconds) of the default int4 export as a fresh process, and its JSON report."""
+    t, c = time.perf_counter(), children_cpu()
     r = subprocess.run([sys.executable, "-m", "llama_tools.cli", "export", "onnx", str(ckpt), "-o", str(out),
                         "--quantize", "int4", "--format", "json"], capture_output=True, text=True)
-    wall = time.perf_counter() - t
+    wall, cpu = time.perf_counter() - t, children_cpu() - c
     if r.returncode != 0:
         raise SystemExit(f"export of {ckpt} failed: {r.stderr.strip().splitlines()[-1:]}")
-    return wall, json.loads(r.stdout)
+    return wall, cpu, json.loads(r.stdout)
 
 
-def theirs(ckpt: Path, work: Path) -> float:
-    t = time.perf_counter()
+def theirs(ckpt: Path, work: Path) -> tuple[float, float]:
+    t, c = time.perf_counter(), children_cpu()
     builder(ckpt, work / "out", work / "in", precision="int4")
-    return time.perf_counter() - t
+    return time.perf_counter() - t, children_cpu() - c
 
 
 def main() -> None:
@@ -87,22 +95,23 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; Python "
           f"{platform.python_version()}; each export a fresh process, ours then the builder's")
     print("| checkpoint | layers | ours s | int4 step s | importance | scales | sensitivity | graphs (built) | "
-          "builder s | x builder | mean KL held-out |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "builder s | x builder | CPU s ours / builder (x) | mean KL held-out |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     tmp = Path(tempfile.mkdtemp(prefix="bench_int4_time_"))
     rows = {}
     try:
         cases = [] if args.no_real else [(name, real_model(fn)) for name, fn in REAL]
         cases += [("seeded, SmolLM2 width", seeded(real, d, tmp / f"seeded-{d}")) for d in depths]
         for i, (name, ckpt) in enumerate(cases):
-            wall, rep = ours(ckpt, tmp / f"ours-{i}" / "model.onnx")
-            b = theirs(ckpt, tmp / f"builder-{i}")
+            wall, cpu, rep = ours(ckpt, tmp / f"ours-{i}" / "model.onnx")
+            b, b_cpu = theirs(ckpt, tmp / f"builder-{i}")
             layers = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
             st, built = rep["int4_target"]["stage_seconds"], len(rep["int4_target"]["rounds"])
             rows[(name, layers)] = (wall, st)
             print(f"| {name} | {layers} | {wall:.1f} | {rep['phases']['int4']:.1f} | {st.get('importance', 0):.1f} | "
                   f"{st.get('scales', 0):.1f} | {st['sensitivity']:.1f} | {st['graphs']:.1f} ({built}) | {b:.1f} | "
-                  f"{wall / b:.1f}x | {rep['int4_quality']['mean_kl']:.3f} |")
+                  f"{wall / b:.1f}x | {cpu:.1f} / {b_cpu:.1f} ({cpu / b_cpu:.1f}x) | "
+                  f"{rep['int4_quality']['mean_kl']:.3f} |")
             shutil.rmtree(tmp / f"ours-{i}", ignore_errors=True)
             shutil.rmtree(tmp / f"builder-{i}", ignore_errors=True)
     finally:
