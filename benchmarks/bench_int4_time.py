@@ -7,7 +7,7 @@ SmolLM2's width (576, 9 heads, vocabulary 49,152, its tokenizer) at two depths. 
 `llama-tools export onnx DIR -o OUT --quantize int4` (the default: awq blocks, KL target) and the builder's
 `-p int4 -e cpu`. The table gives wall seconds, the int4 step and its stages (importance, awq's scales, the
 sensitivity pass, the candidate graphs built and measured), the ratio to the builder (goal 3x), both processes' CPU
-seconds, and from the two depths
+seconds, our export's peak RSS, and from the two depths
 the cost of one more decoder layer in the passes over the layers; the projection to LLaMA-2-7B and 70B scales that
 per-layer cost by the layers' weights (the work is linear in the weights at a fixed calibration length).
 """
@@ -95,8 +95,8 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; Python "
           f"{platform.python_version()}; each export a fresh process, ours then the builder's")
     print("| checkpoint | layers | ours s | int4 step s | importance | scales | sensitivity | graphs (built) | "
-          "builder s | x builder | CPU s ours / builder (x) | mean KL held-out |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "builder s | x builder | CPU s ours / builder (x) | mean KL held-out | our peak RSS GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     tmp = Path(tempfile.mkdtemp(prefix="bench_int4_time_"))
     rows = {}
     try:
@@ -111,7 +111,7 @@ def main() -> None:
             print(f"| {name} | {layers} | {wall:.1f} | {rep['phases']['int4']:.1f} | {st.get('importance', 0):.1f} | "
                   f"{st.get('scales', 0):.1f} | {st['sensitivity']:.1f} | {st['graphs']:.1f} ({built}) | {b:.1f} | "
                   f"{wall / b:.1f}x | {cpu:.1f} / {b_cpu:.1f} ({cpu / b_cpu:.1f}x) | "
-                  f"{rep['int4_quality']['mean_kl']:.3f} |")
+                  f"{rep['int4_quality']['mean_kl']:.3f} | {rep['peak_rss_bytes'] / 1e9:.2f} |")
             shutil.rmtree(tmp / f"ours-{i}", ignore_errors=True)
             shutil.rmtree(tmp / f"builder-{i}", ignore_errors=True)
     finally:
