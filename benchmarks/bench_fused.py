@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -179,12 +178,9 @@ def run_builder(hf_dir: Path, out: Path, precision: str) -> Path:
 
 
 def machine() -> str:
-    name = platform.machine()
-    try:
-        name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name}, {os.cpu_count()} cores visible"
+    from bench_large_model import cpu_name  # stdlib only: the processor's name, read one way for every benchmark
+
+    return f"{cpu_name()}, {os.cpu_count()} cores visible"
 
 
 def main() -> None:

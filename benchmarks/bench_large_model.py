@@ -193,14 +193,17 @@ class Bench:
             self.json_out.write_text(json.dumps(doc, indent=2))
 
 
-def machine() -> str:
-    cpu = platform.machine()
+def cpu_name() -> str:
+    """The processor's model name (/proc/cpuinfo), else the architecture: stdlib only, for any benchmark."""
     try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
     except (OSError, StopIteration):
-        pass
+        return platform.machine()
+
+
+def machine() -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{platform.platform()}, {cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, "
+    return (f"{platform.platform()}, {cpu_name()}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, "
             f"Python {platform.python_version()}")
 
 
