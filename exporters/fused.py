@@ -110,8 +110,9 @@ def check_fusable(cfg: ModelConfig) -> None:
 class _Graph:
     """Collects nodes and initializers; node `/model/layers.0/self_attn/qkv_proj/MatMul` outputs `.../output_0`."""
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, as_stored: bool = False):
         self.dtype = dtype
+        self.as_stored = as_stored  # MatMul weights [out, in] behind a Transpose (build_graph)
         self.nodes: list[ir.Node] = []
         self.initializers: list[ir.Value] = []
         self.recipes: dict[str, Callable[[], torch.Tensor]] = {}  # initializer name -> its weight, made when written
@@ -163,15 +164,17 @@ Read = Callable[[list[str]], dict[str, torch.Tensor]]  # HF names -> tensors (an
 
 def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
                 static_kv: int | None, opset: int = DEFAULT_OPSET,
-                rows: Callable[[str, int, int], torch.Tensor] | None = None,
+                rows: Callable[[str, int, int], torch.Tensor] | None = None, as_stored: bool = False,
                 ) -> tuple[ir.Model, dict[str, Callable[[], Any]]]:
     """The fused decoder, and for each weight initializer the recipe that reads and packs it.
 
     No weight is read here: `read` is called by a recipe when `onnx_save` writes that initializer, so an
     export holds one packed matrix at a time (the plain export's streaming, for the fused graph too).
     rows(name, a, b): rows a..b of a 2-D weight; given, the embedding is written a slab of rows at a time.
+    as_stored: each MatMul's weight [out, in] as the checkpoint holds it, behind a Transpose (onnxruntime folds it),
+    written as rows, never a transposed copy: the int4 quantizer's source graph, which reads W's rows.
     """
-    g = _Graph(dtype)
+    g = _Graph(dtype, as_stored)
     shapes = {spec.name: spec.shape for spec in weight_specs(cfg)}
 
     def stored(name: str) -> ir.Value:
@@ -252,6 +255,8 @@ def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
     # --- lm_head: H = Zbar W^T, W stored [n2, n1] for MatMul (rows L2-normalized first for norm_head) -----------
     if cfg.tie_word_embeddings and not cfg.norm_head:  # one matrix stored once: the Gather's, transposed here
         w_t = g.op("/lm_head", "Transpose", [embed], {"perm": [1, 0]})  # [n1, n2] -> [n2, n1]
+    elif g.as_stored and not cfg.norm_head:  # [n1, n2] as the checkpoint holds it, in slabs of rows
+        w_t = g.op("/lm_head", "Transpose", [stored("lm_head.weight")], {"perm": [1, 0]})
     else:
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
 
@@ -387,12 +392,17 @@ def _layer(g: _Graph, cfg: ModelConfig, read: Read, shapes: dict[str, tuple[int,
         return torch.cat([parts.pop(n) for n in names], dim=0) if len(names) > 1 else parts[names[0]]
 
     def linear(module: str, names: list[str], bias: bool) -> tuple[ir.Value, ir.Value | None]:
-        """One MatMul weight [in, out] from HF's [out, in] rows of `names` stacked; their biases likewise."""
+        """One MatMul weight [in, out] from HF's [out, in] rows of `names` stacked (as_stored: their [out, in]
+        through a Transpose); their biases likewise."""
         ws = [f"{pre}.{module}.{n}.weight" for n in names]
         out = sum(shapes[w][0] for w in ws)
         packed = "_".join(names) if len(names) > 1 else names[0]
-        weight = g.lazy(f"{pre}.{module}.{packed}.MatMul.weight", (shapes[ws[0]][1], out),
-                        lambda: stacked(ws).T)  # [out, in] -> [in, out], a view: written in slabs
+        name = f"{pre}.{module}.{packed}.MatMul.weight"
+        if g.as_stored:  # [out, in], rows straight from the checkpoint's
+            weight = g.op(f"{path}/{module}/{packed}", "Transpose",
+                          [g.lazy(name, (out, shapes[ws[0]][1]), lambda: stacked(ws))], {"perm": [1, 0]})
+        else:
+            weight = g.lazy(name, (shapes[ws[0]][1], out), lambda: stacked(ws).T)  # [in, out], a view: in slabs
         b = None
         if bias:
             bs = [f"{pre}.{module}.{n}.bias" for n in names]
@@ -579,10 +589,11 @@ def check_rope_op(cfg: ModelConfig | None, rope_op: str) -> None:
 
 def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rope_op: str | None = None,
                  static_kv: bool | int = False, seed: int = 0, progress: Progress = silent,
-                 external_data_threshold_bytes: int = EXTERNAL_DATA_THRESHOLD_BYTES) -> ExportResult:
+                 external_data_threshold_bytes: int = EXTERNAL_DATA_THRESHOLD_BYTES,
+                 as_stored: bool = False) -> ExportResult:
     """Write the fused graph of a preset, config.json, checkpoint directory, ModelConfig or Llama (+ .data).
 
-    rope_op: one of FUSED_ROPE_OPS, or None: default_rope_op(the model's config)."""
+    rope_op: one of FUSED_ROPE_OPS, or None: default_rope_op(the model's config). as_stored: build_graph's."""
     t0 = time.perf_counter()
     output = Path(output)
     if rope_op is not None:
@@ -611,7 +622,7 @@ def export_fused(source: Any, output: str | Path, *, dtype: Any = "float32", rop
     rope_op = rope_op or default_rope_op(cfg)
     check_rope_op(cfg, rope_op)
     max_length = _static_length(static_kv, cfg)
-    model, recipes = build_graph(cfg, read, torch_dtype, rope_op, max_length, opset, rows)
+    model, recipes = build_graph(cfg, read, torch_dtype, rope_op, max_length, opset, rows, as_stored)
     set_metadata(model, cfg, rope_op, dt.name, label, seed_used)
     model.metadata_props[META + "graph"] = GRAPH
     model.metadata_props[META + "static_kv"] = "" if max_length is None else str(max_length)

@@ -31,9 +31,8 @@ ALGORITHM = "imatrix"
 TRIMS = ((0.0, 0.0), (0.05, 0.0), (0.0, 0.05), (0.05, 0.05), (0.1, 0.1))
 REFITS = 2  # least-squares refits of the scale per trimmed range (the codes re-rounded after each)
 # A lighter search (three trims and the symmetric range, one refit: 8 roundings a block, not 18), for blocks that
-# judge or measure rather than ship: int4_scales' alpha finalists, and int4_target's uncalibrated yardstick graph.
-# On SmolLM2-135M's blocks with every input weighted alike, its graph's KL on the calibration text is 0.538 nats
-# against the full search's 0.506, in under half the time.
+# judge rather than ship: int4_scales' alpha finalists. On SmolLM2-135M's blocks with every input weighted alike,
+# its graph's KL on the calibration text is 0.538 nats against the full search's 0.506, in under half the time.
 LIGHT = {"trims": ((0.0, 0.0), (0.05, 0.05), (0.1, 0.1)), "refits": 1}
 # Asymmetric round to nearest (the block's whole range onto the levels, no refit): the search's first start alone,
 # what int4_scales ranks its alphas by.
@@ -217,14 +216,12 @@ def unpack(b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, *,
 
 def matmul_nbits(node: Any, name: str, k: int, n: int, cols: Any, importance: Any, *, block: int, bits: int,
                  accuracy_level: int, chunk_bytes: int, spill: Any = None,
-                 packed_rows: Callable[[int, int], dict[str, np.ndarray]] | None = None,
-                 search_options: dict[str, Any] | None = None) -> tuple[list[Any], list[Any]]:
+                 packed_rows: Callable[[int, int], dict[str, np.ndarray]] | None = None) -> tuple[list[Any], list[Any]]:
     """MatMul(x, W^T [k, n]) -> ([MatMulNBits], its initializers), named as onnxruntime's quantizer names them
     (NAME_Q4, NAME_scales, NAME_zero_points). cols(a, b) gives W^T[:, a:b]; rows of W are searched chunk_bytes of
     fp32 at a time (each output row's blocks are its own, so the pieces join along n). spill: quantize._Spill,
     which writes the pieces one after another instead of joining them in memory. packed_rows(a, b): rows a..b-1
-    already searched (a BlockStore's), instead of searching them here. search_options: `search`'s trims and refits
-    (LIGHT; None: the full search)."""
+    already searched (a BlockStore's), instead of searching them here."""
     from onnx import helper, numpy_helper
 
     step = max(1, chunk_bytes // (4 * k))
@@ -235,8 +232,7 @@ def matmul_nbits(node: Any, name: str, k: int, n: int, cols: Any, importance: An
             continue
         w = cols(a, min(a + step, n))  # [k, rows]
         dtype = w.dtype  # the scales take the graph's float type (fp16 graphs read fp16 scales)
-        parts.append(pack(search(np.ascontiguousarray(w.T, dtype=np.float32), importance, bits=bits, block=block,
-                                 **(search_options or {}))))
+        parts.append(pack(search(np.ascontiguousarray(w.T, dtype=np.float32), importance, bits=bits, block=block)))
     assert dtype in (np.float32, np.float16), f"{name}: int4 blocks of a {dtype} weight"
     for p in parts:
         p["scales"] = p["scales"].astype(dtype)

@@ -57,11 +57,11 @@ class Scales:
             return cols
 
         def scaled(a: int, b: int) -> np.ndarray:
-            w = cols(a, b).astype(np.float32)
+            w = cols(a, b).astype(np.float32)  # a copy of its own, scaled in place
             if s is not None:
-                w = w * s[:, None]
+                np.multiply(w, s[:, None], out=w)
             if d is not None:
-                w = w / d[None, a:b]
+                np.divide(w, d[None, a:b], out=w)
             return w
         return scaled
 

@@ -10,9 +10,9 @@
             or as many as a size cap allows, the closest graph then the answer)
     the chosen graph ──► KL and top-1 on held-out text (QUALITY_TEXT): what the export reports
 
-The target is nats, or a fraction of uncalibrated int4's measured KL (with RTN, the first graph built is that);
-the default (quant_options.DEFAULT_TARGET) is half of it, the 8-bit matrices adding at most 0.08x the int4 matrices'
-bytes (decode reads them all each step: its time follows them).
+The target is nats, or a fraction of the all-int4 graph's measured KL (the first graph built); the default
+(quant_options.DEFAULT_TARGET) is the lower of 0.1 nats and 0.6x of it, the 8-bit matrices adding at most 0.08x the
+int4 matrices' bytes (decode reads them all each step: its time follows them).
 Memory: one half-layer's weights, the clean stream at each half-layer boundary (2 n8 + 1 of [n3, n2]), PROBES
 gradients, W^8 a chunk of rows at a time, and the graphs' logits a chunk of positions at a time (no [n3, n1] tensor:
 Gemma's vocabulary makes those 0.2 GB each).
@@ -23,10 +23,7 @@ so one matrix kept 8-bit removes nearly all of its error; which ones matter is a
 algorithm's own: onnxruntime's symmetric RTN (`fake_quant`, equal to its MatMulNBits output to fp32 rounding,
 tests/test_int4_target.py), or int4_blocks' search with the importance measured by `importance` (the very blocks
 the graph holds, tests/test_int4_blocks.py), so the ranking sees the error the graph will have; the loop then
-judges the real graph, never the emulation. With imatrix or awq, a relative target is a fraction of the KL of our
-blocks searched with every input weighted alike (one more graph, built only when half of it could be the target:
-when half the all-int4 graph's KL is over the nats bound, that bound binds): int4 without calibration is the
-yardstick.
+judges the real graph, never the emulation.
 
 (Over 500 lines on purpose: the sensitivity pass and the choice it feeds share the int4 emulation and its
 bounds; split, the choice would import the pass's private state.)
@@ -37,9 +34,10 @@ from __future__ import annotations
 import math
 import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -116,7 +114,8 @@ PROBES = 4
 
 def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
                   progress: Callable[[int, int, str], None] = lambda *a: None,
-                  states: list[Any] | None = None, emulate: Emulate | None = None) -> dict[str, float]:
+                  states: list[Any] | None = None, emulate: Emulate | None = None,
+                  bf16: bool | None = None) -> dict[str, float]:
     """KL_m: the mean next-token KL (nats) with matrix m alone in int4, for every matrix, in time linear in depth.
 
     A forward pass keeps the clean residual stream Z_b at every half-layer boundary. PROBES random vectors u with
@@ -129,7 +128,9 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
     Measured on SmolLM2-135M against carrying each δ_m through every later half-layer (the exact second-order
     figure, quadratic in depth): rank correlation 0.98, median ratio 0.88, in a third of the time. The lm_head is
     measured exactly; a tied embedding read through the same int4 blocks adds its δ at Z^0.
-    emulate: the quantizer's int4 (default: symmetric RTN, `rtn_emulation`).
+    emulate: the quantizer's int4 (default: symmetric RTN, `rtn_emulation`). bf16: the probes carried back through
+    the projections in bf16 (`_bf16_products`; None: where the CPU multiplies bf16 natively, `fast_bf16`); each δ_m
+    is a difference of two fp32 passes, always.
     """
     import torch
 
@@ -178,7 +179,8 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
                     out[m.node] = kl(g, run(bounds[b - 1]) - bounds[b])
                     for p in m.parts:
                         getattr(owner, p).weight.data = saved[p]
-        g = _vjp(run, bounds[b - 1], g)  # G at the unit's input
+        with _bf16_products(*owners.values(), on=fast_bf16() if bf16 is None else bf16):
+            g = _vjp(run, bounds[b - 1], g)  # G at the unit's input
         b -= 1
         del owners, run
         progress(2 * len(units) - i, 2 * len(units), "int4 sensitivity (backward)")
@@ -311,10 +313,13 @@ def stored_emulation(store: Any, full: Path, importance: dict[str, Any], block: 
 
 
 def importance(ref: Any, ids: list[int] | list[list[int]], nodes: list[str],
-               progress: Callable[[int, int, str], None] = lambda *a: None) -> dict[str, Any]:
+               progress: Callable[[int, int, str], None] = lambda *a: None, bf16: bool | None = None
+               ) -> dict[str, Any]:
     """node -> a_k = the mean square of the k-th input of its matrix on `ids` (int4_blocks' importance), for every
     node that is a decoder projection or the lm_head (others get none: uniform), in one clean streamed pass.
-    ids: one sequence, or windows of equal length (calibration_windows), each from position 0, run as one batch."""
+    ids: one sequence, or windows of equal length (calibration_windows), each from position 0, run as one batch.
+    bf16: the projections' products in bf16 (`_bf16_products`); None: where the CPU multiplies bf16 natively
+    (`fast_bf16`)."""
     import torch
 
     from llama_tools.modeling.model import layer_masks
@@ -348,7 +353,8 @@ def importance(ref: Any, ids: list[int] | list[list[int]], nodes: list[str],
                         # squared in fp32, summed in float64: 1.5x faster than a float64 copy, the same to 3e-9
                         out[node] = out.get(node, 0) + x.square().sum(0, dtype=torch.float64)
                     hooks.append(getattr(owner, m.parts[0]).register_forward_hook(seen))
-            z = torch.cat([run(z[i:i + step]) for i in range(0, len(z), step)])  # windows a batch at a time
+            with _bf16_products(*owners.values(), on=fast_bf16() if bf16 is None else bf16):
+                z = torch.cat([run(z[i:i + step]) for i in range(0, len(z), step)])  # windows a batch at a time
             for h in hooks:
                 h.remove()
             del owners, run
@@ -357,6 +363,39 @@ def importance(ref: Any, ids: list[int] | list[list[int]], nodes: list[str],
             h = _final(ref)(z).double().reshape(-1, z.shape[-1])  # [b n3, n2]: what the lm_head reads
             out[HEAD] = (h**2).sum(0)
     return {node: (v / x.numel()).float() for node, v in out.items()}  # the mean over every position
+
+
+@contextmanager
+def _bf16_products(*modules: Any, on: bool = True) -> Iterator[None]:
+    """Within it, each nn.Linear under MODULES (None: none) computes in bf16 and returns fp32: its input and output,
+    the stream, the norms, attention's scores and the bias stay fp32 (Qwen2.5-0.5B's large q/k biases added in bf16
+    moved its first o_proj's importance by 11%; so, every matrix's by under 1%). Its hooks see the fp32 input."""
+    import torch
+
+    patched = []
+    for m in (m for module in modules if on and module is not None for m in module.modules()):
+        if isinstance(m, torch.nn.Linear):
+            w, b = m.weight.detach().to(torch.bfloat16), m.bias
+            m.forward = lambda x, w=w, b=b: _biased(torch.nn.functional.linear(x.to(torch.bfloat16), w).float(), b)
+            patched.append(m)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward  # the class's own again
+
+
+def _biased(y: Any, b: Any) -> Any:
+    return y if b is None else y + b
+
+
+def fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles: 555 against fp32's 149 GFLOPS on two
+    Sapphire Rapids cores, a 2816 x 896 by 896 x 4864 product); elsewhere bf16 is converted and no faster."""
+    import torch
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
 
 
 # What one batch of calibration windows may take through a half-layer: its intermediates (attention scores, the
@@ -529,9 +568,6 @@ class TargetResult:
     fraction: float | None = None  # a relative target: max_kl is this times the all-int4 graph's KL
     size_cap: float | None = None  # the result weighs at most this times the all-int4 graph
     chosen: int = -1  # the round whose graph was written (the last, unless a capped loop's closest was earlier)
-    # uncalibrated int4's KL, what a relative target is a fraction of (imatrix, awq), when it was measured: only
-    # when it could set the target (choose)
-    baseline_kl: float | None = None
     nats: float | None = None  # an absolute bound given with the fraction: max_kl is the lower of the two
 
     @property
@@ -542,14 +578,6 @@ class TargetResult:
     def all_int4_kl(self) -> float:
         """The all-int4 graph's KL on the calibration text (the first graph built)."""
         return self.rounds[0].measured_kl
-
-    @property
-    def yardstick(self) -> tuple[str, float]:
-        """(what, KL) a relative target is a fraction of: uncalibrated int4's when measured and higher, else the
-        all-int4 graph's."""
-        if self.baseline_kl is not None and self.baseline_kl > self.all_int4_kl:
-            return "uncalibrated int4's", self.baseline_kl
-        return "the all-int4 graph's", self.all_int4_kl
 
 
 def plan(sens: dict[str, float], alpha: float, max_kl: float, margin: float = PLAN_MARGIN,
@@ -581,16 +609,13 @@ def _order(sens: dict[str, float], cost: dict[str, int] | None) -> list[str]:
 
 def choose(sens: dict[str, float], max_kl: float | None, build: Callable[[list[str]], tuple[float, int]], *,
            fraction: float | None = None, cost: dict[str, int] | None = None,
-           size_cap: float | None = None, base: int | None = None,
-           baseline: Callable[[], float] | None = None) -> TargetResult:
+           size_cap: float | None = None, base: int | None = None) -> TargetResult:
     """The loop of the module docstring. build(kept) quantizes with `kept` 8-bit -> (KL on calibration, bytes).
 
     alpha: measured KL / the sum of the int4 matrices' own KL_m, at least 1 (errors compound, and onnxruntime's
     int8 activations add their own), refitted on each graph that misses the target.
-    fraction: the target is this times the yardstick: the all-int4 graph's measured KL, or uncalibrated int4's,
-    `baseline()` (built and measured), when that is higher; with max_kl as well, the lower of the two, and then the
-    baseline is measured only when it could set the target (fraction x the all-int4 graph's KL under max_kl: else
-    max_kl binds whatever it measures, as a calibrated graph no worse than uncalibrated int4 makes it).
+    fraction: the target is this times the all-int4 graph's measured KL (the first graph); with max_kl as well, the
+    lower of the two.
     cost, size_cap, base: the bytes keeping each matrix 8-bit adds, and the most they may add together: (size_cap - 1)
     x base, the int4 matrices' own bytes (what a decode step reads; None: the all-int4 file's); when no graph within
     the cap meets the target, the closest one built is the answer (not met).
@@ -607,10 +632,7 @@ def choose(sens: dict[str, float], max_kl: float | None, build: Callable[[list[s
         rest = sum(v for n, v in sens.items() if n not in kept)
         if not result.rounds:  # the all-int4 graph: what a relative target and the cap are measured against
             if fraction is not None:  # with nats as well, the lower of the two
-                cap = math.inf if max_kl is None else max_kl
-                if baseline is not None and fraction * kl < cap:
-                    result.baseline_kl = baseline()
-                result.max_kl = min(fraction * max(kl, result.baseline_kl or 0.0), cap)
+                result.max_kl = min(fraction * kl, math.inf if max_kl is None else max_kl)
             if size_cap is not None:
                 budget = (size_cap - 1) * (base or size)
         result.rounds.append(Round(len(kept), result.alpha * rest, kl, size))
@@ -730,25 +752,27 @@ def onnx_kl(path: str | Path, cfg: Any, ids: list[int], p_logits: Any) -> float:
 
 def states_logits(ref: Any, z: Any) -> Callable[[int, int], np.ndarray]:
     """(a, b) -> the reference's logits of positions a..b [b - a, n1] from its final residual stream z [1, n3, n2]:
-    the final norm, then W^8 a chunk at a time (for Gemma's 262,144 tokens, 192 positions' logits are 0.2 GB), kept
-    for the next call with the same (a, b) within LOGITS_CACHE_BYTES."""
+    the final norm, then W^8 a chunk at a time (for Gemma's 262,144 tokens, 192 positions' logits are 0.2 GB); every
+    position's made at the first call and kept when they fit in LOGITS_CACHE_BYTES (W^8 read once, not once per
+    call)."""
     import torch
 
     from llama_tools.modeling.model import final_logits
 
     h = _final(ref)(z)[0]  # Zbar: [n3, n2]
     keep = h.shape[0] * ref.cfg.vocab_size * 4 <= LOGITS_CACHE_BYTES
-    made: dict[tuple[int, int], np.ndarray] = {}
+    made: list[np.ndarray] = []
+
+    def logits(h: Any) -> np.ndarray:
+        with torch.no_grad():
+            return final_logits(ref.cfg, torch.cat([x for x, _ in _head_chunks(ref, h)], -1)).float().numpy()
 
     def rows(a: int, b: int) -> np.ndarray:
-        if (a, b) in made:
-            return made[(a, b)]
-        with torch.no_grad():
-            x = torch.cat([x for x, _ in _head_chunks(ref, h[a:b])], -1)
-            out = final_logits(ref.cfg, x).float().numpy()
-        if keep:
-            made[(a, b)] = out
-        return out
+        if not keep:
+            return logits(h[a:b])
+        if not made:
+            made.append(logits(h))  # [n3, n1]
+        return made[0][a:b]
     return rows
 
 
@@ -923,25 +947,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
             kl = onnx_kl(where, cfg, ids, p)
             release_freed_memory()  # nor the session's the next candidate's
             return kl, last[0].bytes_after
-        def uncalibrated() -> float:
-            """Our blocks searched with every input weighted alike (no importance, no scales), by the light search
-            (a yardstick, never shipped: 0.54 nats on SmolLM2-135M against the full search's 0.51, in under half
-            the time), built beside the candidates and measured. Not the builder's symmetric round to nearest: on
-            the calibration text that is looser (SmolLM2-135M 0.62 nats), and half of it let Qwen2.5-Coder-0.5B's
-            all-int4 graph through at 0.58x the builder's held-out KL, where this one's target keeps matrices
-            8-bit (docs/export.md)."""
-            say("int4 without calibration, for the target's baseline")
-            yard = work / "uncalibrated" / "model.onnx"
-            yard.parent.mkdir()
-            bare = {k: v for k, v in int4.items() if k not in ("importance", "scales", "store")}
-            quantize(full, yard, **{**bare, "algorithm": "imatrix", "symmetric": False, "light_search": True})
-            release_freed_memory()
-            kl = onnx_kl(yard, cfg, ids, p)
-            shutil.rmtree(yard.parent, ignore_errors=True)
-            return kl
-        # the fraction is of uncalibrated int4's KL (the all-int4 graph's, for an algorithm that does not calibrate)
-        result = choose(sens, goal.max_kl, build, fraction=goal.fraction, cost=cost, size_cap=goal.size_cap,
-                        base=base, baseline=uncalibrated if emulate is not None else None)
+        result = choose(sens, goal.max_kl, build, fraction=goal.fraction, cost=cost, size_cap=goal.size_cap, base=base)
         if through or last[1] != result.kept_8bit:  # the answer is not what is at TARGET now
             say(f"writing int4 with {len(result.kept_8bit)} of {len(mats)} matrices 8-bit")
             last[0] = quantize(full, target, **{**int4, "keep_8bit": tuple(result.kept_8bit)})

@@ -84,7 +84,9 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
     kwargs = dict(dtype=dtype, seed=seed, progress=progress)
 
     def write_graph(path: Path) -> ExportResult:  # rope_op None: each graph's default (fused.default_rope_op)
-        return (export_fused(source, path, static_kv=static_kv or False, rope_op=rope_op, **kwargs) if graph == "fused"
+        # int4's source graph holds W as the checkpoint does (the quantizer reads its rows): no transposed copy
+        return (export_fused(source, path, static_kv=static_kv or False, rope_op=rope_op,
+                             as_stored=quantize is not None, **kwargs) if graph == "fused"
                 else export_onnx(source, path, say=say, rope_op=rope_op or rope_ops.OURS.name, **kwargs))
 
     chosen: list[Any] = []  # what a --max-kl target chose (int4_target.TargetResult)

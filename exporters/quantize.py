@@ -211,9 +211,10 @@ CHUNK_BYTES = 32 * 2**20
 
 
 def _columns(tensor: Any, base: Path, transposed: bool) -> tuple[int, int, Callable[[int, int], np.ndarray]]:
-    """(in, out, cols(a, b)) of a MatMul weight: cols gives W^T[:, a:b] as a contiguous [in, b - a] array, read
-    from the external data file with positioned reads of just those bytes (a memory map would fault in the
-    whole matrix around a column slice, all counted as ours)."""
+    """(in, out, cols(a, b)) of a MatMul weight: cols gives W^T[:, a:b], an [in, b - a] array, read from the
+    external data file with positioned reads of just those bytes (a memory map would fault in the whole matrix
+    around a column slice, all counted as ours). W stored [out, in] gives the transposed view of its rows a..b,
+    not a copy: the block search wants those rows, and takes them back as they were read."""
     from onnx import helper, numpy_helper
     from onnx.external_data_helper import uses_external_data
 
@@ -233,8 +234,9 @@ def _columns(tensor: Any, base: Path, transposed: bool) -> tuple[int, int, Calla
         fd = os.open(base / location, os.O_RDONLY)
         try:
             if transposed:  # W [out, in]: rows a..b are one contiguous run
-                w = np.frombuffer(_pread(fd, (b - a) * row, start + a * row), dtype).reshape(b - a, dims[1])
-                return np.ascontiguousarray(w.T)  # [in, b - a]
+                w = np.empty((b - a, dims[1]), dtype)
+                _pread_into(fd, w, start + a * row)
+                return w.T  # [in, b - a], a view
             out = np.empty((k, b - a), dtype)  # W^T [in, out]: (b - a) values from each of the k rows
             width = (b - a) * dtype.itemsize
             for r in range(k):
@@ -243,6 +245,16 @@ def _columns(tensor: Any, base: Path, transposed: bool) -> tuple[int, int, Calla
         finally:
             os.close(fd)
     return k, n, cols
+
+
+def _pread_into(fd: int, out: np.ndarray, offset: int) -> None:
+    """OUT's bytes read from fd at offset, straight into it (no bytes object in between)."""
+    view, done = memoryview(out).cast("B"), 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise ValueError(f"external data ends before a tensor does ({len(view) - done:,} bytes missing)")
+        done += got
 
 
 def _pread(fd: int, size: int, offset: int) -> bytes:
@@ -338,7 +350,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
                   symmetric: bool = True, accuracy_level: int = ACCURACY_LEVEL,
                   exclude: tuple[str, ...] = (), algorithm: str = DEFAULT_ALGORITHM,
                   keep_8bit: tuple[str, ...] = (), importance: dict[str, Any] | None = None,
-                  scales: Any = None, store: Any = None, light_search: bool = False) -> QuantizeResult:
+                  scales: Any = None, store: Any = None) -> QuantizeResult:
     """SOURCE .onnx (plain or fused) -> OUTPUT with every constant-weight MatMul as int4 MatMulNBits, atomically.
 
     symmetric (rtn only; default True): int4 in [-8, 7] times one scale per block of 32 weights, no zero point.
@@ -353,7 +365,6 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
     int4_scales (`scales`, an int4_scales.Scales; planned here from `importance` when None), the norms' gains and
     up_proj's rows divided to match. store: an int4_blocks.BlockStore holding (or to hold) the searched int4 blocks
     of this very source, importance and scales, so that the next graph built from them searches none again.
-    light_search: imatrix's blocks by int4_blocks.LIGHT, not the full search (a yardstick graph, never one shipped).
 
     In bounded memory: the graph is read without its weights; each MatMul's weight is read from SOURCE's
     .data file, quantized by onnxruntime's own node quantizer on a one-node graph and dropped, so one
@@ -410,8 +421,7 @@ def quantize_int4(source: str | Path, output: str | Path, *, block_size: int = B
         spill = _Spill(scratch)
         try:
             folded = _quantize_nodes(graph, base, weights, inits, exclude, keep_8bit, gathered, quantizer, tied_rtn,
-                                     importance, block_size, accuracy_level, algorithm, spill, scales, store,
-                                     int4_blocks.LIGHT if light_search else None)
+                                     importance, block_size, accuracy_level, algorithm, spill, scales, store)
         finally:
             spill.close()
         quantized = sum(n.op_type == "MatMulNBits" for n in graph.node)
@@ -451,8 +461,7 @@ def plan_scales(model: Any, importance: dict[str, Any], block_size: int = BLOCK_
 def _quantize_nodes(graph: Any, base: Path, weights: dict[str, Any], inits: dict[str, Any], exclude: tuple[str, ...],
                     keep_8bit: tuple[str, ...], gathered: set[str], quantizer: Any, tied_rtn: Any,
                     importance: dict[str, Any] | None, block_size: int, accuracy_level: int, algorithm: str,
-                    spill: _Spill, scales: Any = None, store: Any = None,
-                    search_options: dict[str, Any] | None = None) -> int:
+                    spill: _Spill, scales: Any = None, store: Any = None) -> int:
     """Each quantized MatMul replaced in GRAPH by its MatMulNBits (tensors through SPILL); the Transposes folded."""
     nodes, folded = [], 0
     for node in graph.node:
@@ -482,7 +491,7 @@ def _quantize_nodes(graph: Any, base: Path, weights: dict[str, Any], inits: dict
                 packed = None if stored is None else (lambda i, j: stored(offset + i, offset + j))
                 return int4_blocks.matmul_nbits(part, tensor, k, n, cols, a, block=block_size, bits=4,
                                                 accuracy_level=accuracy_level, chunk_bytes=CHUNK_BYTES, spill=spill,
-                                                packed_rows=packed, search_options=search_options)
+                                                packed_rows=packed)
             return _quantize_matmul(quantizer, part, tensor, k, n, cols, chunked=algorithm == "rtn", spill=spill)
         frequent_8bit, rest_8bit = head_8bit(keep_8bit)
         if node.name == HEAD and frequent_8bit != rest_8bit:
@@ -842,14 +851,20 @@ def onnx_chunks(path: str | Path, cfg: Any, ids: list[int]) -> Any:
     del lm
 
 
+# The reference's logits of the export's quality check made in one pass over W^8 when they fit in this (Qwen2.5's
+# 151,936 tokens x 238 positions: 145 MB; by chunks of positions, the 545 MB head was read 4 times). Gemma 3's
+# 262,144 (250 MB) stay chunked: its int4 export peaks near its 1 GB bound.
+QUALITY_LOGITS_BYTES = 160 * 2**20
+
+
 def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str) -> QuickQuality:
     """One prefill of `ids` through the full-precision side and the int4 graph on the CPU: mean KL and top-1.
 
     full: the full-precision graph's path, or the model itself (a `Llama`, or the streamed reference, which
     holds one decoder layer at a time: the export's own check needs no session over the whole fp32 graph).
     The full side runs first; the int4 graph then runs prefill_chunk positions at a time, each chunk scored as
-    it comes. From the streamed reference only its final hidden state is kept, its logits made a chunk at a
-    time: for Gemma's 262,144 tokens, 256 positions' logits would be 0.27 GB per side.
+    it comes. From the streamed reference its final hidden state is kept, its logits made at once within
+    QUALITY_LOGITS_BYTES, else a chunk at a time: for Gemma's 262,144 tokens, 256 positions' logits are 0.27 GB.
     """
     from .graph_meta import read_metadata
     from .prompts import positions
@@ -867,9 +882,13 @@ def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str
         import torch
 
         with torch.no_grad():
-            if hasattr(full, "head"):  # the streamed reference: Zbar [n, n2] now, H a chunk at a time
+            if hasattr(full, "head"):  # the streamed reference: Zbar [n, n2] now, H in one pass over W^8 if it fits
                 zbar = full(torch.from_numpy(arr), torch.from_numpy(mask), torch.from_numpy(pos), hidden=True).logits[0]
-                p_rows = lambda a, b: full.head(zbar[a:b]).float().numpy()  # noqa: E731
+                if zbar.shape[0] * cfg.vocab_size * 4 <= QUALITY_LOGITS_BYTES:
+                    whole = full.head(zbar).float().numpy()  # [n, n1]
+                    p_rows = lambda a, b: whole[a:b]  # noqa: E731
+                else:  # a chunk of positions at a time, W^8 read for each
+                    p_rows = lambda a, b: full.head(zbar[a:b]).float().numpy()  # noqa: E731
             else:
                 whole = full(torch.from_numpy(arr), torch.from_numpy(mask),
                              torch.from_numpy(pos)).logits.float().numpy()[0]  # [n, n1]

@@ -67,7 +67,7 @@ def export() -> None:
 @click.option("--max-kl", type=MaxKl(), default=None, metavar="NATS|Fx|auto|none",
               help="With --quantize int4: a quality target. The matrices whose int4 error moves the next-token "
                    "distribution most per extra byte (measured on built-in text) stay 8-bit until the mean KL to the "
-                   "full-precision model is at most NATS, or F times uncalibrated int4's KL (e.g. 0.5x); none: "
+                   "full-precision model is at most NATS, or F times the all-int4 graph's KL (e.g. 0.5x); none: "
                    f"every matrix int4 [default: auto = {DEFAULT_TARGET.describe()}; {', '.join(SEARCHED)} and "
                    "symmetric RTN only].")
 @click.option("--no-client-files", is_flag=True, help="Do not write config.json, genai_config.json and the "
@@ -147,10 +147,9 @@ def export_onnx(model: Any, output: Path, dtype: str, rope_op: str | None, optim
         labels = matrix_labels(t.kept_8bit)
         kept = ", ".join(labels[:4])
         more = f", ... ({len(labels) - 4} more)" if len(labels) > 4 else ""
-        of = t.yardstick
         bound, got = distinct(t.max_kl, t.calibration_kl)
         goal = (f"mean KL <= {bound} nats (" + (f"the lower of {t.nats:g} nats and " if t.nats else "")
-                + f"{t.fraction:g}x {of[0]} {distinct(of[1], of[1])[0]}"
+                + f"{t.fraction:g}x the all-int4 graph's {distinct(t.all_int4_kl, t.all_int4_kl)[0]}"
                 + (f", within {t.size_cap:g}x its int4 bytes)" if t.size_cap else ")") if t.fraction
                 else f"mean KL <= {bound} nats")
         rows.append(("int4 target", f"{goal} {'met' if t.met else 'NOT met'}: "
