@@ -53,7 +53,8 @@ class Blocks:
 
     def dequantize(self) -> np.ndarray:
         """W's approximation, float32 [n, k]."""
-        w = (self.codes.astype(np.float32) - self.zeros[..., None]) * self.scales[..., None]
+        w = np.subtract(self.codes, self.zeros[..., None], dtype=np.float32)  # one float32 array, scaled in place
+        w *= self.scales[..., None]
         return w.reshape(w.shape[0], -1)[:, : self.k]
 
 
@@ -79,8 +80,9 @@ def search(w: Any, importance: Any = None, *, bits: int = 4, block: int = 32, tr
     starts = np.asarray(trims, np.float64).reshape(-1, 2)
     step = max(1, ROWS_BYTES // (4 * (k + pad)))
     for r in range(0, n, step):
-        # C order whatever W's (a transposed view pads to Fortran order)
-        x = np.pad(np.ascontiguousarray(w[r:r + step]), ((0, 0), (0, pad))).reshape(-1, nb, block)  # [rows, nb, block]
+        x = np.pad(w[r:r + step], ((0, 0), (0, pad))) if pad else w[r:r + step]
+        # C order whatever W's (a transposed view pads to Fortran order), copied only when it is not
+        x = np.require(x, np.float32, ["C", "W"]).reshape(-1, nb, block)  # [rows, nb, block]
         _search_blocks(x, a, 2**bits - 1, starts, refits, symmetric, codes[r:r + step], scales[r:r + step],
                        zeros[r:r + step], errors[r:r + step])
     return Blocks(codes, scales, zeros, bits, k, errors)
@@ -260,7 +262,7 @@ class BlockStore:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.folder.mkdir(exist_ok=True)
-        self.saved: dict[tuple[str, int], Path] = {}
+        self.saved: dict[tuple[str, int], tuple[Path, list[str]]] = {}
         self.searched = 0  # chunks searched (a miss), for the tests and the benchmark
 
     def rows(self, node: str, lo: int, hi: int, step: int, search_chunk: Callable[[int, int], dict[str, np.ndarray]]
@@ -272,11 +274,16 @@ class BlockStore:
         for c in range(lo - lo % step, hi, step):
             key = (node, c)
             if key not in self.saved:
-                path = self.folder / f"{len(self.saved)}.npz"
-                np.savez(path, **search_chunk(c, c + step))  # search_chunk clips b at the matrix's last row
-                self.saved[key] = path
+                path = self.folder / f"{len(self.saved)}.npy"
+                made = search_chunk(c, c + step)  # search_chunk clips b at the matrix's last row
+                with open(path, "wb") as f:  # the arrays one after another (.npy records: no zip, no CRC)
+                    for name in made:
+                        np.save(f, made[name], allow_pickle=False)
+                self.saved[key] = path, list(made)
                 self.searched += 1
-            with np.load(self.saved[key]) as z:
-                a, b = max(lo, c) - c, min(hi, c + step) - c
-                pieces.append({name: z[name][a:b] for name in z.files})
+            path, names = self.saved[key]
+            with open(path, "rb") as f:
+                z = {name: np.load(f, allow_pickle=False) for name in names}
+            a, b = max(lo, c) - c, min(hi, c + step) - c
+            pieces.append({name: z[name][a:b] for name in names})
         return {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}

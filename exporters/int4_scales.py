@@ -135,9 +135,9 @@ def _search(cols: Callable[[int, int], np.ndarray], k: int, n: int, a: Any, bloc
     a = np.maximum(np.asarray(a, np.float64).reshape(-1), 0.0)
     assert a.size == k, f"importance has {a.size} values for {k} inputs"
     picks = np.unique(np.linspace(0, n - 1, min(n, SEARCH_ROWS)).round().astype(int))
-    w = cols(0, n).T[picks].astype(np.float64)  # W rows [m, k]: one matrix read, as quantized
+    w = cols(0, n).T[picks].astype(np.float32)  # W rows [m, k]: one matrix read, as quantized (fp32, as searched)
     if divisor is not None:
-        w = w / divisor[picks, None].astype(np.float64)
+        w = w / divisor[picks, None].astype(np.float32)
     rms = np.sqrt(np.maximum(a, a[a > 0].min() if (a > 0).any() else 1.0))  # unseen: as the least seen
 
     def scale(alpha: float) -> np.ndarray:
@@ -163,7 +163,7 @@ def _search(cols: Callable[[int, int], np.ndarray], k: int, n: int, a: Any, bloc
 def _error(w: np.ndarray, a: np.ndarray, s: np.ndarray, block: int, options: dict[str, Any]) -> float:
     """sum_k a_k sum_n (W - Q(W diag(s)) / s)^2 = sum_k (a_k / s_k^2) sum_n (W' - Q(W'))^2 with W' = W diag(s): the
     weighted error int4_blocks' search (with `options`) measures on W' with importance a / s^2, block by block."""
-    blocks = int4_blocks.search((w * s).astype(np.float32), (a / s**2).astype(np.float32), block=block, **options)
+    blocks = int4_blocks.search(w * s.astype(np.float32), (a / s**2).astype(np.float32), block=block, **options)
     assert blocks.errors is not None
     return float(blocks.errors.sum(dtype=np.float64))
 

@@ -155,9 +155,10 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
             bounds.append(_unit(ref, j, modules, masks, n3)[1](bounds[-1]))
             progress(i + 1, 2 * len(units), "int4 sensitivity (forward)")
         z = bounds[-1]
+        clean = _clean_logits(ref, _final(ref)(z).reshape(-1, z.shape[-1]))  # [b n3, n1] or None (too big)
         if states is not None:  # the clean final residual stream Z [b, n3, n2]: the reference's logits, later
-            states.append(z)
-        u = _probes(ref, z, PROBES)  # [S b, n3, n2]
+            states += [z, clean]
+        u = _probes(ref, z, PROBES, clean=clean)  # [S b, n3, n2]
     final = _final(ref)
     g = _vjp(lambda zin: final(zin), z, u)  # G at the last boundary: [S b, n3, n2]
 
@@ -185,7 +186,7 @@ def sensitivities(ref: Any, ids: list[int], mats: list[Matrix], block: int,
         del owners, run
         progress(2 * len(units) - i, 2 * len(units), "int4 sensitivity (backward)")
     if head:
-        whole, rest = _head_kl(ref, z, emulate, r)
+        whole, rest = _head_kl(ref, z, emulate, r, clean if z.shape[0] == 1 else None)
         if cfg.tie_word_embeddings:  # the Gather reads the lm_head's int4 blocks: D's rows in int4 move Z^0
             with torch.no_grad():
                 flat = x.reshape(-1).tolist()
@@ -430,26 +431,40 @@ def _head_rows(ref: Any) -> tuple[str, int]:
         max(1, (16 * 2**20) // (4 * cfg.hidden_size))
 
 
-def _head_chunks(ref: Any, h: Any, emulate: Emulate | None = None, exact_below: int = 0) -> Any:
+def _head_chunks(ref: Any, h: Any, emulate: Emulate | None = None, exact_below: int = 0, clean: Any = None) -> Any:
     """(H, H') a row chunk of W^8 at a time: h W^{8T} on `step` vocabulary rows [n3, step], and the same with W^8
     int4-emulated (None unless `emulate`) except its first `exact_below` rows; W^8 is read once per chunk and
-    dropped."""
+    dropped. clean: h W^{8T} made before [n3, n1] (`_clean_logits`), H taken from it (W^8 then read only to emulate)."""
     import torch
 
     name, step = _head_rows(ref)
     cfg = ref.cfg
     for a in range(0, cfg.vocab_size, step):
-        w = ref.reader.rows(name, [(a, min(a + step, cfg.vocab_size))]).float()  # [rows, n2]
+        b = min(a + step, cfg.vocab_size)
+        if clean is not None and not emulate:
+            yield clean[:, a:b], None
+            continue
+        w = ref.reader.rows(name, [(a, b)]).float()  # [rows, n2]
         if cfg.norm_head:
             w = torch.nn.functional.normalize(w, dim=-1)
         q = None
         if emulate:
             q = emulate(w, HEAD, slice(a, a + w.shape[0]))
             q[: max(0, exact_below - a)] = w[: max(0, exact_below - a)]
-        yield h @ w.T, (h @ q.T if emulate else None)
+        yield h @ w.T if clean is None else clean[:, a:b], (h @ q.T if emulate else None)
 
 
-def _probes(ref: Any, z: Any, count: int, seed: int = 0) -> Any:
+def _clean_logits(ref: Any, h: Any) -> Any:
+    """h W^{8T} [n3, n1] in one pass over W^8 when it fits in LOGITS_CACHE_BYTES (else None): the probes, the head's
+    KL and the reference's calibration logits then share it (W^8's product made once, not three times)."""
+    if h.shape[0] * ref.cfg.vocab_size * 4 > LOGITS_CACHE_BYTES:
+        return None
+    import torch
+
+    return torch.cat([x for x, _ in _head_chunks(ref, h)], -1)
+
+
+def _probes(ref: Any, z: Any, count: int, seed: int = 0, clean: Any = None) -> Any:
     """`count` vectors u per window [count b, n3, n2] at the final normed state of z [b, n3, n2], each position's
     with E[u uᵀ] = F_t = Σ_v p_v (w'_v - w̄')(w'_v - w̄')ᵀ over the clean distribution's TOP_K candidates (w'_v: W^8's
     row v times the softcap's slope there): u = Σ_v √p_v ε_v (w'_v - w̄'), ε standard normal, seeded. So
@@ -472,7 +487,7 @@ def _probes(ref: Any, z: Any, count: int, seed: int = 0) -> Any:
     top_raw = torch.empty(h.shape[0], 0)  # [b n3, <= K] raw logits of the likeliest so far
     top = torch.empty(h.shape[0], 0, dtype=torch.long)
     a = 0
-    for raw, _ in _head_chunks(ref, h):
+    for raw, _ in _head_chunks(ref, h, clean=clean):
         lse = torch.logaddexp(lse, torch.logsumexp(finish(raw).double(), -1))
         both = torch.cat([top_raw, raw], -1)
         ids = torch.cat([top, torch.arange(a, a + raw.shape[1]).expand(h.shape[0], -1)], -1)
@@ -508,7 +523,7 @@ def _runs(ids: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _head_kl(ref: Any, z: Any, emulate: Emulate, exact_below: int = 0) -> tuple[float, float]:
+def _head_kl(ref: Any, z: Any, emulate: Emulate, exact_below: int = 0, clean: Any = None) -> tuple[float, float]:
     """(KL(p || p'), the same with its first `exact_below` rows exact) of the lm_head alone in int4, exactly, on the
     final states z [1, n3, n2], in one pass over W^8's chunks, each emulated once: with x the clean logits and y the
     int4 ones, KL = Σ_v p_v (x_v - y_v) + lse(y) - lse(x), and Σ_v p_v (x_v - y_v) kept as a running sum rescaled
@@ -525,7 +540,7 @@ def _head_kl(ref: Any, z: Any, emulate: Emulate, exact_below: int = 0) -> tuple[
     gap = torch.zeros(n3, 2, dtype=torch.float64)  # Σ exp(x - top) (x - y), the whole head's and the rest's
     lse_y = torch.full((n3, 2), -math.inf, dtype=torch.float64)
     a = 0
-    for x, y in _head_chunks(ref, h, emulate):
+    for x, y in _head_chunks(ref, h, emulate, clean=clean):
         x, y = finish(x), finish(y)  # [n3, rows]
         rest = y.clone()
         keep = max(0, min(exact_below - a, x.shape[1]))
@@ -737,24 +752,24 @@ def onnx_logits(path: str | Path, cfg: Any, ids: list[int]) -> np.ndarray:
     return np.concatenate(list(onnx_chunks(path, cfg, ids)))
 
 
-def onnx_kl(path: str | Path, cfg: Any, ids: list[int], p_logits: Any) -> float:
+def onnx_kl(path: str | Path, cfg: Any, ids: list[int], p_logits: Any, lm: Any = None) -> float:
     """mean_kl(p_logits, onnx_logits(...)) without holding the graph's [n, n1] logits. p_logits: [n, n1], or
-    p_logits(a, b) -> its rows a..b (the reference's, made a chunk at a time)."""
+    p_logits(a, b) -> its rows a..b (the reference's, made a chunk at a time). lm: the graph already open."""
     from .quantize import _kl_row, onnx_chunks
 
     rows, a = [], 0
-    for q in onnx_chunks(path, cfg, ids):
+    for q in onnx_chunks(path, cfg, ids, lm):
         p = p_logits(a, a + len(q)) if callable(p_logits) else p_logits[a:a + len(q)]
         rows += [_kl_row(x, y) for x, y in zip(p, q)]
         a += len(q)
     return float(np.mean(rows))
 
 
-def states_logits(ref: Any, z: Any) -> Callable[[int, int], np.ndarray]:
+def states_logits(ref: Any, z: Any, clean: Any = None) -> Callable[[int, int], np.ndarray]:
     """(a, b) -> the reference's logits of positions a..b [b - a, n1] from its final residual stream z [1, n3, n2]:
     the final norm, then W^8 a chunk at a time (for Gemma's 262,144 tokens, 192 positions' logits are 0.2 GB); every
     position's made at the first call and kept when they fit in LOGITS_CACHE_BYTES (W^8 read once, not once per
-    call)."""
+    call). clean: Zbar W^{8T} [n3, n1] already made (`_clean_logits`)."""
     import torch
 
     from llama_tools.modeling.model import final_logits
@@ -770,8 +785,8 @@ def states_logits(ref: Any, z: Any) -> Callable[[int, int], np.ndarray]:
     def rows(a: int, b: int) -> np.ndarray:
         if not keep:
             return logits(h[a:b])
-        if not made:
-            made.append(logits(h))  # [n3, n1]
+        if not made:  # [n3, n1]
+            made.append(logits(h) if clean is None else final_logits(ref.cfg, clean).float().numpy())
         return made[0][a:b]
     return rows
 
@@ -862,7 +877,8 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
                        int4: dict[str, Any], say: Callable[[str], None] = lambda m: None,
                        progress: Callable[[int, int, str], None] = lambda *a: None,
                        quantize: Callable[..., Any] | None = None,
-                       windows: list[list[int]] | None = None) -> tuple[Any, TargetResult]:
+                       windows: list[list[int]] | None = None, keep: list[Any] | None = None
+                       ) -> tuple[Any, TargetResult]:
     """FULL (the fp32 graph) -> TARGET in int4 with the fewest bytes kept 8-bit that meet `goal` on calibration text.
 
     goal: nats (an absolute mean KL) or a quant_options.Int4Target (absolute, or a fraction of the all-int4 graph's
@@ -870,6 +886,8 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
     quantize_int4 result of the graph written, what the target chose). windows: the text the algorithms that search
     (imatrix, awq) measure each matrix's inputs on (calibration_windows; None: the calibration ids). Candidates are built at TARGET when it is a
     file, else in a directory beside FULL (a stream cannot be read back), and the chosen one is written last.
+    keep: gets the graph at TARGET open in its session (quantize.open_lm) when the chosen graph was the last one built
+    there (the export's quality check then runs on it, not on a second session of the same file).
     """
     import shutil
 
@@ -881,7 +899,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
     from .graph_meta import read_metadata
     from . import int4_blocks, int4_scales
     from .quant_options import DEFAULT_ALGORITHM, SEARCHED, Int4Target
-    from .quantize import _weights_of, plan_scales, quantize_int4
+    from .quantize import _weights_of, open_lm, plan_scales, quantize_int4
 
     quantize = quantize or quantize_int4
     goal = goal if isinstance(goal, Int4Target) else Int4Target(max_kl=float(goal))
@@ -936,21 +954,26 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
         sens = sensitivities(ref, ids, mats, block, progress, states, emulate)
         release_freed_memory()  # the boundaries' streams and the probes are gone
         stages["sensitivity"] = time.perf_counter() - t0 - sum(stages.values())  # with the blocks it first searched
-        p = states_logits(ref, states[0])
+        p = states_logits(ref, *states)
         where = work / "model.onnx" if through else target
-        last: list[Any] = [None, None]  # the last quantize_int4 result, and its kept set
+        last: list[Any] = [None, None, None]  # the last quantize_int4 result, its kept set, its graph open
 
         def build(kept: list[str]) -> tuple[float, int]:
             say(f"int4 with {len(kept)} of {len(mats)} matrices 8-bit")
+            last[2] = None  # the previous candidate's session, closed before this one is made
             last[0], last[1] = quantize(full, where, **{**int4, "keep_8bit": tuple(kept)}), list(kept)
             release_freed_memory()  # the quantizer's garbage is not the session's floor (as the pipeline does)
-            kl = onnx_kl(where, cfg, ids, p)
+            last[2] = open_lm(where, cfg)
+            kl = onnx_kl(where, cfg, ids, p, last[2])
             release_freed_memory()  # nor the session's the next candidate's
             return kl, last[0].bytes_after
         result = choose(sens, goal.max_kl, build, fraction=goal.fraction, cost=cost, size_cap=goal.size_cap, base=base)
         if through or last[1] != result.kept_8bit:  # the answer is not what is at TARGET now
+            last[2] = None
             say(f"writing int4 with {len(result.kept_8bit)} of {len(mats)} matrices 8-bit")
             last[0] = quantize(full, target, **{**int4, "keep_8bit": tuple(result.kept_8bit)})
+        if keep is not None and last[2] is not None:
+            keep.append(last[2])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result.calibration_tokens, result.importance_tokens = len(ids), measured

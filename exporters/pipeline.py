@@ -90,6 +90,7 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
                 else export_onnx(source, path, say=say, rope_op=rope_op or rope_ops.OURS.name, **kwargs))
 
     chosen: list[Any] = []  # what a --max-kl target chose (int4_target.TargetResult)
+    held: list[Any] = []  # the chosen int4 graph still open from the target's last measurement (quantize.open_lm)
 
     def to_int4(full: Path, target: Path) -> QuantizeResult:
         opts = dict(int4 or {})
@@ -117,7 +118,7 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
         ids, windows = _calibration(source)
         made, how = quantize_to_target(full, target, reference_model(source, seed=seed), ids,
                                        goal, opts, say=say, progress=progress, quantize=quantize_int4,
-                                       windows=windows)
+                                       windows=windows, keep=held)
         chosen.append(how)
         return made
 
@@ -144,7 +145,7 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
             shutil.rmtree(full.parent)  # its disk, before the quality check
             release_freed_memory()  # the quantizer's garbage is not the quality check's floor
             say("measuring int4 against the full-precision model")
-            quality = _quality(source, staged, seed)
+            quality = _quality(source, staged, seed, held.pop() if held else None)
         if client_files:
             # The source's tokenizer wherever it lives (a checkpoint's, or the one a preset ships as package data).
             plan = plan_client_files(staged, tokenizer_dir=source.tokenizer.parent if source.tokenizer else None,
@@ -175,9 +176,9 @@ def _calibration(source: ModelSource) -> tuple[list[int], list[list[int]]]:
     return ids, windows
 
 
-def _quality(source: ModelSource, int4: Path, seed: int) -> QuickQuality:
+def _quality(source: ModelSource, int4: Path, seed: int, lm: Any = None) -> QuickQuality:
     """The int4 graph scored against the full-precision model, streamed a layer at a time (no fp32 session):
-    real text through the tokenizer, else seeded ids."""
+    real text through the tokenizer, else seeded ids. lm: the graph already open (quantize.open_lm)."""
     from llama_tools.inference.reference import reference_model
     from llama_tools.checkpoints.source import load_tokenizer
 
@@ -189,7 +190,7 @@ def _quality(source: ModelSource, int4: Path, seed: int) -> QuickQuality:
         on = "64 seeded ids (no tokenizer: random ids hide what real text shows)"
     del tok
     release_freed_memory()  # a 262,144-token vocabulary's tokenizer holds 0.3 GB: not under the check's peak
-    return quick_quality(reference_model(source, seed=seed), int4, source.cfg, ids, on)
+    return quick_quality(reference_model(source, seed=seed), int4, source.cfg, ids, on, lm)
 
 
 # --- Staged, then moved into place together -------------------------------------------------------------------

@@ -834,12 +834,19 @@ def prefill_chunk(vocab_size: int) -> int:
     return max(1, min(PREFILL_CHUNK, PREFILL_BYTES // (4 * vocab_size)))
 
 
-def onnx_chunks(path: str | Path, cfg: Any, ids: list[int]) -> Any:
-    """The graph's logits on ids, prefill_chunk positions at a time through its own KV cache: [<= chunk, n1] fp32."""
-    from .prompts import positions
+def open_lm(path: str | Path, cfg: Any) -> Any:
+    """The graph at PATH in an onnxruntime CPU session, run as a language model (runtime.OnnxLM)."""
     from .runtime import OnnxLM, create_session
 
-    lm = OnnxLM(create_session(Path(path), "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    return OnnxLM(create_session(Path(path), "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+
+
+def onnx_chunks(path: str | Path, cfg: Any, ids: list[int], lm: Any = None) -> Any:
+    """The graph's logits on ids, prefill_chunk positions at a time through its own KV cache: [<= chunk, n1] fp32.
+    lm: the graph at PATH already open (open_lm), else opened here and closed after."""
+    from .prompts import positions
+
+    lm = lm or open_lm(path, cfg)
     cache = lm.empty_cache(1)
     step = prefill_chunk(cfg.vocab_size)
     for a in range(0, len(ids), step):
@@ -848,7 +855,6 @@ def onnx_chunks(path: str | Path, cfg: Any, ids: list[int]) -> Any:
         out = lm(part, mask, positions(mask, part.shape[1]), cache)
         cache = out.cache
         yield np.asarray(out.logits, np.float32)[0]
-    del lm
 
 
 # The reference's logits of the export's quality check made in one pass over W^8 when they fit in this (Qwen2.5's
@@ -857,7 +863,7 @@ def onnx_chunks(path: str | Path, cfg: Any, ids: list[int]) -> Any:
 QUALITY_LOGITS_BYTES = 160 * 2**20
 
 
-def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str) -> QuickQuality:
+def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str, lm: Any = None) -> QuickQuality:
     """One prefill of `ids` through the full-precision side and the int4 graph on the CPU: mean KL and top-1.
 
     full: the full-precision graph's path, or the model itself (a `Llama`, or the streamed reference, which
@@ -865,6 +871,7 @@ def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str
     The full side runs first; the int4 graph then runs prefill_chunk positions at a time, each chunk scored as
     it comes. From the streamed reference its final hidden state is kept, its logits made at once within
     QUALITY_LOGITS_BYTES, else a chunk at a time: for Gemma's 262,144 tokens, 256 positions' logits are 0.27 GB.
+    lm: the int4 graph already open (open_lm: the export's last candidate), else opened here.
     """
     from .graph_meta import read_metadata
     from .prompts import positions
@@ -897,7 +904,7 @@ def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str
 
     release_freed_memory()  # the streamed layers' pages are not the session's floor
     kl, agree, a = [], 0, 0
-    for q in onnx_chunks(int4, cfg, ids):  # [c, n1]
+    for q in onnx_chunks(int4, cfg, ids, lm):  # [c, n1]
         p = np.asarray(p_rows(a, a + len(q)), np.float32)
         kl += [_kl_row(x, y) for x, y in zip(p, q)]  # float64 one row at a time
         agree += int((p.argmax(-1) == q.argmax(-1)).sum())

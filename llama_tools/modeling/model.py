@@ -213,7 +213,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor,
                 tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return rope_op(x, position_ids, tables[0], tables[1], self.interleaved)
+        if torch.compiler.is_compiling():  # torch.export: the one opaque op
+            return rope_op(x, position_ids, tables[0], tables[1], self.interleaved)
+        # eager: the same function, called directly (a custom op's first call imports torch._dynamo, 2.5 s)
+        return rope(x, position_ids, tables[0], tables[1], self.interleaved)
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
