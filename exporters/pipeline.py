@@ -34,7 +34,7 @@ from .onnx_export import ExportResult, export_onnx
 from .preflight import check_output
 from .quant_options import DEFAULT_ALGORITHM, QUANTIZE, SEARCHED, int4_target
 from .prompts import QUALITY_TEXT
-from .quantize import QuantizeResult, QuickQuality, quantize_int4, quick_quality
+from .quantize import QUALITY_TOKENS, QuantizeResult, QuickQuality, quantize_int4, quick_quality
 
 
 @dataclass
@@ -141,11 +141,12 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
         else:
             full = stage / "full-precision" / "model.onnx"
             result = write_graph(full)
+            ref, ids, on, zbar = _held_out(source, seed)  # the check's reference side, before any session
             quantized = to_int4(full, staged)
             shutil.rmtree(full.parent)  # its disk, before the quality check
             release_freed_memory()  # the quantizer's garbage is not the quality check's floor
             say("measuring int4 against the full-precision model")
-            quality = _quality(source, staged, seed, held.pop() if held else None)
+            quality = quick_quality(ref, staged, source.cfg, ids, on, held.pop() if held else None, zbar=zbar)
         if client_files:
             # The source's tokenizer wherever it lives (a checkpoint's, or the one a preset ships as package data).
             plan = plan_client_files(staged, tokenizer_dir=source.tokenizer.parent if source.tokenizer else None,
@@ -154,8 +155,9 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
     if quantized is None:
         result = dataclasses.replace(result, path=output, external_data=_data_of(output) if result.external_data
                                      else None)
-    else:
+    else:  # the full-precision graph is gone: what OUTPUT holds is the int4 graph (its .data, if it needs one)
         quantized = dataclasses.replace(quantized, path=output)
+        result = dataclasses.replace(result, external_data=_data_of(output) if _data_of(output).exists() else None)
     clients = plan.files if plan else None
     for path in clients.kept if clients else []:
         notes.append(f"kept {path}: it is not a file llama-tools wrote, so it was not replaced")
@@ -176,11 +178,16 @@ def _calibration(source: ModelSource) -> tuple[list[int], list[list[int]]]:
     return ids, windows
 
 
-def _quality(source: ModelSource, int4: Path, seed: int, lm: Any = None) -> QuickQuality:
-    """The int4 graph scored against the full-precision model, streamed a layer at a time (no fp32 session):
-    real text through the tokenizer, else seeded ids. lm: the graph already open (quantize.open_lm)."""
+def _held_out(source: ModelSource, seed: int) -> tuple[Any, list[int], str, Any]:
+    """What the int4 graph is scored on against the full-precision model (quick_quality): (the reference (streamed:
+    a decoder layer at a time, no fp32 session), the ids, what they are, the streamed reference's final hidden state
+    on them, else None); real text through the tokenizer, else seeded ids."""
+    import torch
+
     from llama_tools.inference.reference import reference_model
     from llama_tools.checkpoints.source import load_tokenizer
+
+    from .prompts import positions
 
     tok = load_tokenizer(source)
     if tok is not None:
@@ -190,7 +197,16 @@ def _quality(source: ModelSource, int4: Path, seed: int, lm: Any = None) -> Quic
         on = "64 seeded ids (no tokenizer: random ids hide what real text shows)"
     del tok
     release_freed_memory()  # a 262,144-token vocabulary's tokenizer holds 0.3 GB: not under the check's peak
-    return quick_quality(reference_model(source, seed=seed), int4, source.cfg, ids, on, lm)
+    ref = reference_model(source, seed=seed)
+    ids = ids[:QUALITY_TOKENS]
+    x = torch.tensor([ids])  # [1, n]
+    mask = torch.ones_like(x)
+    zbar = None  # an in-memory model (a preset's) runs whole in quick_quality
+    if hasattr(ref, "head"):  # the streamed reference: its pass now, as quick_quality would run it
+        with torch.no_grad():
+            zbar = ref(x, mask, torch.from_numpy(positions(mask.numpy(), x.shape[1])), hidden=True).logits[0]
+        release_freed_memory()  # the streamed layers' pages
+    return ref, ids, on, zbar  # zbar: [n, n2]
 
 
 # --- Staged, then moved into place together -------------------------------------------------------------------

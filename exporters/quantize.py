@@ -857,27 +857,26 @@ def onnx_chunks(path: str | Path, cfg: Any, ids: list[int], lm: Any = None) -> A
         yield np.asarray(out.logits, np.float32)[0]
 
 
-# The reference's logits of the export's quality check made in one pass over W^8 when they fit in this (Qwen2.5's
-# 151,936 tokens x 238 positions: 145 MB; by chunks of positions, the 545 MB head was read 4 times). Gemma 3's
-# 262,144 (250 MB) stay chunked: its int4 export peaks near its 1 GB bound.
-QUALITY_LOGITS_BYTES = 160 * 2**20
+QUALITY_TOKENS = 256  # the most positions quick_quality scores
 
 
-def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str, lm: Any = None) -> QuickQuality:
+def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str, lm: Any = None,
+                  zbar: Any = None) -> QuickQuality:
     """One prefill of `ids` through the full-precision side and the int4 graph on the CPU: mean KL and top-1.
 
     full: the full-precision graph's path, or the model itself (a `Llama`, or the streamed reference, which
     holds one decoder layer at a time: the export's own check needs no session over the whole fp32 graph).
     The full side runs first; the int4 graph then runs prefill_chunk positions at a time, each chunk scored as
-    it comes. From the streamed reference its final hidden state is kept, its logits made at once within
-    QUALITY_LOGITS_BYTES, else a chunk at a time: for Gemma's 262,144 tokens, 256 positions' logits are 0.27 GB.
-    lm: the int4 graph already open (open_lm: the export's last candidate), else opened here.
+    it comes. From the streamed reference only its final hidden state is kept, its logits made a chunk at a
+    time: for Gemma's 262,144 tokens, 256 positions' logits would be 0.27 GB per side.
+    lm: the int4 graph already open (open_lm: the export's last candidate), else opened here. zbar: the streamed
+    reference's final hidden state on these ids, made before (so its pass never sits on an open session).
     """
     from .graph_meta import read_metadata
     from .prompts import positions
 
     static = read_metadata(int4).static_kv  # a static_kv graph holds that many positions
-    ids = ids[: min(len(ids), 256, static or 256)]
+    ids = ids[: min(len(ids), QUALITY_TOKENS, static or QUALITY_TOKENS)]
     arr = np.array([ids], np.int64)  # [1, n]
     mask = np.ones_like(arr)
     pos = positions(mask, arr.shape[1])
@@ -889,13 +888,12 @@ def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str
         import torch
 
         with torch.no_grad():
-            if hasattr(full, "head"):  # the streamed reference: Zbar [n, n2] now, H in one pass over W^8 if it fits
-                zbar = full(torch.from_numpy(arr), torch.from_numpy(mask), torch.from_numpy(pos), hidden=True).logits[0]
-                if zbar.shape[0] * cfg.vocab_size * 4 <= QUALITY_LOGITS_BYTES:
-                    whole = full.head(zbar).float().numpy()  # [n, n1]
-                    p_rows = lambda a, b: whole[a:b]  # noqa: E731
-                else:  # a chunk of positions at a time, W^8 read for each
-                    p_rows = lambda a, b: full.head(zbar[a:b]).float().numpy()  # noqa: E731
+            if hasattr(full, "head"):  # the streamed reference: Zbar [n, n2] now, H a chunk at a time
+                if zbar is None:
+                    zbar = full(torch.from_numpy(arr), torch.from_numpy(mask), torch.from_numpy(pos),
+                                hidden=True).logits[0]
+                # (all of H at once would sit on the int4 session: 145 MB more at Qwen2.5-0.5B's peak)
+                p_rows = lambda a, b: full.head(zbar[a:b]).float().numpy()  # noqa: E731
             else:
                 whole = full(torch.from_numpy(arr), torch.from_numpy(mask),
                              torch.from_numpy(pos)).logits.float().numpy()[0]  # [n, n1]

@@ -258,6 +258,8 @@ def test_the_default_on_a_seeded_model(tmp_path):
     assert all(v >= 0 for v in t.stage_seconds.values()) and sum(t.stage_seconds.values()) == pytest.approx(t.seconds)
     assert t.met == (t.calibration_kl <= t.max_kl)
     assert sorted(_as_planned(_bits(rep.path), 8)) == sorted(t.kept_8bit)
+    # the report names the int4 graph's weights file, not the full-precision one removed (a small graph: none)
+    assert rep.result.external_data is None and not (rep.path.parent / (rep.path.name + ".data")).exists()
     roomy = _default_export(src, tmp_path / "r" / "model.onnx",
                             {"max_kl": Int4Target(max_kl=0.1, fraction=0.5, size_cap=1.3)})
     r = roomy.target
