@@ -1,6 +1,6 @@
 """The default int4 export's time against onnxruntime-genai's builder int4, paired, and how it grows with depth.
 
-    python benchmarks/bench_int4_time.py [--depths 8,16] [--no-real]
+    python benchmarks/bench_int4_time.py [--depths 8,16] [--no-real] [--rounds 3]
 
 Rows: SmolLM2-135M-Instruct and Qwen2.5-Coder-0.5B-Instruct (real models, tests' cache) and seeded checkpoints of
 SmolLM2's width (576, 9 heads, vocabulary 49,152, its tokenizer) at two depths. Each export is a fresh process, one right after the other:
@@ -10,6 +10,8 @@ sensitivity pass, the candidate graphs built and measured), the ratio to the bui
 seconds, our export's peak RSS, and from the two depths
 the cost of one more decoder layer in the passes over the layers; the projection to LLaMA-2-7B and 70B scales that
 per-layer cost by the layers' weights (the work is linear in the weights at a fixed calibration length).
+--rounds N runs each pair N times, one after the other, and gives the round with the median ratio (both processes'
+times move with the machine's load; a ratio within a round is paired), with the rounds' range of ratios.
 """
 
 from __future__ import annotations
@@ -87,7 +89,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--depths", default="8,16", help="two decoder-layer counts for the seeded checkpoints")
     ap.add_argument("--no-real", action="store_true", help="leave out the real models' rows")
+    ap.add_argument("--rounds", type=int, default=1, help="pairs per checkpoint; the median round is shown [1]")
     args = ap.parse_args()
+    if args.rounds < 1:
+        raise SystemExit("--rounds: at least 1")
     depths = [int(d) for d in args.depths.split(",")]
     if len(depths) != 2 or not 0 < depths[0] < depths[1]:
         raise SystemExit("--depths: two layer counts, the smaller first, e.g. 8,16")
@@ -95,7 +100,7 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; Python "
           f"{platform.python_version()}; each export a fresh process, ours then the builder's")
     print("| checkpoint | layers | ours s | int4 step s | importance | scales | sensitivity | graphs (built) | "
-          "builder s | x builder | CPU s ours / builder (x) | mean KL held-out | our peak RSS GB |")
+          "builder s | x builder (rounds' range) | CPU s ours / builder (x) | mean KL held-out | our peak RSS GB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     tmp = Path(tempfile.mkdtemp(prefix="bench_int4_time_"))
     rows = {}
@@ -103,17 +108,23 @@ def main() -> None:
         cases = [] if args.no_real else [(name, real_model(fn)) for name, fn in REAL]
         cases += [("seeded, SmolLM2 width", seeded(real, d, tmp / f"seeded-{d}")) for d in depths]
         for i, (name, ckpt) in enumerate(cases):
-            wall, cpu, rep = ours(ckpt, tmp / f"ours-{i}" / "model.onnx")
-            b, b_cpu = theirs(ckpt, tmp / f"builder-{i}")
+            runs = []
+            for _ in range(args.rounds):
+                wall, cpu, rep = ours(ckpt, tmp / f"ours-{i}" / "model.onnx")
+                b, b_cpu = theirs(ckpt, tmp / f"builder-{i}")
+                runs.append((wall / b, wall, cpu, rep, b, b_cpu))
+                shutil.rmtree(tmp / f"ours-{i}", ignore_errors=True)
+                shutil.rmtree(tmp / f"builder-{i}", ignore_errors=True)
+            ratios = sorted(r[0] for r in runs)
+            _, wall, cpu, rep, b, b_cpu = sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]  # the median round
+            spread = f" ({ratios[0]:.1f}-{ratios[-1]:.1f}x)" if len(runs) > 1 else ""
             layers = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
             st, built = rep["int4_target"]["stage_seconds"], len(rep["int4_target"]["rounds"])
             rows[(name, layers)] = (wall, st)
             print(f"| {name} | {layers} | {wall:.1f} | {rep['phases']['int4']:.1f} | {st.get('importance', 0):.1f} | "
                   f"{st.get('scales', 0):.1f} | {st['sensitivity']:.1f} | {st['graphs']:.1f} ({built}) | {b:.1f} | "
-                  f"{wall / b:.1f}x | {cpu:.1f} / {b_cpu:.1f} ({cpu / b_cpu:.1f}x) | "
-                  f"{rep['int4_quality']['mean_kl']:.3f} | {rep['peak_rss_bytes'] / 1e9:.2f} |")
-            shutil.rmtree(tmp / f"ours-{i}", ignore_errors=True)
-            shutil.rmtree(tmp / f"builder-{i}", ignore_errors=True)
+                  f"{wall / b:.1f}x{spread} | {cpu:.1f} / {b_cpu:.1f} ({cpu / b_cpu:.1f}x) | "
+                  f"{rep['int4_quality']['mean_kl']:.3f} | {rep['peak_rss_bytes'] / 1e9:.2f} |", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     (_, st1), (_, st2) = (rows[("seeded, SmolLM2 width", d)] for d in depths)

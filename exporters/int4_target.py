@@ -752,13 +752,13 @@ def onnx_logits(path: str | Path, cfg: Any, ids: list[int]) -> np.ndarray:
     return np.concatenate(list(onnx_chunks(path, cfg, ids)))
 
 
-def onnx_kl(path: str | Path, cfg: Any, ids: list[int], p_logits: Any, lm: Any = None) -> float:
+def onnx_kl(path: str | Path, cfg: Any, ids: list[int], p_logits: Any) -> float:
     """mean_kl(p_logits, onnx_logits(...)) without holding the graph's [n, n1] logits. p_logits: [n, n1], or
-    p_logits(a, b) -> its rows a..b (the reference's, made a chunk at a time). lm: the graph already open."""
+    p_logits(a, b) -> its rows a..b (the reference's, made a chunk at a time)."""
     from .quantize import _kl_row, onnx_chunks
 
     rows, a = [], 0
-    for q in onnx_chunks(path, cfg, ids, lm):
+    for q in onnx_chunks(path, cfg, ids):
         p = p_logits(a, a + len(q)) if callable(p_logits) else p_logits[a:a + len(q)]
         rows += [_kl_row(x, y) for x, y in zip(p, q)]
         a += len(q)
@@ -877,8 +877,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
                        int4: dict[str, Any], say: Callable[[str], None] = lambda m: None,
                        progress: Callable[[int, int, str], None] = lambda *a: None,
                        quantize: Callable[..., Any] | None = None,
-                       windows: list[list[int]] | None = None, keep: list[Any] | None = None
-                       ) -> tuple[Any, TargetResult]:
+                       windows: list[list[int]] | None = None) -> tuple[Any, TargetResult]:
     """FULL (the fp32 graph) -> TARGET in int4 with the fewest bytes kept 8-bit that meet `goal` on calibration text.
 
     goal: nats (an absolute mean KL) or a quant_options.Int4Target (absolute, or a fraction of the all-int4 graph's
@@ -886,8 +885,6 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
     quantize_int4 result of the graph written, what the target chose). windows: the text the algorithms that search
     (imatrix, awq) measure each matrix's inputs on (calibration_windows; None: the calibration ids). Candidates are built at TARGET when it is a
     file, else in a directory beside FULL (a stream cannot be read back), and the chosen one is written last.
-    keep: gets the graph at TARGET open in its session (quantize.open_lm) when the chosen graph was the last one built
-    there (the export's quality check then runs on it, not on a second session of the same file).
     """
     import shutil
 
@@ -899,7 +896,7 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
     from .graph_meta import read_metadata
     from . import int4_blocks, int4_scales
     from .quant_options import DEFAULT_ALGORITHM, SEARCHED, Int4Target
-    from .quantize import _weights_of, open_lm, plan_scales, quantize_int4
+    from .quantize import _weights_of, plan_scales, quantize_int4
 
     quantize = quantize or quantize_int4
     goal = goal if isinstance(goal, Int4Target) else Int4Target(max_kl=float(goal))
@@ -956,24 +953,19 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
         stages["sensitivity"] = time.perf_counter() - t0 - sum(stages.values())  # with the blocks it first searched
         p = states_logits(ref, *states)
         where = work / "model.onnx" if through else target
-        last: list[Any] = [None, None, None]  # the last quantize_int4 result, its kept set, its graph open
+        last: list[Any] = [None, None]  # the last quantize_int4 result, and its kept set
 
         def build(kept: list[str]) -> tuple[float, int]:
             say(f"int4 with {len(kept)} of {len(mats)} matrices 8-bit")
-            last[2] = None  # the previous candidate's session, closed before this one is made
             last[0], last[1] = quantize(full, where, **{**int4, "keep_8bit": tuple(kept)}), list(kept)
             release_freed_memory()  # the quantizer's garbage is not the session's floor (as the pipeline does)
-            last[2] = open_lm(where, cfg)
-            kl = onnx_kl(where, cfg, ids, p, last[2])
+            kl = onnx_kl(where, cfg, ids, p)
             release_freed_memory()  # nor the session's the next candidate's
             return kl, last[0].bytes_after
         result = choose(sens, goal.max_kl, build, fraction=goal.fraction, cost=cost, size_cap=goal.size_cap, base=base)
         if through or last[1] != result.kept_8bit:  # the answer is not what is at TARGET now
-            last[2] = None
             say(f"writing int4 with {len(result.kept_8bit)} of {len(mats)} matrices 8-bit")
             last[0] = quantize(full, target, **{**int4, "keep_8bit": tuple(result.kept_8bit)})
-        if keep is not None and last[2] is not None:
-            keep.append(last[2])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result.calibration_tokens, result.importance_tokens = len(ids), measured

@@ -90,7 +90,6 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
                 else export_onnx(source, path, say=say, rope_op=rope_op or rope_ops.OURS.name, **kwargs))
 
     chosen: list[Any] = []  # what a --max-kl target chose (int4_target.TargetResult)
-    held: list[Any] = []  # the chosen int4 graph still open from the target's last measurement (quantize.open_lm)
 
     def to_int4(full: Path, target: Path) -> QuantizeResult:
         opts = dict(int4 or {})
@@ -118,7 +117,7 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
         ids, windows = _calibration(source)
         made, how = quantize_to_target(full, target, reference_model(source, seed=seed), ids,
                                        goal, opts, say=say, progress=progress, quantize=quantize_int4,
-                                       windows=windows, keep=held)
+                                       windows=windows)
         chosen.append(how)
         return made
 
@@ -141,12 +140,14 @@ def export(source: ModelSource, output: str | Path, *, dtype: str = "float32", r
         else:
             full = stage / "full-precision" / "model.onnx"
             result = write_graph(full)
-            ref, ids, on, zbar = _held_out(source, seed)  # the check's reference side, before any session
+            ids, on, zbar = _held_out(source, seed)  # the check's reference pass, before the int4 work
             quantized = to_int4(full, staged)
             shutil.rmtree(full.parent)  # its disk, before the quality check
             release_freed_memory()  # the quantizer's garbage is not the quality check's floor
             say("measuring int4 against the full-precision model")
-            quality = quick_quality(ref, staged, source.cfg, ids, on, held.pop() if held else None, zbar=zbar)
+            from llama_tools.inference.reference import reference_model
+
+            quality = quick_quality(reference_model(source, seed=seed), staged, source.cfg, ids, on, zbar=zbar)
         if client_files:
             # The source's tokenizer wherever it lives (a checkpoint's, or the one a preset ships as package data).
             plan = plan_client_files(staged, tokenizer_dir=source.tokenizer.parent if source.tokenizer else None,
@@ -178,10 +179,10 @@ def _calibration(source: ModelSource) -> tuple[list[int], list[list[int]]]:
     return ids, windows
 
 
-def _held_out(source: ModelSource, seed: int) -> tuple[Any, list[int], str, Any]:
-    """What the int4 graph is scored on against the full-precision model (quick_quality): (the reference (streamed:
-    a decoder layer at a time, no fp32 session), the ids, what they are, the streamed reference's final hidden state
-    on them, else None); real text through the tokenizer, else seeded ids."""
+def _held_out(source: ModelSource, seed: int) -> tuple[list[int], str, Any]:
+    """What the int4 graph is scored on against the full-precision model (quick_quality): (the ids, what they are,
+    the streamed reference's final hidden state on them (a decoder layer at a time, no fp32 session), None for an
+    in-memory model); real text through the tokenizer, else seeded ids."""
     import torch
 
     from llama_tools.inference.reference import reference_model
@@ -206,7 +207,7 @@ def _held_out(source: ModelSource, seed: int) -> tuple[Any, list[int], str, Any]
         with torch.no_grad():
             zbar = ref(x, mask, torch.from_numpy(positions(mask.numpy(), x.shape[1])), hidden=True).logits[0]
         release_freed_memory()  # the streamed layers' pages
-    return ref, ids, on, zbar  # zbar: [n, n2]
+    return ids, on, zbar  # zbar: [n, n2]
 
 
 # --- Staged, then moved into place together -------------------------------------------------------------------

@@ -834,19 +834,12 @@ def prefill_chunk(vocab_size: int) -> int:
     return max(1, min(PREFILL_CHUNK, PREFILL_BYTES // (4 * vocab_size)))
 
 
-def open_lm(path: str | Path, cfg: Any) -> Any:
-    """The graph at PATH in an onnxruntime CPU session, run as a language model (runtime.OnnxLM)."""
+def onnx_chunks(path: str | Path, cfg: Any, ids: list[int]) -> Any:
+    """The graph's logits on ids, prefill_chunk positions at a time through its own KV cache: [<= chunk, n1] fp32."""
+    from .prompts import positions
     from .runtime import OnnxLM, create_session
 
-    return OnnxLM(create_session(Path(path), "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-
-
-def onnx_chunks(path: str | Path, cfg: Any, ids: list[int], lm: Any = None) -> Any:
-    """The graph's logits on ids, prefill_chunk positions at a time through its own KV cache: [<= chunk, n1] fp32.
-    lm: the graph at PATH already open (open_lm), else opened here and closed after."""
-    from .prompts import positions
-
-    lm = lm or open_lm(path, cfg)
+    lm = OnnxLM(create_session(Path(path), "cpu"), cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
     cache = lm.empty_cache(1)
     step = prefill_chunk(cfg.vocab_size)
     for a in range(0, len(ids), step):
@@ -855,13 +848,18 @@ def onnx_chunks(path: str | Path, cfg: Any, ids: list[int], lm: Any = None) -> A
         out = lm(part, mask, positions(mask, part.shape[1]), cache)
         cache = out.cache
         yield np.asarray(out.logits, np.float32)[0]
+    del lm
 
 
 QUALITY_TOKENS = 256  # the most positions quick_quality scores
+# The reference's logits in quick_quality made before the int4 session opens when they fit in this (Qwen2.5's
+# 151,936 tokens x 238 positions: 145 MB; W^8 read once, not once per chunk of positions, and never beside the open
+# session, where one head pass was seen to raise the export's peak by 0.45 GB). Gemma 3's 262,144 (250 MB) stay
+# chunked.
+QUALITY_LOGITS_BYTES = 160 * 2**20
 
 
-def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str, lm: Any = None,
-                  zbar: Any = None) -> QuickQuality:
+def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str, zbar: Any = None) -> QuickQuality:
     """One prefill of `ids` through the full-precision side and the int4 graph on the CPU: mean KL and top-1.
 
     full: the full-precision graph's path, or the model itself (a `Llama`, or the streamed reference, which
@@ -869,8 +867,9 @@ def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str
     The full side runs first; the int4 graph then runs prefill_chunk positions at a time, each chunk scored as
     it comes. From the streamed reference only its final hidden state is kept, its logits made a chunk at a
     time: for Gemma's 262,144 tokens, 256 positions' logits would be 0.27 GB per side.
-    lm: the int4 graph already open (open_lm: the export's last candidate), else opened here. zbar: the streamed
-    reference's final hidden state on these ids, made before (so its pass never sits on an open session).
+    zbar: the streamed reference's final hidden state on these ids, made before (its pass then runs before any
+    of the export's int4 work). Its logits are made before the session opens when they fit in QUALITY_LOGITS_BYTES,
+    else a chunk at a time beside it.
     """
     from .graph_meta import read_metadata
     from .prompts import positions
@@ -892,8 +891,11 @@ def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str
                 if zbar is None:
                     zbar = full(torch.from_numpy(arr), torch.from_numpy(mask), torch.from_numpy(pos),
                                 hidden=True).logits[0]
-                # (all of H at once would sit on the int4 session: 145 MB more at Qwen2.5-0.5B's peak)
-                p_rows = lambda a, b: full.head(zbar[a:b]).float().numpy()  # noqa: E731
+                if zbar.shape[0] * cfg.vocab_size * 4 <= QUALITY_LOGITS_BYTES:  # W^8 read once
+                    whole = full.head(zbar).float().numpy()  # [n, n1]
+                    p_rows = lambda a, b: whole[a:b]  # noqa: E731
+                else:
+                    p_rows = lambda a, b: full.head(zbar[a:b]).float().numpy()  # noqa: E731
             else:
                 whole = full(torch.from_numpy(arr), torch.from_numpy(mask),
                              torch.from_numpy(pos)).logits.float().numpy()[0]  # [n, n1]
@@ -902,7 +904,7 @@ def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str
 
     release_freed_memory()  # the streamed layers' pages are not the session's floor
     kl, agree, a = [], 0, 0
-    for q in onnx_chunks(int4, cfg, ids, lm):  # [c, n1]
+    for q in onnx_chunks(int4, cfg, ids):  # [c, n1]
         p = np.asarray(p_rows(a, a + len(q)), np.float32)
         kl += [_kl_row(x, y) for x, y in zip(p, q)]  # float64 one row at a time
         agree += int((p.argmax(-1) == q.argmax(-1)).sum())
