@@ -269,6 +269,27 @@ def test_a_tied_embedding_is_stored_once(tmp_path):
     assert sizes[False] - sizes[True] >= 4 * CFG.vocab_size * CFG.hidden_size - 1024  # one fp32 matrix, +- a node
 
 
+def test_as_stored_holds_each_weight_as_the_checkpoint_does(tmp_path):
+    """as_stored (the int4 quantizer's source graph): every MatMul's weight, the untied lm_head's included, is an
+    [out, in] initializer behind a Transpose (the default graph's are [in, out], read directly), and the two graphs
+    compute the same logits."""
+    from llama_tools.exporters.quantize import _weights_of
+
+    cfg = CFG.replace(tie_word_embeddings=False)
+    m = sharp(cfg, seed=2)
+    plain = export_fused(m, tmp_path / "a.onnx").path
+    stored = export_fused(m, tmp_path / "b.onnx", as_stored=True).path
+    wa, wb = _weights_of(onnx.load(str(plain))), _weights_of(onnx.load(str(stored)))
+    assert set(wa) == set(wb) and "/lm_head/MatMul" in wb and len(wb) == 4 * cfg.num_hidden_layers + 1
+    assert not any(through for _, through in wa.values()) and all(through for _, through in wb.values())
+    inits = {t.name: list(t.dims) for t in onnx.load(str(stored), load_external_data=False).graph.initializer}
+    assert inits[wb["/lm_head/MatMul"][0]] == [cfg.vocab_size, cfg.hidden_size]  # [n1, n2], as the checkpoint's
+    ids, mask = left_pad(PROMPTS)
+    pos = positions(mask, ids.shape[1])
+    out = [lm(p)(ids, mask, pos, lm(p).empty_cache(2)).logits for p in (plain, stored)]
+    np.testing.assert_allclose(out[1], out[0], rtol=1e-5, atol=1e-5)
+
+
 def test_padded_rows_equal_rows_alone(exports):
     """Each row of the left-padded batch, prefill and 3 decode steps, equals that row run alone (no padding)."""
     run = lm(exports().path)
