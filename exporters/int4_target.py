@@ -765,11 +765,13 @@ def onnx_kl(path: str | Path, cfg: Any, ids: list[int], p_logits: Any) -> float:
     return float(np.mean(rows))
 
 
-def states_logits(ref: Any, z: Any, clean: Any = None) -> Callable[[int, int], np.ndarray]:
+def states_logits(ref: Any, z: Any, clean: Any = None, scratch: str | Path | None = None) -> Callable[[int, int], np.ndarray]:
     """(a, b) -> the reference's logits of positions a..b [b - a, n1] from its final residual stream z [1, n3, n2]:
-    the final norm, then W^8 a chunk at a time (for Gemma's 262,144 tokens, 192 positions' logits are 0.2 GB); every
-    position's made at the first call and kept when they fit in LOGITS_CACHE_BYTES (W^8 read once, not once per
-    call). clean: Zbar W^{8T} [n3, n1] already made (`_clean_logits`)."""
+    the final norm, then W^8 a chunk at a time. Every position's made at the first call and kept when they fit in
+    LOGITS_CACHE_BYTES (W^8 read once, not once per call), else a chunk at a time per call. With SCRATCH, all of
+    them made now into an unlinked file there (`spilled_rows`): neither held beside the candidates' sessions (Qwen2.5's
+    192 positions: 117 MB) nor made beside them (Gemma's 262,144 tokens: 0.2 GB). clean: Zbar W^{8T} [n3, n1]
+    already made (`_clean_logits`)."""
     import torch
 
     from llama_tools.modeling.model import final_logits
@@ -781,6 +783,14 @@ def states_logits(ref: Any, z: Any, clean: Any = None) -> Callable[[int, int], n
     def logits(h: Any) -> np.ndarray:
         with torch.no_grad():
             return final_logits(ref.cfg, torch.cat([x for x, _ in _head_chunks(ref, h)], -1)).float().numpy()
+
+    if scratch is not None:  # made before any candidate's session opens, in one pass over W^8 (or from CLEAN)
+        from .quantize import spilled_rows
+
+        with torch.no_grad():
+            slabs = [clean] if clean is not None else (x for x, _ in _head_chunks(ref, h))  # [n3, <= n1] each
+            return spilled_rows((final_logits(ref.cfg, x).numpy() for x in slabs), h.shape[0], ref.cfg.vocab_size,
+                                scratch)
 
     def rows(a: int, b: int) -> np.ndarray:
         if not keep:
@@ -951,7 +961,9 @@ def quantize_to_target(full: Path, target: Path, ref: Any, calibration: list[int
         sens = sensitivities(ref, ids, mats, block, progress, states, emulate)
         release_freed_memory()  # the boundaries' streams and the probes are gone
         stages["sensitivity"] = time.perf_counter() - t0 - sum(stages.values())  # with the blocks it first searched
-        p = states_logits(ref, *states)
+        p = states_logits(ref, *states, scratch=work)
+        states.clear()  # the stream and its clean logits: in the file now, not under the sessions' peak
+        release_freed_memory()
         where = work / "model.onnx" if through else target
         last: list[Any] = [None, None]  # the last quantize_int4 result, and its kept set
 

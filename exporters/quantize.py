@@ -27,7 +27,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -823,9 +823,11 @@ class QuickQuality:
 
 
 # Positions per onnxruntime call: the logits held are [c, n1] fp32 within PREFILL_BYTES (Gemma 3's 262,144 tokens:
-# 16 positions), not [n, n1]; at most PREFILL_CHUNK, where a longer call gains little (SmolLM2-135M's int4 graph,
-# 192 positions: 64 at a time took 0.8x the time of 16 at a time, 192 at once 0.72x).
-PREFILL_BYTES = 16 * 2**20
+# 8 positions), not [n, n1]; at most PREFILL_CHUNK, where a longer call gains little (SmolLM2-135M's int4 graph,
+# 192 positions: 64 at a time took 0.8x the time of 16 at a time, 192 at once 0.72x). 8 MB rather than 16: Gemma 3
+# 270M's int4 session peaked 35 MB lower over 192 positions (each logits copy inside the graph is smaller), 0.1 s
+# slower.
+PREFILL_BYTES = 8 * 2**20
 PREFILL_CHUNK = 64
 
 
@@ -851,12 +853,41 @@ def onnx_chunks(path: str | Path, cfg: Any, ids: list[int]) -> Any:
     del lm
 
 
+def spilled_rows(slabs: Iterable[Any], n: int, n1: int, where: str | Path) -> Callable[[int, int], np.ndarray]:
+    """Logits [n, n1] given as column slabs [n, c] in vocabulary order (a head pass, one row chunk of W^8 per slab),
+    written now into an unlinked scratch file in WHERE -> (a, b) -> the rows of positions a..b [b - a, n1] fp32.
+
+    Logits too big to hold (Gemma's 262,144 tokens: 1 MB a position) are made before any onnxruntime session opens,
+    one pass over W^8 holding one slab: a head pass beside an open session was seen to leave 0.4-0.9 GB of freed
+    blocks resident in the heap. The file has no name (nothing is left behind after a kill) and lives in the page
+    cache, not in the process's memory."""
+    import tempfile
+
+    f = tempfile.TemporaryFile(dir=where)
+    fd, col = f.fileno(), 0
+    for slab in slabs:
+        x = np.ascontiguousarray(np.asarray(slab, np.float32))  # [n, c]
+        assert x.shape[0] == n and col + x.shape[1] <= n1, f"a slab of {x.shape} at column {col} of [{n}, {n1}]"
+        for t in range(n):  # position t's columns col..col + c
+            _pwrite_all(fd, memoryview(x[t]).cast("B"), (t * n1 + col) * 4)
+        col += x.shape[1]
+    assert col == n1, f"the slabs hold {col} of {n1} columns"
+
+    def read(a: int, b: int) -> np.ndarray:
+        out = np.empty((b - a, n1), np.float32)
+        _pread_into(fd, out, a * n1 * 4)
+        return out
+    read.file = f  # type: ignore[attr-defined]  # open (and on disk) as long as READ lives
+    return read
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
 QUALITY_TOKENS = 256  # the most positions quick_quality scores
-# The reference's logits in quick_quality made before the int4 session opens when they fit in this (Qwen2.5's
-# 151,936 tokens x 238 positions: 145 MB; W^8 read once, not once per chunk of positions, and never beside the open
-# session, where one head pass was seen to raise the export's peak by 0.45 GB). Gemma 3's 262,144 (250 MB) stay
-# chunked.
-QUALITY_LOGITS_BYTES = 160 * 2**20
 
 
 def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str, zbar: Any = None) -> QuickQuality:
@@ -865,11 +896,12 @@ def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str
     full: the full-precision graph's path, or the model itself (a `Llama`, or the streamed reference, which
     holds one decoder layer at a time: the export's own check needs no session over the whole fp32 graph).
     The full side runs first; the int4 graph then runs prefill_chunk positions at a time, each chunk scored as
-    it comes. From the streamed reference only its final hidden state is kept, its logits made a chunk at a
-    time: for Gemma's 262,144 tokens, 256 positions' logits would be 0.27 GB per side.
+    it comes. From the streamed reference only its final hidden state is kept, its logits spilled: for Gemma's
+    262,144 tokens, 256 positions' logits would be 0.27 GB per side.
     zbar: the streamed reference's final hidden state on these ids, made before (its pass then runs before any
-    of the export's int4 work). Its logits are made before the session opens when they fit in QUALITY_LOGITS_BYTES,
-    else a chunk at a time beside it.
+    of the export's int4 work). Its logits are made before the session opens, in one pass over W^8, into an
+    unlinked scratch file beside the int4 graph (`spilled_rows`): a head pass beside the open session was seen to
+    raise the export's peak by 0.45 GB, and Qwen2.5's 238 positions' logits held beside it (145 MB) by as much.
     """
     from .graph_meta import read_metadata
     from .prompts import positions
@@ -891,11 +923,8 @@ def quick_quality(full: Any, int4: str | Path, cfg: Any, ids: list[int], on: str
                 if zbar is None:
                     zbar = full(torch.from_numpy(arr), torch.from_numpy(mask), torch.from_numpy(pos),
                                 hidden=True).logits[0]
-                if zbar.shape[0] * cfg.vocab_size * 4 <= QUALITY_LOGITS_BYTES:  # W^8 read once
-                    whole = full.head(zbar).float().numpy()  # [n, n1]
-                    p_rows = lambda a, b: whole[a:b]  # noqa: E731
-                else:
-                    p_rows = lambda a, b: full.head(zbar[a:b]).float().numpy()  # noqa: E731
+                slabs = (x.float().numpy() for x in full.head_slabs(zbar))  # [n, rows] each
+                p_rows = spilled_rows(slabs, zbar.shape[0], cfg.vocab_size, Path(int4).parent)
             else:
                 whole = full(torch.from_numpy(arr), torch.from_numpy(mask),
                              torch.from_numpy(pos)).logits.float().numpy()[0]  # [n, n1]

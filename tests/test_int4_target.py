@@ -584,3 +584,35 @@ def test_the_head_passes_record_no_autograd_graph():
     assert x.grad_fn is None and not x.requires_grad
     zin = z.clone().requires_grad_(True)
     assert final(zin).requires_grad  # the negative: a gradient to the input is still there
+
+
+def test_the_reference_logits_spilled_to_a_nameless_file_read_back_as_made(tmp_path, monkeypatch):
+    """states_logits with a scratch directory: every position's logits written there before any session, a column
+    slab of W^8 at a time (7 rows here) or from the clean logits, and read back row for row as the in-memory path
+    makes them; the file has no name in the directory; a slab of the wrong shape is refused."""
+    import llama_tools.exporters.int4_target as t
+    from llama_tools.exporters.quantize import spilled_rows
+    from llama_tools.inference.reference import reference_model
+    from llama_tools.checkpoints.source import resolve
+
+    ref = reference_model(resolve("tiny"))
+    cfg = ref.cfg
+    z = torch.randn(1, 24, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    held = t.states_logits(ref, z)  # [24, n1] in memory (tiny's fit in LOGITS_CACHE_BYTES)
+    clean = t._clean_logits(ref, t._final(ref)(z)[0])
+    from_clean = t.states_logits(ref, z, clean, scratch=tmp_path)
+    whole = t._head_rows(ref)
+    monkeypatch.setattr(t, "_head_rows", lambda r: (whole[0], 7))  # W^8 in slabs of 7 rows: many columns slabs
+    spilled = t.states_logits(ref, z, scratch=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # unlinked: nothing to leave behind after a kill
+    for a, b in ((0, 24), (0, 8), (8, 16), (23, 24), (5, 19)):
+        want = held(a, b)
+        assert want.shape == (b - a, cfg.vocab_size) and want.dtype == np.float32
+        for got in (spilled(a, b), from_clean(a, b)):
+            assert got.shape == want.shape and got.dtype == np.float32
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(spilled(0, 8), held(8, 16), atol=1e-3)  # negative: another window's rows differ
+    with pytest.raises(AssertionError, match="hold 5 of 9 columns"):
+        spilled_rows([np.zeros((3, 5), np.float32)], 3, 9, tmp_path)
+    with pytest.raises(AssertionError, match="a slab of"):
+        spilled_rows([np.zeros((2, 5), np.float32)], 3, 9, tmp_path)

@@ -229,3 +229,32 @@ def test_a_reassociated_layer_is_freed_without_the_cycle_collector():
         assert weight() is None, "the reassociated layer outlived its last reference (a reference cycle)"
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("name", ["hf-sharded", "meta-2-shards", "tied-embeddings"])
+def test_scattered_rows_are_read_a_span_at_a_time(tmp_path, monkeypatch, name):
+    """rows() of many scattered ranges: the stored rows, in order, the file mapped once per span of
+    LM_HEAD_CHUNK_BYTES' rows (not once for them all, whose touched pages would all be resident together)."""
+    import llama_tools.inference.reference as reference
+
+    cfg, kw = SOURCES[name]
+    d = write(cfg, tmp_path, **kw)
+    full, reader = load_model(d), CheckpointReader(d)
+    n1, n2 = cfg.vocab_size, cfg.hidden_size
+    monkeypatch.setattr(reference, "LM_HEAD_CHUNK_BYTES", 100 * 4 * n2)  # spans of 100 rows
+    opened = []
+    real_open = reader._open
+    monkeypatch.setattr(reader, "_open", lambda names: (opened.append(names), real_open(names))[1])
+    ranges = [(0, 3), (5, 6), (90, 130), (131, 132), (300, 301), (n1 - 2, n1)]
+    name_w = "model.embed_tokens.weight"
+    got = reader.rows(name_w, ranges)
+    want = torch.cat([full.model.embed_tokens.weight[a:b] for a, b in ranges]).detach()
+    assert got.dtype == torch.float32 and got.shape == (sum(b - a for a, b in ranges), n2)
+    assert torch.equal(got, want)
+    # a group ends where the next range would reach past its first row + 100: (90, 130) opens the second
+    assert list(reference._within(ranges, 100)) == [[(0, 3), (5, 6)], [(90, 130), (131, 132)], [(300, 301)],
+                                                               [(n1 - 2, n1)]]
+    assert len(opened) == 4
+    opened.clear()
+    one = reader.rows(name_w, [(7, 9)])
+    assert torch.equal(one, full.model.embed_tokens.weight[7:9].detach()) and len(opened) == 1

@@ -297,10 +297,31 @@ class CheckpointReader:
         """Row ranges [start, stop) of a module-named 2-D weight (embedding, lm_head), joined, in fp32; `name` may
         be the stored name of an unfused one too (GPT-NeoX's gpt_neox.embed_in, as transformers names it)."""
         w = self.where[name] if name in self.where or name not in self.info else _Stored(name, None, 1)
-        with self._open([w.stored]) as handles:
-            parts = [self._slice(handles, w.stored, slice(a, b)) for a, b in ranges]
-            return self._owned(torch.cat(parts) if len(parts) > 1 else parts[0], device,
-                               fresh=len(parts) > 1)  # [sum of rows, n2]
+        if len(ranges) == 1:
+            with self._open([w.stored]) as handles:
+                return self._owned(self._slice(handles, w.stored, slice(*ranges[0])), device)  # [rows, n2]
+        out = torch.empty(sum(b - a for a, b in ranges), self.cfg.hidden_size, device=device)  # [sum of rows, n2]
+        i = 0
+        for group in _within(ranges, max(1, LM_HEAD_CHUNK_BYTES // (4 * self.cfg.hidden_size))):
+            # The file mapped for one span at a time: scattered rows (the KL probes' 24,576 candidates of Gemma's
+            # 262,144) would otherwise fault the whole tensor's pages in, and read-ahead's, under one mapping.
+            with self._open([w.stored]) as handles:
+                for a, b in group:
+                    out[i:i + b - a].copy_(self._slice(handles, w.stored, slice(a, b)))
+                    i += b - a
+        return out
+
+
+def _within(ranges: list[tuple[int, int]], span: int) -> Iterator[list[tuple[int, int]]]:
+    """Row ranges in groups, each group's rows within `span` rows of its first (or one range longer than that)."""
+    group: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if group and b - group[0][0] > span:
+            yield group
+            group = []
+        group.append((a, b))
+    if group:
+        yield group
 
 
 def open_reader(path: str | Path) -> Any:
@@ -409,10 +430,15 @@ class StreamedReference:
 
     def _head(self, zbar: torch.Tensor) -> torch.Tensor:
         """H = Zbar W^{8 T}, W^8 read in row chunks of LM_HEAD_CHUNK_BYTES: [b, n3, n2] -> [b, n3, n1]."""
+        return torch.cat(list(self.head_slabs(zbar)), dim=-1)
+
+    @torch.no_grad()
+    def head_slabs(self, zbar: torch.Tensor) -> Iterator[torch.Tensor]:
+        """H's columns a row chunk of W^8 (LM_HEAD_CHUNK_BYTES) at a time, in vocabulary order, finished as the
+        model finishes them (final_logits works on any slab of columns): [..., n2] -> [..., rows] each."""
         cfg = self.cfg
         name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         step = max(1, LM_HEAD_CHUNK_BYTES // (4 * cfg.hidden_size))
-        out = []
         for a in range(0, cfg.vocab_size, step):
             t0 = time.perf_counter()
             w = self.reader.rows(name, [(a, min(a + step, cfg.vocab_size))], self.device)  # [rows, n2]
@@ -420,10 +446,10 @@ class StreamedReference:
             t1 = time.perf_counter()
             if cfg.norm_head:
                 w = F.normalize(w, dim=-1)  # row-wise, so chunking does not change it
-            out.append(reassociated_matmul(zbar, w) if self.reassociated else zbar @ w.T)  # [b, n3, rows]
+            h = reassociated_matmul(zbar, w) if self.reassociated else zbar @ w.T  # [..., rows]
             self.times.read += t1 - t0
             self.times.compute += time.perf_counter() - t1
-        return final_logits(cfg, torch.cat(out, dim=-1))
+            yield final_logits(cfg, h)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
