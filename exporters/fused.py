@@ -126,7 +126,7 @@ class _Graph:
         self.initializers.append(value)
         return value
 
-    def lazy(self, name: str, shape: tuple[int, ...], make: Callable[[], torch.Tensor]) -> ir.Value:
+    def lazy(self, name: str, shape: tuple[int, ...], make: Callable[[], torch.Tensor | Rows]) -> ir.Value:
         """An initializer of `shape` in the graph's dtype whose data `make()` reads only when it is saved."""
         value = ir.Value(name=name, shape=ir.Shape(list(shape)), type=ir.TensorType(_IR[self.dtype]))
         self.initializers.append(value)
@@ -260,9 +260,13 @@ def build_graph(cfg: ModelConfig, read: Read, dtype: torch.dtype, rope_op: str,
     else:
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
 
-        def lm_head() -> torch.Tensor:
-            w = read([head])[head]  # [n1, n2]
-            return (F.normalize(w.float(), dim=-1) if cfg.norm_head else w).T  # [n2, n1], a view: written in slabs
+        def finish(w: torch.Tensor) -> torch.Tensor:
+            return F.normalize(w.float(), dim=-1) if cfg.norm_head else w  # row-wise: a slab of rows alike
+
+        def lm_head() -> Any:
+            if rows is not None:  # W^T written from W's row slabs: neither held whole
+                return Rows((cfg.hidden_size, cfg.vocab_size), lambda a, b: finish(rows(head, a, b)), transposed=True)
+            return finish(read([head])[head]).T  # [n1, n2] -> [n2, n1], a view: written in slabs
         w_t = g.lazy("lm_head.MatMul.weight", (cfg.hidden_size, cfg.vocab_size), lm_head)
     # H = Zbar W^T ──Div logits_scaling (Granite)──Div cap──Tanh──Mul cap (Gemma 2)──► logits
     cap = cfg.final_logit_softcap

@@ -17,6 +17,7 @@ never has to be in memory whole. The caller owns the directory (temp dir, atomic
 from __future__ import annotations
 
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -96,15 +97,25 @@ SLAB_BYTES = 64 * 2**20  # a transposed or cast tensor is written this much at a
 @dataclass(frozen=True)
 class Rows:
     """A 2-D weight a source hands out a row range at a time (`read(a, b)`: rows a..b as a tensor), so that
-    writing it never holds it whole: Gemma 3's embedding is 0.67 GB in fp32."""
+    writing it never holds it whole: Gemma 3's embedding is 0.67 GB in fp32.
+
+    transposed: the tensor written [shape] is the transpose of what `read` hands out ([shape[1], shape[0]], read a
+    slab of its rows at a time): an untied lm_head's W^T for a MatMul (Qwen2.5-0.5B's is 0.54 GB in fp32)."""
 
     shape: tuple[int, int]
     read: Callable[[int, int], torch.Tensor]
+    transposed: bool = False
+
+    def whole(self) -> torch.Tensor:
+        """The tensor as written, in memory (a small graph's, serialized inside it)."""
+        return self.read(0, self.shape[1]).T if self.transposed else self.read(0, self.shape[0])
 
 
 def _write(f: Any, t: torch.Tensor | Rows, dtype: torch.dtype) -> int:
     """Append t's bytes in `dtype`, row-major and little-endian as ONNX stores them, a slab of rows at a time:
     a transposed view (W^T for a MatMul), a cast or a Rows source is never made whole, only SLAB_BYTES of it."""
+    if isinstance(t, Rows) and t.transposed:
+        return _write_transposed(f, t, dtype)
     if isinstance(t, Rows):
         count, per_row, rows_of = t.shape[0], t.shape[1] * dtype.itemsize, t.read
     else:
@@ -120,6 +131,28 @@ def _write(f: Any, t: torch.Tensor | Rows, dtype: torch.dtype) -> int:
         f.write(memoryview(data))
         n += data.nbytes
     return n
+
+
+def _write_transposed(f: Any, t: Rows, dtype: torch.dtype) -> int:
+    """Append T = S^T [n, k] from S's row slabs [<= step, n]: each slab's transpose [n, step] written where T's rows
+    hold those columns (positioned writes into the space reserved for T), so neither S nor T is ever whole."""
+    n, k = t.shape  # T: [n, k]; S: [k, n]
+    size, item = n * k * dtype.itemsize, dtype.itemsize
+    f.flush()
+    start, fd = f.tell(), f.fileno()
+    f.truncate(start + size)
+    step = max(1, SLAB_BYTES // max(n * item, 1))
+    for a in range(0, k, step):
+        b = min(a + step, k)
+        slab = t.read(a, b)
+        assert tuple(slab.shape) == (b - a, n), f"rows {a}..{b} of a [{k}, {n}] source came as {list(slab.shape)}"
+        cols = slab.to(device="cpu", dtype=dtype).T.contiguous().view(torch.uint8).numpy()  # [n, (b - a) item]
+        for i in range(n):  # T's row i, columns a..b
+            view, done = memoryview(cols[i]), 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], start + (i * k + a) * item + done)
+    f.seek(start + size)
+    return size
 
 
 def _copy_external(f: Any, t: ir.ExternalTensor) -> int:
@@ -175,7 +208,7 @@ def save_model(model: ir.Model, directory: str | Path, name: str = "model.onnx",
         if source is not None:  # small: every weight in memory once, inside the proto
             for v in inits:
                 data = fetch(v)
-                data = data.read(0, data.shape[0]) if isinstance(data, Rows) else data
+                data = data.whole() if isinstance(data, Rows) else data
                 v.const_value = _ir_tensor(_as_torch(data, v), v)
         path.write_bytes(ir.serde.serialize_model(model).SerializeToString())  # small: weights inside are fine
         (directory / data_name).unlink(missing_ok=True)
@@ -199,7 +232,7 @@ def save_model(model: ir.Model, directory: str | Path, name: str = "model.onnx",
             dtype = _TORCH_DTYPES[v.dtype]
             if isinstance(t, Rows):
                 assert tuple(t.shape) == tuple(int(d) for d in v.shape), f"{v.name}: rows {t.shape} vs {v.shape}"
-                t = t if math.prod(t.shape) * dtype.itemsize >= INLINE_MAX_BYTES else t.read(0, t.shape[0])
+                t = t if math.prod(t.shape) * dtype.itemsize >= INLINE_MAX_BYTES else t.whole()
             if not isinstance(t, Rows) and t.numel() * dtype.itemsize < INLINE_MAX_BYTES:
                 v.const_value = _ir_tensor(_as_torch(t, v), v)  # shape constants, toy norms: inside the graph
             else:

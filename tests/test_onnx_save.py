@@ -164,3 +164,43 @@ def test_transposed_and_cast_views_are_written_a_slab_at_a_time(tmp_path, monkey
     np.testing.assert_array_equal(got, w.T.contiguous().half().numpy())
     with pytest.raises(AssertionError):  # the check can fail: W itself is not what was stored
         np.testing.assert_array_equal(got, w.half().numpy().reshape(80, 48))
+
+
+@pytest.mark.parametrize("external", [True, False])
+@pytest.mark.parametrize("dtype", [ir.DataType.FLOAT, ir.DataType.BFLOAT16])
+def test_a_transposed_row_source_is_written_from_row_slabs(tmp_path, monkeypatch, external, dtype):
+    """Rows(transposed=True): W^T [80, 48] from W's row slabs (1 KiB: several) in positioned writes, between two
+    other tensors, so its offset and the file's end are checked too; the same bytes as W.T cast whole."""
+    import llama_tools.exporters.onnx_save as onnx_save
+    from llama_tools.exporters.onnx_save import Rows
+
+    monkeypatch.setattr(onnx_save, "SLAB_BYTES", 1024)
+    monkeypatch.setattr(onnx_save, "INLINE_MAX_BYTES", 16)
+    gen = torch.Generator().manual_seed(0)
+    w, before, after = torch.randn(48, 80, generator=gen), torch.randn(8, 48, generator=gen), torch.randn(48, generator=gen)
+    t = ir.TensorType(dtype)
+    vals = [ir.Value(name="before", shape=ir.Shape([8, 48]), type=t), ir.Value(name="w_t", shape=ir.Shape([80, 48]), type=t),
+            ir.Value(name="after", shape=ir.Shape([48]), type=t)]
+    x = ir.Value(name="x", shape=ir.Shape([2, 80]), type=t)
+    y, z = (ir.Value(name=n, shape=ir.Shape([2, 48]), type=t) for n in "yz")
+    graph = ir.Graph([x], [z], nodes=[ir.Node("", "MatMul", [x, vals[1]], outputs=[y]),
+                                      ir.Node("", "Add", [y, vals[2]], outputs=[z])],
+                     initializers=vals, opset_imports={"": 20}, name="rows")
+    reads = []
+
+    def rows(a, b):
+        reads.append((a, b))
+        return w[a:b]  # [b - a, 80]
+    source = {"before": before, "w_t": Rows((80, 48), rows, transposed=True), "after": after}
+    saved = save_model(ir.Model(graph, ir_version=10), tmp_path, source=source.get, external=external)
+    want = {"before": before, "w_t": w.T, "after": after}
+    torch_dtype = torch.float32 if dtype == ir.DataType.FLOAT else torch.bfloat16
+    for init in onnx.load(str(saved.path)).graph.initializer:
+        got = torch.from_numpy(numpy_helper.to_array(init, base_dir=str(tmp_path)).astype(np.float32))
+        assert tuple(got.shape) == tuple(want[init.name].shape)
+        torch.testing.assert_close(got, want[init.name].to(torch_dtype).float(), rtol=0, atol=0)
+    if external:
+        assert len(reads) > 1 and all(b - a <= 1024 // (80 * torch_dtype.itemsize) for a, b in reads)  # slabs
+        assert saved.data_bytes == (8 * 48 + 80 * 48 + 48) * torch_dtype.itemsize
+    with pytest.raises(AssertionError):  # the check can fail: W itself is not what was stored
+        torch.testing.assert_close(w.reshape(80, 48), w.T.contiguous(), rtol=0, atol=0)
