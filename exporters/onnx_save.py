@@ -146,7 +146,8 @@ def _write_transposed(f: Any, t: Rows, dtype: torch.dtype) -> int:
         b = min(a + step, k)
         slab = t.read(a, b)
         assert tuple(slab.shape) == (b - a, n), f"rows {a}..{b} of a [{k}, {n}] source came as {list(slab.shape)}"
-        cols = slab.to(device="cpu", dtype=dtype).T.contiguous().view(torch.uint8).numpy()  # [n, (b - a) item]
+        cols = torch.empty((n, b - a), dtype=dtype).copy_(slab.T)  # fresh strides even for one column
+        cols = cols.view(torch.uint8).numpy()  # [n, (b - a) item]
         for i in range(n):  # T's row i, columns a..b
             view, done = memoryview(cols[i]), 0
             while done < len(view):

@@ -54,15 +54,60 @@ def test_fused_from_a_checkpoint_reads_each_weight_once_when_written(tmp_path, m
     assert built == [0], "the checkpoint was read before the graph was built"
     names = [n for c in calls for n in c]
     expected = {n for n in state if not (tied and n == "lm_head.weight")}
-    # The embedding comes a slab of rows at a time, every row once, in order; everything else whole, once.
-    embed = [r for name, ranges in slabs if name == "model.embed_tokens.weight" for r in ranges]
-    assert embed and embed[0][0] == 0 and embed[-1][1] == cfg.vocab_size, embed
-    assert all(a[1] == b[0] for a, b in zip(embed, embed[1:])), f"rows read twice or skipped: {embed}"
-    assert {name for name, _ in slabs} == {"model.embed_tokens.weight"}
-    assert sorted(names + ["model.embed_tokens.weight"]) == sorted(expected), "each checkpoint tensor read exactly once"
+    # The embedding (and an untied lm_head) come a slab of rows at a time, every row once, in order; everything
+    # else whole, once.
+    by_rows = {"model.embed_tokens.weight"} | (set() if tied else {"lm_head.weight"})
+    _each_row_once(slabs, by_rows, cfg.vocab_size)
+    assert sorted(names + sorted(by_rows)) == sorted(expected), "each checkpoint tensor read exactly once"
     assert max(len(c) for c in calls) <= 3, "more than one packed matrix read at a time"
 
     in_memory = export_fused(model, tmp_path / "memory.onnx").path
+    a, b = _inits(streamed), _inits(in_memory)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def _each_row_once(slabs: list[tuple[str, list[tuple[int, int]]]], names: set[str], vocab: int) -> None:
+    """Each of NAMES read by rows() in slabs, every row once, in order; nothing else read by rows."""
+    assert {name for name, _ in slabs} == names
+    for n in names:
+        got = [r for name, ranges in slabs if name == n for r in ranges]
+        assert got and got[0][0] == 0 and got[-1][1] == vocab, (n, got)
+        assert all(a[1] == b[0] for a, b in zip(got, got[1:])), f"{n}: rows read twice or skipped: {got}"
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_plain_from_a_checkpoint_reads_the_vocabulary_weights_by_rows(tmp_path, monkeypatch, tied):
+    """The plain graph from a checkpoint: the embedding and an untied lm_head (written as W^T) come from rows()
+    slabs of 7 rows, never read whole; the initializers equal the graph exported from the model in memory."""
+    import llama_tools.exporters.onnx_save as onnx_save
+    from llama_tools.exporters.onnx_export import export_onnx
+
+    cfg = get_preset("tiny").replace(tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    model = build_model(cfg, dtype=torch.float32)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    if tied:
+        state.pop("lm_head.weight", None)
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(cfg, state, ckpt, to="hf")
+    monkeypatch.setattr(onnx_save, "SLAB_BYTES", 7 * 4 * cfg.hidden_size)
+    calls: list[str] = []
+    real_read = CheckpointReader.read
+    monkeypatch.setattr(CheckpointReader, "read", lambda self, names, device="cpu": (calls.extend(names),
+                                                                                       real_read(self, names, device))[1])
+    slabs: list[tuple[str, list[tuple[int, int]]]] = []
+    real_rows = CheckpointReader.rows
+    monkeypatch.setattr(CheckpointReader, "rows", lambda self, name, ranges, device="cpu": (
+        slabs.append((name, list(ranges))), real_rows(self, name, ranges, device))[1])
+    streamed = export_onnx(str(ckpt), tmp_path / "streamed.onnx", external_data_threshold_bytes=0).path
+    by_rows = {"model.embed_tokens.weight"} | (set() if tied else {"lm_head.weight"})
+    _each_row_once(slabs, by_rows, cfg.vocab_size)
+    assert len([s for s in slabs if s[0] == "model.embed_tokens.weight"]) > 1  # in slabs, not whole
+    assert not by_rows & set(calls), "a vocabulary weight read whole"
+    in_memory = export_onnx(model, tmp_path / "memory.onnx", external_data_threshold_bytes=0).path
     a, b = _inits(streamed), _inits(in_memory)
     assert a.keys() == b.keys()
     for name in a:
